@@ -1,0 +1,1 @@
+"""hplab: learn how LLMs are trained on many devices, by building it."""

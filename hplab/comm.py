@@ -1,0 +1,215 @@
+"""The collectives every strategy calls, and the ledger that counts what they moved.
+
+Six operations carry all of distributed training:
+
+    all_reduce      every rank ends with the sum of everyone's tensor        (DDP gradients)
+    reduce_scatter  every rank ends with the sum of one 1/n slice             (ZeRO-2/3 grads)
+    all_gather      every rank ends with everyone's slices, concatenated      (ZeRO params)
+    broadcast       every rank ends with one rank's tensor                    (initial weights)
+    send / recv     one rank hands a tensor to another                        (pipeline stages)
+
+A `Communicator` runs them inside one process group (a mesh family: dp, tp, pp or world) and
+records each call in a `CommLedger`: calls, payload bytes and "bus bytes".
+
+Payload bytes: all-reduce and broadcast count the tensor; all-gather counts the gathered
+*output*; reduce-scatter the full *input*; send and recv the tensor sent or received.
+
+Bus bytes follow the nccl-tests convention: what each rank's link carries in a ring
+algorithm. For n ranks and a payload of S bytes:
+
+    all_reduce      2(n-1)/n · S     (a reduce-scatter, then an all-gather)
+    all_gather      (n-1)/n · S
+    reduce_scatter  (n-1)/n · S
+    broadcast, send, recv   S
+
+A group of one rank has nothing to exchange: calls on it return at once and are not counted.
+Every collective is bounded by the process group's timeout; when it expires you get a
+`CommTimeout` naming the operation, not an endless hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv")
+
+
+class CommTimeout(RuntimeError):
+    """A collective did not complete in time: a peer crashed, or ranks disagree on the order."""
+
+
+def bus_factor(op: str, n: int) -> float:
+    """How many payload-sizes cross each rank's link for `op` among n ranks (ring)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    bus_bytes: float = 0.0
+    time_s: float = 0.0  # time the caller spent blocked in the call or its wait()
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "bytes": self.bytes, "bus_bytes": self.bus_bytes,
+                "time_s": self.time_s}
+
+
+class CommLedger:
+    """Per operation (and per mesh family), the calls, payload bytes and bus bytes of one rank."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.by_group: dict[str, dict[str, OpStats]] = defaultdict(lambda: defaultdict(OpStats))
+
+    def record(self, op: str, group: str, nbytes: int, group_size: int, seconds: float) -> None:
+        stats = self.by_group[group][op]
+        stats.calls += 1
+        stats.bytes += nbytes
+        stats.bus_bytes += nbytes * bus_factor(op, group_size)
+        stats.time_s += seconds
+
+    def add_time(self, op: str, group: str, seconds: float) -> None:
+        self.by_group[group][op].time_s += seconds
+
+    def totals(self) -> dict[str, OpStats]:
+        """Per operation, summed over the families."""
+        out: dict[str, OpStats] = {}
+        for ops in self.by_group.values():
+            for op, s in ops.items():
+                t = out.setdefault(op, OpStats())
+                t.calls, t.bytes = t.calls + s.calls, t.bytes + s.bytes
+                t.bus_bytes, t.time_s = t.bus_bytes + s.bus_bytes, t.time_s + s.time_s
+        return out
+
+    def as_dict(self) -> dict[str, dict]:
+        """`{op: {calls, bytes, bus_bytes, time_s}}`, the metrics file's `comm` entry."""
+        return {op: s.as_dict() for op, s in sorted(self.totals().items())}
+
+    def by_group_dict(self) -> dict[str, dict[str, dict]]:
+        return {g: {op: s.as_dict() for op, s in sorted(ops.items())}
+                for g, ops in sorted(self.by_group.items()) if ops}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Pending:
+    """The handle of an asynchronous collective: call `wait()` before using its result."""
+
+    def __init__(self, work, comm: "Communicator", op: str):
+        self.work, self.comm, self.op = work, comm, op
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        start = time.perf_counter()
+        self.comm._guard(self.op, self.work.wait)
+        self.comm.ledger.add_time(self.op, self.comm.name, time.perf_counter() - start)
+        self.work = None
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+class Communicator:
+    """Collectives within one process group, recorded in a ledger.
+
+    `ranks` are the global ranks of the group in order; `send`/`recv` peers and the
+    `broadcast` source are given as positions in that list (group-local ranks).
+    """
+
+    def __init__(self, group, name: str, ledger: CommLedger, ranks: list[int] | None = None,
+                 device: torch.device | str = "cpu"):
+        self.group, self.name, self.ledger = group, name, ledger
+        self.device = torch.device(device)
+        self.ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank())
+
+    def _guard(self, op: str, call):
+        try:
+            return call()
+        except RuntimeError as err:
+            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+                raise CommTimeout(
+                    f"{op} in the {self.name} group (ranks {self.ranks}) timed out: a peer "
+                    "probably crashed or called collectives in a different order") from None
+            raise
+
+    def _run(self, op: str, nbytes: int, call, async_op: bool):
+        if self.size == 1:
+            return Pending(None, self, op) if async_op else None
+        start = time.perf_counter()
+        work = self._guard(op, lambda: call(async_op))
+        seconds = time.perf_counter() - start
+        self.ledger.record(op, self.name, nbytes, self.size, seconds)
+        return Pending(work, self, op) if async_op else None
+
+    # -- the six operations --
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """In place: `tensor` becomes the element-wise reduction (sum) over the group."""
+        return self._run("all_reduce", _nbytes(tensor), lambda a: dist.all_reduce(
+            tensor, op=op, group=self.group, async_op=a), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       op=dist.ReduceOp.SUM, async_op: bool = False):
+        """`input` (n equal slices, flat or along dim 0) is reduced over the group; this rank
+        keeps slice number `self.rank` in `output`."""
+        if input.numel() != output.numel() * self.size:
+            raise ValueError(f"reduce_scatter: input of {input.numel()} elements is not "
+                             f"{self.size} × output of {output.numel()}")
+        if self.size == 1:
+            output.copy_(input.view_as(output))
+        return self._run("reduce_scatter", _nbytes(input), lambda a: dist.reduce_scatter_single(
+            output, input, op=op, group=self.group, async_op=a), async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """`output` (n × `input`) receives every rank's `input`, in rank order."""
+        if output.numel() != input.numel() * self.size:
+            raise ValueError(f"all_gather: output of {output.numel()} elements is not "
+                             f"{self.size} × input of {input.numel()}")
+        if self.size == 1:
+            output.copy_(input.view_as(output))
+        return self._run("all_gather", _nbytes(output), lambda a: dist.all_gather_single(
+            output, input, group=self.group, async_op=a), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """In place: every rank's `tensor` becomes group-rank `src`'s."""
+        return self._run("broadcast", _nbytes(tensor), lambda a: dist.broadcast(
+            tensor, src=self.ranks[src], group=self.group, async_op=a), async_op)
+
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
+        """Hand `tensor` to group-rank `dst` (which must call `recv` with this rank as src)."""
+        return self._run("send", _nbytes(tensor), lambda a: (dist.isend if a else dist.send)(
+            tensor, dst=self.ranks[dst], group=self.group), async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+        """Fill `tensor` with what group-rank `src` sends."""
+        return self._run("recv", _nbytes(tensor), lambda a: (dist.irecv if a else dist.recv)(
+            tensor, src=self.ranks[src], group=self.group), async_op)
+
+    # -- helpers that move no payload worth counting --
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._guard("barrier", lambda: dist.barrier(group=self.group))
+
+    def all_reduce_scalar(self, value: float, op=dist.ReduceOp.SUM) -> float:
+        """Reduce one Python number across the group. Not recorded: it serves the kit's own
+        bookkeeping (the loss shown on the progress bar), not the algorithm being taught."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        if self.size > 1:
+            self._guard("all_reduce", lambda: dist.all_reduce(t, op=op, group=self.group))
+        return float(t.item())

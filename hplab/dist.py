@@ -1,0 +1,239 @@
+"""Start-up and the device mesh: who is who among the processes.
+
+Every "device" in hplab is one operating-system process. `torchrun` starts N of them and tells
+each, through environment variables, its global `RANK`, the `WORLD_SIZE` and its `LOCAL_RANK`
+on this machine. Each process then joins one process group over a backend:
+
+* **NCCL** when every local rank has its own GPU — the real thing;
+* **gloo** on CPU otherwise — the same collectives, over TCP on this machine.
+
+A training layout `dp × tp × pp` arranges the N ranks in a 3-D grid. We number it as
+Megatron-LM does, tensor-parallel ranks adjacent (they talk the most, so on a real cluster they
+share a node's fast links), then data parallel, then pipeline parallel:
+
+    rank = pp_rank · (dp · tp) + dp_rank · tp + tp_rank
+
+Each rank belongs to one group of each family: its `tp` group (same dp and pp coordinates), its
+`dp` group (same tp and pp) and its `pp` group (same dp and tp). Collectives of a strategy run
+inside its own family's group only.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import sys
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("HPLAB_TIMEOUT_S", 120))
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout; the message says what is wrong and how to fix it."""
+
+
+# --- start-up ------------------------------------------------------------------------------
+
+def pick_device(local_rank: int) -> torch.device:
+    """This rank's GPU when each local rank can have one, the CPU otherwise."""
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def pick_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Join the process group described by torchrun's environment; returns this rank's device.
+
+    Run without torchrun, it forms a group of one, so the same code path serves a single
+    process. `backend` overrides the choice (e.g. "gloo" on a GPU machine).
+    """
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = backend or pick_backend(device)
+    if backend == "gloo":
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- the mesh ------------------------------------------------------------------------------
+
+def check_layout(world_size: int, dp: int, tp: int, pp: int) -> None:
+    """Raise LayoutError unless dp × tp × pp is exactly the number of processes."""
+    for name, size in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if size < 1:
+            raise LayoutError(f"--{name} must be at least 1, got {size}")
+    if dp * tp * pp != world_size:
+        raise LayoutError(
+            f"layout dp={dp} × tp={tp} × pp={pp} = {dp * tp * pp} processes, but "
+            f"{world_size} were started: make --dp × --tp × --pp equal --nproc_per_node")
+
+
+def coordinates(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """(dp_rank, tp_rank, pp_rank) of a global rank; tp varies fastest, then dp, then pp."""
+    return (rank // tp) % dp, rank % tp, rank // (tp * dp)
+
+
+def global_rank(dp_rank: int, tp_rank: int, pp_rank: int, dp: int, tp: int) -> int:
+    return pp_rank * dp * tp + dp_rank * tp + tp_rank
+
+
+def group_ranks(dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """Every group of every family, as lists of global ranks (pure arithmetic, no processes):
+    ranks that share all coordinates but one form a group along that one."""
+    R = lambda d, t, p: global_rank(d, t, p, dp, tp)  # noqa: E731
+    return {
+        "tp": [[R(d, t, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[R(d, t, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[R(d, t, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    }
+
+
+@dataclass
+class Mesh:
+    """This rank's place in the dp × tp × pp grid, and a communicator for each family.
+
+    Build it with `Mesh.create(dp, tp, pp)` after `init_distributed()`. The communicators
+    (`mesh.dp`, `mesh.tp`, `mesh.pp`, and `mesh.world`) all write into one `CommLedger`, so a
+    rank's bytes can be read per operation and per family.
+    """
+
+    dp_size: int
+    tp_size: int
+    pp_size: int
+    rank: int
+    device: torch.device
+    ledger: "CommLedger"
+    world: "Communicator"
+    dp: "Communicator"
+    tp: "Communicator"
+    pp: "Communicator"
+    groups: dict = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def create(cls, dp: int = 1, tp: int = 1, pp: int = 1, device: torch.device | None = None,
+               ledger: "CommLedger | None" = None) -> "Mesh":
+        from hplab.comm import CommLedger, Communicator
+
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        check_layout(world_size, dp, tp, pp)
+        ledger = ledger or CommLedger()
+        device = device or torch.device("cpu")
+        comms = {"world": Communicator(dist.group.WORLD, "world", ledger, device=device)}
+        all_groups = group_ranks(dp, tp, pp)
+        for family, lists in all_groups.items():
+            for ranks in lists:  # every rank must create every group, in the same order
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    comms[family] = Communicator(group, family, ledger, ranks, device)
+        return cls(dp, tp, pp, rank, device, ledger,
+                   comms["world"], comms["dp"], comms["tp"], comms["pp"], all_groups)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp_size * self.pp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return coordinates(self.rank, self.dp_size, self.tp_size, self.pp_size)[0]
+
+    @property
+    def tp_rank(self) -> int:
+        return coordinates(self.rank, self.dp_size, self.tp_size, self.pp_size)[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return coordinates(self.rank, self.dp_size, self.tp_size, self.pp_size)[2]
+
+    def describe(self) -> dict:
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
+                "pp_rank": self.pp_rank}
+
+
+# --- spawning processes for tests and notebooks --------------------------------------------
+
+def _child(fn, rank, world_size, port, args, results, backend, timeout_s):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        init_distributed(backend, timeout_s)
+        results.put((rank, True, fn(*args)))
+    except BaseException:  # report every failure to the parent, then exit
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        shutdown()
+
+
+def run_distributed(fn, world_size: int, *args, backend: str | None = "gloo",
+                    timeout_s: float = 300.0) -> list:
+    """Run `fn(*args)` on `world_size` fresh processes joined in one process group (gloo by
+    default) on a free local port; return the list of results by rank.
+
+    `fn` must be a module-level function (processes are spawned, so it is pickled by name).
+    A child's exception is re-raised here with its traceback; a hang becomes a TimeoutError.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, backend,
+                                              min(timeout_s, DEFAULT_TIMEOUT_S)))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except Exception:  # queue.Empty
+                raise TimeoutError(f"{world_size}-process run did not finish in {timeout_s:.0f}s")
+            (out.__setitem__(rank, value) if ok else errors.append((rank, value)))
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank, tb = errors[0]
+        raise RuntimeError(f"rank {rank} failed:\n{tb}")
+    return [out[r] for r in range(world_size)]
+
+
+def torchrun_command(nproc: int, script: str, *script_args: str) -> list[str]:
+    """The command that launches `script` on `nproc` local processes, without relying on a
+    `torchrun` executable on PATH (notebooks and tests use the current interpreter)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", script, *script_args]

@@ -1,0 +1,250 @@
+"""A compact GPT-2, in one file, whose parameters are named exactly like Hugging Face's.
+
+Why its own model and not `transformers.GPT2LMHeadModel`? Every parallel strategy in hplab cuts
+this model somewhere: data parallel replicates it, ZeRO shards its flat parameters, tensor
+parallel splits each `Linear` by rows or columns, pipeline parallel splits the list of blocks.
+A learner should be able to see all the pieces being cut on one screen.
+
+Shape of the network (GPT-2, Radford et al. 2019):
+
+    tokens ─ wte + wpe ─┬─ Block × n_layer ─ ln_f ─ lm_head (tied to wte) ─ logits
+                        └ Block: x + attn(ln_1(x)), then x + mlp(ln_2(x))
+
+Names match `GPT2LMHeadModel` (`transformer.h.0.attn.c_attn.weight`, ...), so weights convert
+both ways with `to_hf_state_dict` / `from_hf_state_dict`. One difference: Hugging Face stores
+its projections as `Conv1D` with weight `[in, out]`; here they are ordinary `nn.Linear` with
+weight `[out, in]`, so conversion transposes those four matrices per block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 2048
+    n_positions: int = 64  # the longest sequence the model can read (its seq_len)
+    n_embd: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    layer_norm_epsilon: float = 1e-5
+    tokenizer: str = "hplab-bpe"  # which shipped tokenizer produced the token ids
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                "pick a hidden size that is a multiple of the number of heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def num_params(self) -> int:
+        """Ψ, counted once for the tied embedding: V·h + S·h + L·(12h² + 13h) + 2h."""
+        h, L = self.n_embd, self.n_layer
+        return self.vocab_size * h + self.n_positions * h + L * (12 * h * h + 13 * h) + 2 * h
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # trains in seconds on a laptop CPU, on the small BPE shipped in data/hplab-bpe
+    "tiny": GPTConfig(vocab_size=2048, n_positions=64, n_embd=64, n_layer=4, n_head=4),
+    # the real GPT-2 sizes, on the genuine GPT-2 BPE shipped in data/gpt2-tokenizer
+    "gpt2": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                      tokenizer="gpt2"),
+    "gpt2-medium": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=1024, n_layer=24,
+                             n_head=16, tokenizer="gpt2"),
+}
+
+
+def config_from_preset(name: str, n_layer=None, n_embd=None, n_head=None, seq_len=None) -> GPTConfig:
+    """A preset with the command line's overrides (`--n-layer --n-embd --n-head --seq-len`)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+    overrides = {k: v for k, v in dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                                       n_positions=seq_len).items() if v is not None}
+    return replace(PRESETS[name], **overrides)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU ("gelu_new"): the tanh approximation."""
+    return F.gelu(x, approximate="tanh")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention. `c_attn` projects to Q, K and V at once: its output is
+    [q for all heads | k for all heads | v for all heads], each block n_embd wide."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        # [B, T, heads·d] -> [B, heads, T, d]; `-1` lets the same code run on a shard of heads
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(gelu_tanh(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    """Holds what HF calls `transformer`: embeddings, the blocks, and the final layer norm."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+
+class GPT(nn.Module):
+    """GPT-2 language model. `forward(idx, targets)` returns `(logits, loss)`; loss is the mean
+    cross-entropy over every token of the batch (None without targets).
+
+    `recompute = True` makes each block keep only its input for backward and recompute the
+    rest (activation checkpointing): less activation memory for one more forward per block.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = Transformer(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, two uses
+        self.recompute = False
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02) weights, zero biases, unit layer norms, and the
+        projections that write into the residual stream scaled by 1/sqrt(2·n_layer)."""
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.config.n_layer))
+            elif p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02)
+            elif ".ln_" in name or name.startswith("transformer.ln_f"):
+                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
+            else:
+                nn.init.zeros_(p)
+
+    # The forward pass in three parts, so a pipeline can run them on different ranks.
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.config.n_positions:
+            raise ValueError(f"sequence of {T} tokens is longer than n_positions="
+                             f"{self.config.n_positions}")
+        pos = torch.arange(T, device=idx.device)
+        return self.transformer.wte(idx) + self.transformer.wpe(pos)
+
+    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.embed(idx)
+        for block in self.transformer.h:
+            x = self.run_block(block, x)
+        logits = self.head(x)
+        loss = None if targets is None else F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten())
+        return logits, loss
+
+
+def build_model(config: GPTConfig, seed: int = 0) -> GPT:
+    """The same initial weights for a given seed on every rank and in every layout: weights
+    are drawn on the CPU from a generator seeded only by `seed`, then moved to the device."""
+    devices_rng = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = GPT(config)
+    torch.random.set_rng_state(devices_rng)
+    return model
+
+
+# --- Hugging Face interop ------------------------------------------------------------------
+
+_CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                    "mlp.c_proj.weight")
+
+
+def to_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """hplab names → `GPT2LMHeadModel` names: same names, Conv1D weights transposed.
+    The tied `lm_head.weight` is included (HF ties it to `transformer.wte.weight` on load)."""
+    return {name: (t.t().contiguous() if name.endswith(_CONV1D_SUFFIXES) else t)
+            for name, t in state_dict.items()}
+
+
+def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`GPT2LMHeadModel` state dict → hplab's. HF's causal-mask buffers are dropped."""
+    out = {}
+    for name, t in state_dict.items():
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        out[name] = t.t().contiguous() if name.endswith(_CONV1D_SUFFIXES) else t
+    out.setdefault("lm_head.weight", out["transformer.wte.weight"])
+    return out
+
+
+def to_hf_config(config: GPTConfig):
+    """A `transformers.GPT2Config` for this model (imports transformers only when called).
+    Dropout is 0 as in hplab. transformers 5 insists that bos/eos ids lie inside the
+    vocabulary; they do not affect the logits, so the last id is used."""
+    from transformers import GPT2Config
+
+    eos = config.vocab_size - 1
+    return GPT2Config(vocab_size=config.vocab_size, n_positions=config.n_positions,
+                      n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
+                      layer_norm_epsilon=config.layer_norm_epsilon, activation_function="gelu_new",
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                      bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
+
+
+def config_from_hf(hf_config) -> GPTConfig:
+    return GPTConfig(vocab_size=hf_config.vocab_size, n_positions=hf_config.n_positions,
+                     n_embd=hf_config.n_embd, n_layer=hf_config.n_layer,
+                     n_head=hf_config.n_head, layer_norm_epsilon=hf_config.layer_norm_epsilon)
+
+
+def config_dict(config: GPTConfig) -> dict:
+    return asdict(config)
