@@ -1,0 +1,398 @@
+"""Check a lab exercise: `python -m hplab.check NAME [FILE]`.
+
+Each lab ends with an exercise in `labs/exercises/`. This command loads your file, runs it the
+way hplab runs its own code — on several real processes when the idea is distributed — compares
+it with the reference (measured bytes, sums computed independently, the gradient one process
+computes on the whole batch) and says precisely what differs:
+
+    python -m hplab.check memory            # lab 00: count training memory by hand
+    python -m hplab.check ring_allreduce    # lab 01: ring all-reduce from send/recv (4 ranks)
+    python -m hplab.check buckets           # lab 02: bucketed, overlapped gradient all-reduce
+    python -m hplab.check buckets my_copy.py
+
+Exit code 0 when every check passes, 1 when one fails, 2 for a wrong command line.
+Reference solutions are in `labs/solutions/` (peek only after trying).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+EXERCISES_DIR = REPO_DIR / "labs" / "exercises"
+SOLUTIONS_DIR = REPO_DIR / "labs" / "solutions"
+RTOL, ATOL = 1e-5, 1e-6  # fp32 sums added in a different order agree to about this
+COLLECTIVE_TIMEOUT_S = "20"  # a deadlocked exercise fails in seconds, not minutes
+
+
+class CheckError(ValueError):
+    """A wrong command line: unknown exercise or missing file."""
+
+
+@dataclass
+class Result:
+    """One check on one file: passed or not, and what was seen."""
+
+    name: str
+    passed: bool
+    message: str
+
+
+def load_module(path: str | Path):
+    """Import the learner's file by path (it need not be on sys.path)."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"exercise_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _describe_exception(err: BaseException, path: str) -> str:
+    if isinstance(err, NotImplementedError):
+        return f"not implemented yet ({err})"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == str(path)]
+    where = f" at line {frames[-1].lineno}: {frames[-1].line}" if frames else ""
+    return f"raised {type(err).__name__}: {err}{where}"
+
+
+def _first_difference(got, expected) -> str:
+    """'element [i, j]: got a, expected b' for the largest mismatch of two tensors."""
+    import torch
+
+    err = (got.double() - expected.double()).abs()
+    index = tuple(int(i) for i in torch.nonzero(err == err.max())[0])
+    bad = int((err > ATOL + RTOL * expected.double().abs()).sum())
+    return (f"{bad} of {expected.numel()} elements differ; worst at {list(index)}: got "
+            f"{float(got[index]):.6g}, expected {float(expected[index]):.6g}")
+
+
+# --- lab 00: memory by hand (one process: nothing is distributed yet) ------------------------
+
+MEMORY_SHAPES = [dict(n_layer=4, n_embd=64, n_head=4, seq_len=64),
+                 dict(n_layer=2, n_embd=32, n_head=2, seq_len=16),
+                 dict(n_layer=3, n_embd=48, n_head=3, seq_len=40)]
+
+
+def check_memory(path: str) -> list[Result]:
+    """The learner's Ψ and model-state bytes against the model's parameters and what the
+    MemoryLedger measures after one AdamW step, for three model shapes."""
+    import torch
+
+    from hplab.memory import MemoryLedger, model_state_tensors
+    from hplab.models.gpt import build_model, config_from_preset
+    from hplab.parallel import make_optimizer
+
+    try:
+        module = load_module(path)
+    except Exception as err:
+        return [Result("import", False, _describe_exception(err, path))]
+    results = []
+    for shape in MEMORY_SHAPES:
+        config = config_from_preset("tiny", **shape)
+        h, L, V, S = config.n_embd, config.n_layer, config.vocab_size, config.n_positions
+        label = f"V={V} S={S} h={h} L={L}"
+        model = build_model(config, seed=0)
+        true_psi = sum(p.numel() for p in model.parameters())
+        optimizer = make_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)
+        x = torch.randint(0, V, (2, S))
+        model(x, x)[1].backward()
+        optimizer.step()
+        measured = MemoryLedger().measure(model_state_tensors(model, optimizer))
+        try:
+            psi = module.num_params(config)
+        except Exception as err:
+            results.append(Result(f"num_params({label})", False, _describe_exception(err, path)))
+            continue
+        if psi == true_psi:
+            results.append(Result(f"num_params({label})", True, f"Ψ = {psi:,}"))
+        else:
+            hints = {V * h: " — the LM head shares the token embedding: count it once",
+                     -S * h: " — the position embeddings are parameters too",
+                     -2 * h: " — the final layer norm ln_f has 2h parameters",
+                     -L * 4 * h: " — each block has two layer norms of 2h parameters",
+                     -L * 9 * h: " — every linear layer has a bias"}
+            results.append(Result(f"num_params({label})", False,
+                                  f"you count {psi:,}, the model has {true_psi:,} (you are off "
+                                  f"by {psi - true_psi:+,}){hints.get(psi - true_psi, '')}"))
+        try:
+            claimed = module.model_state_bytes(config)
+        except Exception as err:
+            results.append(Result(f"model_state_bytes({label})", False,
+                                  _describe_exception(err, path)))
+            continue
+        if not isinstance(claimed, dict):
+            results.append(Result(f"model_state_bytes({label})", False,
+                                  f"returned {type(claimed).__name__}, expected a dict "
+                                  '{"params": ..., "grads": ..., "optim": ...}'))
+            continue
+        wrong = [f"{kind}: you say {claimed.get(kind)!r}, measured {measured[kind]:,} "
+                 f"({measured[kind] / true_psi:g} bytes per parameter)"
+                 for kind in ("params", "grads", "optim") if claimed.get(kind) != measured[kind]]
+        results.append(Result(f"model_state_bytes({label})", not wrong,
+                              "; ".join(wrong) or "params, grads and AdamW state match the "
+                              f"MemoryLedger: {sum(measured.values()):,} bytes"))
+    return results
+
+
+# --- lab 01: ring all-reduce from send/recv (4 processes) -----------------------------------
+
+RING_CASES = [((1000,), "float32"), ((7, 13), "float32"), ((3,), "float32"),
+              ((64, 64), "float32"), ((10,), "float64")]
+
+
+def _ring_worker(paths: list[str]) -> list[list[tuple]]:
+    """On every rank: run each file's ring_all_reduce on every case; return per file a list of
+    (case, passed, message) as this rank saw it."""
+    import torch
+    import torch.distributed as dist
+
+    from hplab.comm import CommTimeout
+    from hplab.dist import Mesh
+
+    mesh = Mesh.create(dp=dist.get_world_size())
+    comm, n, r = mesh.world, mesh.world.size, mesh.world.rank
+    per_file = []
+    for path in paths:
+        results = []
+        try:
+            module = load_module(path)
+        except Exception as err:
+            per_file.append([("import", False, _describe_exception(err, path))])
+            continue
+        for shape, dtype in RING_CASES:
+            case = f"{'×'.join(map(str, shape))} {dtype}"
+            inputs = [torch.randn(shape, dtype=getattr(torch, dtype),
+                                  generator=torch.Generator().manual_seed(100 * k + len(shape)))
+                      for k in range(n)]
+            expected = sum(inputs[1:], inputs[0].clone())
+            tensor = inputs[r].clone()
+            mesh.ledger.reset()
+            try:
+                module.ring_all_reduce(tensor, comm)
+            except CommTimeout as err:
+                results.append((case, False, f"{err} — did a send wait for a receive that "
+                                "never came? start sends with async_op=True"))
+                break  # the process group is unusable after a timeout
+            except Exception as err:
+                results.append((case, False, _describe_exception(err, path)))
+                break  # other ranks may be left waiting: stop this file here
+            used = mesh.ledger.as_dict()
+            others = sorted(op for op in used if op not in ("send", "recv"))
+            sent = used.get("send", {}).get("bytes", 0)
+            chunk = tensor.element_size() * tensor.numel() / n
+            low = 2 * (n - 1) * math.floor(tensor.numel() / n) * tensor.element_size()
+            high = 2 * (n - 1) * math.ceil(tensor.numel() / n) * tensor.element_size()
+            if others:
+                results.append((case, False, f"used {', '.join(others)}: build it from send "
+                                "and recv only"))
+            elif not torch.allclose(tensor, expected, rtol=RTOL, atol=ATOL):
+                results.append((case, False, "the result is not the sum over the ranks: "
+                                + _first_difference(tensor, expected)))
+            elif not low <= sent <= high:
+                results.append((case, False, f"sent {sent:,} bytes; a ring all-reduce sends "
+                                f"2(n-1) chunks of S/n = {2 * (n - 1) * chunk:,.0f} bytes: one "
+                                "chunk per step, not the whole tensor"))
+            else:
+                results.append((case, True, f"sum correct, {sent:,} bytes sent "
+                                f"(2(n-1)/n·S = {2 * (n - 1) * chunk:,.0f})"))
+        per_file.append(results)
+    return per_file
+
+
+# --- lab 02: bucketed gradient all-reduce (2 processes) -------------------------------------
+
+def _expected_bucket_count(params, bucket_bytes) -> int:
+    count, size = 0, 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if count == 0 or size + nbytes > bucket_bytes:
+            count, size = count + 1, 0
+        size += nbytes
+    return count
+
+
+def _buckets_worker(paths: list[str]) -> list[list[tuple]]:
+    import torch
+    import torch.distributed as dist
+
+    from hplab.comm import CommTimeout
+    from hplab.dist import Mesh
+    from hplab.models.gpt import build_model, config_from_preset
+
+    mesh = Mesh.create(dp=dist.get_world_size())
+    comm, n, r = mesh.world, mesh.world.size, mesh.world.rank
+    config = config_from_preset("tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16)
+    batches = [torch.randint(0, config.vocab_size, (2 * n, config.n_positions + 1),
+                             generator=torch.Generator().manual_seed(step)) for step in range(2)]
+
+    # the reference: one process, the whole global batch
+    reference_model = build_model(config, seed=0)
+    reference = []
+    for batch in batches:
+        reference_model.zero_grad()
+        reference_model(batch[:, :-1], batch[:, 1:])[1].backward()
+        reference.append([p.grad.clone() for p in reference_model.parameters()])
+
+    # spy on all_reduce launches, to see whether they start while backward is still running
+    launches = []
+    real_all_reduce = comm.all_reduce
+
+    def spying_all_reduce(tensor, *args, **kwargs):
+        launches.append(time.perf_counter())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    comm.all_reduce = spying_all_reduce
+    per_file = []
+    for path in paths:
+        results = []
+        try:
+            module = load_module(path)
+        except Exception as err:
+            per_file.append([("import", False, _describe_exception(err, path))])
+            continue
+        for bucket_bytes, label in ((math.inf, "bucket_bytes=inf"), (0, "bucket_bytes=0"),
+                                    (20_000, "bucket_bytes=20000")):
+            model = build_model(config, seed=0)
+            params = list(model.parameters())
+            grad_bytes = sum(p.numel() * p.element_size() for p in params)
+            buckets = _expected_bucket_count(params, bucket_bytes)
+            problem = None
+            try:
+                sync = module.BucketedAllReduce(params, comm, bucket_bytes)
+                for step, batch in enumerate(batches):
+                    mine = batch[r * 2:(r + 1) * 2]
+                    model.zero_grad()
+                    mesh.ledger.reset()
+                    launches.clear()
+                    model(mine[:, :-1], mine[:, 1:])[1].backward()
+                    backward_done = time.perf_counter()
+                    sync.wait()
+                    stats = mesh.ledger.as_dict().get("all_reduce", {"calls": 0, "bytes": 0})
+                    names = [name for name, _ in model.named_parameters()]
+                    wrong = [(name, p.grad, ref) for name, p, ref in
+                             zip(names, params, reference[step])
+                             if p.grad is None or not torch.allclose(p.grad, ref, RTOL, ATOL)]
+                    if wrong:
+                        name, got, ref = wrong[0]
+                        problem = (f"step {step + 1}: {len(wrong)} of {len(params)} gradients "
+                                   f"are not the global-batch average; first {name}: " +
+                                   ("its .grad is None" if got is None else
+                                    _first_difference(got, ref)))
+                    elif stats["calls"] != buckets:
+                        problem = (f"step {step + 1}: {stats['calls']} all-reduce calls, but the "
+                                   f"bucket rule gives {buckets} bucket(s) for {len(params)} "
+                                   f"parameters of {grad_bytes:,} bytes")
+                    elif stats["bytes"] != grad_bytes:
+                        problem = (f"step {step + 1}: all-reduced {stats['bytes']:,} bytes, the "
+                                   f"gradients are {grad_bytes:,}: send each gradient once")
+                    elif buckets > 1 and not launches[0] < backward_done:
+                        problem = (f"step {step + 1}: the first all-reduce started after "
+                                   "backward returned: launch each bucket from a gradient "
+                                   "hook as soon as it is complete")
+                    if problem:
+                        break
+            except CommTimeout as err:
+                results.append((label, False, f"{err} — are the buckets launched in the same "
+                                "order on every rank?"))
+                break
+            except Exception as err:
+                results.append((label, False, _describe_exception(err, path)))
+                break
+            results.append((label, problem is None, problem or
+                            f"gradients equal one process's, {buckets} all-reduce(s) of "
+                            f"{grad_bytes:,} bytes per step" +
+                            (", first launched during backward" if buckets > 1 else "")))
+        per_file.append(results)
+    return per_file
+
+
+# --- running a check ------------------------------------------------------------------------
+
+EXERCISES = {
+    # name: (lab, default file, processes or 0 for in-process, worker)
+    "memory": ("00", "lab00_memory.py", 0, None),
+    "ring_allreduce": ("01", "lab01_ring_allreduce.py", 4, _ring_worker),
+    "buckets": ("02", "lab02_buckets.py", 2, _buckets_worker),
+}
+
+
+def run_check(name: str, paths: list[str | Path]) -> list[list[Result]]:
+    """Check several files for one exercise in one launch; per file, its Results."""
+    from hplab.dist import run_distributed
+
+    if name not in EXERCISES:
+        raise CheckError(f"unknown exercise {name!r}: choose one of {', '.join(EXERCISES)}")
+    paths = [str(Path(p).resolve()) for p in paths]
+    for p in paths:
+        if not Path(p).is_file():
+            raise CheckError(f"no such file: {p}")
+    _, _, nproc, worker = EXERCISES[name]
+    if nproc == 0:
+        return [check_memory(p) for p in paths]
+    previous = os.environ.get("HPLAB_TIMEOUT_S")
+    os.environ["HPLAB_TIMEOUT_S"] = COLLECTIVE_TIMEOUT_S  # read by the spawned processes
+    try:
+        by_rank = run_distributed(worker, nproc, paths, timeout_s=120)
+    finally:
+        if previous is None:
+            os.environ.pop("HPLAB_TIMEOUT_S", None)
+        else:
+            os.environ["HPLAB_TIMEOUT_S"] = previous
+    merged = []
+    for f in range(len(paths)):
+        results = []
+        for c, (case, _, message) in enumerate(by_rank[0][f]):
+            failing = [(rank, rows[f][c]) for rank, rows in enumerate(by_rank)
+                       if c < len(rows[f]) and not rows[f][c][1]]
+            if failing:
+                _, (_, _, why) = failing[0]
+                ranks = ", ".join(str(k) for k, _ in failing)
+                results.append(Result(case, False, f"{why} (rank{'s' * (len(failing) > 1)} "
+                                      f"{ranks})"))
+            else:
+                results.append(Result(case, True, message))
+        merged.append(results)
+    return merged
+
+
+def report(name: str, path: str, results: list[Result]) -> str:
+    lab, _, nproc, _ = EXERCISES[name]
+    where = f"on {nproc} processes" if nproc else "in this process"
+    lines = [f"check {name} (lab {lab}) {where}: {path}"]
+    lines += [f"  {'✓' if r.passed else '✗'} {r.name}: {r.message}" for r in results]
+    failed = sum(not r.passed for r in results)
+    lines.append(f"PASS: all {len(results)} checks passed" if not failed else
+                 f"FAIL: {failed} of {len(results)} checks failed")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hplab.check", description="Check a lab exercise against the reference.",
+        epilog="exercises: " + ", ".join(f"{n} (lab {v[0]})" for n, v in EXERCISES.items()))
+    parser.add_argument("name", help="the exercise: " + ", ".join(EXERCISES))
+    parser.add_argument("file", nargs="?", help="your file (default: labs/exercises/...)")
+    args = parser.parse_args(argv)
+    try:
+        if args.name not in EXERCISES:
+            raise CheckError(f"unknown exercise {args.name!r}: choose one of "
+                             f"{', '.join(EXERCISES)}")
+        path = args.file or str(EXERCISES_DIR / EXERCISES[args.name][1])
+        results = run_check(args.name, [path])[0]
+    except CheckError as err:
+        print(f"hplab: error: {err}", file=sys.stderr)
+        return 2
+    print(report(args.name, path, results))
+    return 0 if all(r.passed for r in results) and results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The exercise checker can tell right from wrong: reference solutions pass, untouched skeletons
+fail, and typical mistakes fail with the message that names them.
+
+Each exercise's files are checked in ONE launch (`run_check` takes several files): one
+4-process launch for the ring, one 2-process launch for the buckets.
+"""
+
+import textwrap
+
+import pytest
+
+from hplab.check import EXERCISES, EXERCISES_DIR, SOLUTIONS_DIR, main, run_check
+
+# A ring all-reduce that cheats with the built-in all-reduce: right sums, wrong algorithm.
+RING_CHEAT = """
+def ring_all_reduce(tensor, comm):
+    comm.all_reduce(tensor)
+    return tensor
+"""
+
+# A ring that passes the whole tensor around: right sums, (n-1)·S bytes instead of 2(n-1)/n·S.
+RING_WHOLE_TENSOR = """
+import torch
+
+def ring_all_reduce(tensor, comm):
+    n, r = comm.size, comm.rank
+    total, passing = tensor.clone(), tensor.clone()
+    for _ in range(n - 1):
+        incoming = torch.empty_like(passing)
+        pending = comm.send(passing, dst=(r + 1) % n, async_op=True)
+        comm.recv(incoming, src=(r - 1) % n)
+        pending.wait()
+        total += incoming
+        passing = incoming
+    tensor.copy_(total)
+    return tensor
+"""
+
+# Buckets with the right count and sums, but all launched after backward: no overlap.
+BUCKETS_NO_OVERLAP = """
+import sys
+sys.path.insert(0, {solutions!r})
+from lab02_buckets import make_buckets
+
+class BucketedAllReduce:
+    def __init__(self, params, comm, bucket_bytes):
+        self.comm, self.buckets = comm, make_buckets(params, bucket_bytes)
+
+    def wait(self):
+        for bucket in self.buckets:
+            flat = __import__("torch").cat([p.grad.reshape(-1) for p in bucket])
+            self.comm.all_reduce(flat)
+            flat /= self.comm.size
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+"""
+
+# Memory counted with the LM head as a second matrix.
+MEMORY_UNTIED = """
+def num_params(c):
+    V, S, h, L = c.vocab_size, c.n_positions, c.n_embd, c.n_layer
+    return 2 * V * h + S * h + L * (12 * h * h + 13 * h) + 2 * h
+
+def model_state_bytes(c):
+    return {"params": 4 * num_params(c), "grads": 4 * num_params(c), "optim": 8 * num_params(c)}
+"""
+
+
+def _files(name, tmp_path, extra: dict[str, str]):
+    filename = EXERCISES[name][1]
+    paths = {"solution": SOLUTIONS_DIR / filename}
+    for label, source in extra.items():
+        path = tmp_path / f"{name}_{label}.py"
+        path.write_text(textwrap.dedent(source.format(solutions=str(SOLUTIONS_DIR))
+                                        if "{solutions" in source else source))
+        paths[label] = path
+    paths["skeleton"] = EXERCISES_DIR / filename  # last: it fails at once on every rank
+    return paths
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("exercises")
+    wrong = {"memory": {"untied": MEMORY_UNTIED},
+             "ring_allreduce": {"cheat": RING_CHEAT, "whole_tensor": RING_WHOLE_TENSOR},
+             "buckets": {"no_overlap": BUCKETS_NO_OVERLAP}}
+    out = {}
+    for name in EXERCISES:
+        paths = _files(name, tmp, wrong[name])
+        results = run_check(name, list(paths.values()))
+        out[name] = dict(zip(paths, results))
+    return out
+
+
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_solution_passes(outcomes, name):
+    results = outcomes[name]["solution"]
+    assert len(results) >= 3
+    assert all(r.passed for r in results), [r.message for r in results if not r.passed]
+
+
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_untouched_skeleton_fails(outcomes, name):
+    results = outcomes[name]["skeleton"]
+    assert results and not any(r.passed for r in results)
+    assert "not implemented yet" in results[0].message
+
+
+def test_memory_names_the_tied_head(outcomes):
+    failed = [r for r in outcomes["memory"]["untied"] if not r.passed]
+    assert failed and "count it once" in failed[0].message
+
+
+def test_ring_refuses_the_builtin_all_reduce(outcomes):
+    results = outcomes["ring_allreduce"]["cheat"]
+    assert not any(r.passed for r in results)
+    assert "used all_reduce" in results[0].message
+
+
+def test_ring_counts_bytes_of_a_whole_tensor_ring(outcomes):
+    results = outcomes["ring_allreduce"]["whole_tensor"]
+    # right sums, but 3·S bytes per rank on 4 ranks instead of 1.5·S
+    first = results[0]
+    assert not first.passed and "sent 12,000 bytes" in first.message
+    assert "6,000" in first.message
+
+
+def test_buckets_without_overlap_fail(outcomes):
+    results = {r.name: r for r in outcomes["buckets"]["no_overlap"]}
+    assert results["bucket_bytes=inf"].passed  # one bucket: nothing to overlap with
+    assert not results["bucket_bytes=0"].passed
+    assert "after backward returned" in results["bucket_bytes=0"].message
+
+
+def test_command_line_errors_are_one_line(capsys):
+    assert main(["no_such_exercise"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hplab: error: unknown exercise") and "\n" not in err
+    assert main(["memory", "/nonexistent/file.py"]) == 2
+    assert "no such file" in capsys.readouterr().err
