@@ -94,8 +94,9 @@ def check_layout(world_size: int, dp: int, tp: int, pp: int) -> None:
             raise LayoutError(f"--{name} must be at least 1, got {size}")
     if dp * tp * pp != world_size:
         raise LayoutError(
-            f"layout dp={dp} × tp={tp} × pp={pp} = {dp * tp * pp} processes, but "
-            f"{world_size} were started: make --dp × --tp × --pp equal --nproc_per_node")
+            f"layout dp={dp} × tp={tp} × pp={pp} = {dp * tp * pp} processes, but there are "
+            f"{world_size}: make --dp × --tp × --pp equal the number of processes "
+            "(--nproc_per_node, or --nproc)")
 
 
 def coordinates(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--resume", help="resume from a unified checkpoint directory")
     out.add_argument("--config", help="a recipe file from configs/")
     out.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    out.add_argument("--nproc", type=int, default=None,
+                     help="launch N local processes yourself (checks the flags first, then "
+                          "runs torch.distributed.run); not needed under torchrun")
     out.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p
 
@@ -109,6 +112,36 @@ def check_batch(args) -> None:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
 
 
+def preflight(args, world_size: int):
+    """Every check that needs no process group, so a bad command line fails at once with one
+    line (LayoutError / ValueError) instead of after N processes have started."""
+    from hplab.data import TokenDataset
+    from hplab.models.gpt import config_from_preset
+    from hplab.parallel import refuse_unavailable
+
+    resolve_layout(args, world_size)
+    check_batch(args)
+    refuse_unavailable(args)
+    config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
+    dataset = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions)
+    if dataset.vocab_size > config.vocab_size:
+        raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
+                         f"vocabulary of {config.vocab_size}")
+    return config, dataset
+
+
+def launch(args, argv: list[str]) -> int:
+    """`--nproc N` without torchrun: check the flags, then start N processes of this file."""
+    import subprocess
+
+    from hplab.dist import torchrun_command
+
+    i = argv.index("--nproc") if "--nproc" in argv else None
+    rest = argv[:i] + argv[i + 2:] if i is not None else [a for a in argv
+                                                          if not a.startswith("--nproc=")]
+    return subprocess.call(torchrun_command(args.nproc, str(Path(__file__).resolve()), *rest))
+
+
 def summary_table(metrics: dict) -> str:
     """The end-of-run report: loss, throughput, memory by kind and comm by op, per rank."""
     MiB = 2**20
@@ -136,16 +169,12 @@ def run(args) -> dict | None:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from hplab.data import TokenDataset, get_batch, global_batch_indices, shard_for_rank
+    from hplab.data import get_batch, global_batch_indices, shard_for_rank
     from hplab.dist import Mesh, init_distributed
-    from hplab.models.gpt import build_model, config_from_preset
+    from hplab.models.gpt import build_model
     from hplab.parallel import build_engine
 
-    config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
-    dataset = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions)
-    if dataset.vocab_size > config.vocab_size:
-        raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
-                         f"vocabulary of {config.vocab_size}")
+    config, dataset = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
     device = init_distributed(None if args.backend == "auto" else args.backend)
     mesh = Mesh.create(args.dp, args.tp, args.pp, device)
     model = build_model(config, args.seed).to(device)
@@ -168,7 +197,9 @@ def run(args) -> dict | None:
     # First step excluded from throughput: it pays one-time costs (allocations, warm-up).
     timed = steps[1:] or steps
     per_rank = {"memory": engine.memory.as_dict(), "comm": mesh.ledger.as_dict(),
-                "comm_by_group": mesh.ledger.by_group_dict(), "mesh": mesh.describe()}
+                "comm_by_group": mesh.ledger.by_group_dict(), "mesh": mesh.describe(),
+                "pipeline": engine.pipeline_report() if hasattr(engine, "pipeline_report")
+                else None}  # the last step's timeline of every F, B, W, send, recv (--pp > 1)
     gathered = [None] * dist.get_world_size() if is_rank0 else None
     dist.gather_object(per_rank, gathered, dst=0)
     if not is_rank0:
@@ -186,21 +217,25 @@ def run(args) -> dict | None:
         "comm": [g["comm"] for g in gathered],
         "comm_by_group": [g["comm_by_group"] for g in gathered],
         "mesh": [g["mesh"] for g in gathered],
+        "pipeline": None if gathered[0]["pipeline"] is None else {
+            "schedule": args.schedule, "stages": args.pp, "microbatches": args.microbatches,
+            "virtual_stages": args.virtual_stages,
+            **{key: [g["pipeline"][key] for g in gathered] for key in gathered[0]["pipeline"]}},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     from hplab.dist import shutdown
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
-        resolve_layout(args, world_size)
-        check_batch(args)
-        from hplab.parallel import refuse_unavailable
-
-        refuse_unavailable(args)
+        if args.nproc and not under_torchrun:
+            preflight(args, args.nproc)
+            return launch(args, argv)
         metrics = run(args)
     except (ValueError, RuntimeError) as err:  # includes LayoutError, CommTimeout
         if is_rank0 or "timed out" in str(err):

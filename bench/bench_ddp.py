@@ -1,0 +1,214 @@
+"""hplab DDP against PyTorch's DistributedDataParallel: same model, same data, same ranks.
+
+    python bench/bench_ddp.py            # 4 processes, tiny and a ~10x larger model
+    python bench/bench_ddp.py --quick    # one repeat, fewer steps
+
+Each measurement is its own `torchrun` launch of this file (worker mode), alternating hplab and
+PyTorch and repeating, so both see the same machine state; the median of the repeats is kept.
+Reported per model:
+
+* tokens/s ratio hplab / PyTorch (target ≥ 0.9),
+* peak memory ratio: CUDA's `max_memory_allocated` on GPU; on CPU, the growth of the process's
+  peak resident set over its size right before the model was built (the CPU allocator keeps
+  no statistics; the baseline removes the PyTorch runtime both share),
+* how much of the all-reduce time hplab's buckets hid behind backward: the all-reduces timed
+  alone (c), backward timed alone without communication (b), and the overlapped backward +
+  sync (a); hidden = (b + c − a) / c.
+
+Results go to bench/results/ddp.json and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODELS = {  # name: overrides of the tiny preset
+    "tiny": {},
+    "tiny x10": {"n_embd": 192, "n_layer": 7, "n_head": 6},
+}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
+           out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from hplab.data import TokenDataset, get_batch, global_batch_indices, shard_for_rank
+    from hplab.ddp import DataParallel
+    from hplab.dist import Mesh, init_distributed
+    from hplab.models.gpt import build_model, config_from_preset
+    from hplab.parallel import make_optimizer
+
+    device = init_distributed()
+    mesh = Mesh.create(dp=dist.get_world_size(), device=device)
+    config = config_from_preset("tiny", **{k: v for k, v in MODELS[model_name].items()})
+    ds = TokenDataset("shakespeare", seq_len=config.n_positions)
+    n, rank = mesh.dp_size, mesh.dp_rank
+    batches = [get_batch(ds, shard_for_rank(global_batch_indices(len(ds), s, batch, 0), rank, n))
+               for s in range(steps)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    baseline = rss_bytes()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    model = build_model(config, 0).to(device)
+    wrapped = (DataParallel(model, mesh.dp, bucket_bytes=bucket_mb * 2**20) if impl == "hplab"
+               else TorchDDP(model, bucket_cap_mb=bucket_mb))
+    params = wrapped.params if impl == "hplab" else list(wrapped.parameters())
+    opt = make_optimizer(params, 1e-3, 0.0)
+
+    def step(x, y):
+        _, loss = wrapped(x, y)
+        loss.backward()
+        if impl == "hplab":
+            wrapped.finish_gradient_sync()
+        opt.step()
+        wrapped.zero_grad() if impl == "hplab" else opt.zero_grad(set_to_none=False)
+
+    warmup = 3
+    for x, y in batches[:warmup]:
+        step(x, y)
+    dist.barrier()
+    start = time.perf_counter()
+    for x, y in batches[warmup:]:
+        step(x, y)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    tokens = (steps - warmup) * batch * config.n_positions
+    result = {"tokens_per_s": tokens / elapsed,
+              "peak_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                             else peak_rss_bytes() - baseline),
+              "num_params": config.num_params()}
+
+    if impl == "hplab":  # how much communication the buckets hid behind backward
+        x, y = batches[0]
+
+        def timed(fn, repeats=5):
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return statistics.median(times)
+
+        def backward_alone():
+            with wrapped.no_sync():
+                wrapped(x, y)[1].backward()
+            wrapped.zero_grad()
+
+        def comm_alone():
+            for b in wrapped.buckets:
+                mesh.dp.all_reduce(b.buffer)
+
+        def overlapped():
+            wrapped(x, y)[1].backward()
+            wrapped.finish_gradient_sync()
+            wrapped.zero_grad()
+
+        b, c, a = timed(backward_alone), timed(comm_alone), timed(overlapped)
+        result.update(backward_s=b, allreduce_s=c, overlapped_s=a,
+                      hidden_fraction=max(0.0, b + c - a) / c, buckets=len(wrapped.buckets))
+    gathered = [None] * n
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def launch(nproc, impl, model_name, steps, batch, bucket_mb) -> list[dict]:
+    from hplab.dist import torchrun_command
+
+    out = ROOT / "bench" / "results" / f".tmp_{impl}.json"
+    cmd = torchrun_command(nproc, __file__, "--worker", impl, "--model", model_name,
+                           "--steps", str(steps), "--batch", str(batch),
+                           "--bucket-mb", str(bucket_mb), "--out", str(out))
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=23)
+    p.add_argument("--batch", type=int, default=32, help="global batch in sequences")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0, 1.0],
+                   help="bucket sizes to compare (both implementations use the same)")
+    p.add_argument("--worker"), p.add_argument("--model"), p.add_argument("--out")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args.worker, args.model, args.steps, args.batch, args.bucket_mb[0],
+                      args.out)
+    if args.quick:
+        args.repeats, args.steps = 1, 8
+
+    rows = []
+    for model_name, bucket_mb in [(m, b) for m in MODELS for b in args.bucket_mb]:
+        runs = {"hplab": [], "torch": []}
+        for _ in range(args.repeats):
+            for impl in runs:  # alternate, so both see the same machine
+                runs[impl].append(launch(args.nproc, impl, model_name, args.steps, args.batch,
+                                         bucket_mb))
+        med = lambda impl, key: statistics.median(  # noqa: E731
+            statistics.mean(r[key] for r in run) for run in runs[impl])
+        ours = runs["hplab"][-1][0]
+        rows.append({
+            "model": model_name, "num_params": ours["num_params"], "nproc": args.nproc,
+            "bucket_mb": bucket_mb,
+            "hplab_tokens_per_s": med("hplab", "tokens_per_s"),
+            "torch_tokens_per_s": med("torch", "tokens_per_s"),
+            "tokens_per_s_ratio": med("hplab", "tokens_per_s") / med("torch", "tokens_per_s"),
+            "hplab_peak_bytes": med("hplab", "peak_bytes"),
+            "torch_peak_bytes": med("torch", "peak_bytes"),
+            "peak_memory_ratio": med("hplab", "peak_bytes") / med("torch", "peak_bytes"),
+            "allreduce_hidden_fraction": med("hplab", "hidden_fraction"),
+            "allreduce_s": med("hplab", "allreduce_s"), "backward_s": med("hplab", "backward_s"),
+            "overlapped_s": med("hplab", "overlapped_s"), "buckets": ours["buckets"],
+        })
+    results = {"benchmark": "hplab DDP vs torch DistributedDataParallel",
+               "command": "python bench/bench_ddp.py", "repeats": args.repeats,
+               "steps_timed": args.steps - 3, "global_batch": args.batch,
+               "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores",
+               "rows": rows}
+    path = ROOT / "bench" / "results" / "ddp.json"
+    path.write_text(json.dumps(results, indent=1))
+    print("| model | params | bucket | tokens/s hplab | tokens/s PyTorch | ratio | peak mem ratio "
+          "| all-reduce hidden behind backward |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['num_params'] / 1e6:.2f} M | {r['bucket_mb']:g} MiB "
+              f"| {r['hplab_tokens_per_s']:,.0f} "
+              f"| {r['torch_tokens_per_s']:,.0f} | {r['tokens_per_s_ratio']:.2f} "
+              f"| {r['peak_memory_ratio']:.2f} | {100 * r['allreduce_hidden_fraction']:.0f}% "
+              f"({r['buckets']} bucket{'s' if r['buckets'] > 1 else ''}) |")
+    print(f"\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# hplab in one command.
+#   ./lab.sh demo   set up .venv, then train a small GPT-2 on 4 processes with data parallel
+#   ./lab.sh test   set up .venv, then run the test suite and re-execute the labs (nbval)
+#   ./lab.sh setup  only set up .venv
+# Needs Python 3.10+ (set PYTHON=python3.x to choose one). TORCH_SPEC picks the PyTorch build
+# (default torch==2.13.0; on a Linux GPU machine pip's default build brings CUDA).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+setup() {
+    if [ ! -x .venv/bin/python ]; then
+        "$PYTHON" -m venv .venv
+    fi
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet "$TORCH_SPEC"
+    .venv/bin/python -m pip install --quiet -e ".[lab,dev]"
+}
+
+case "${1:-}" in
+    setup)
+        setup ;;
+    demo)
+        setup
+        mkdir -p runs
+        exec .venv/bin/python -m hplab.train --nproc 4 --dp 4 --metrics runs/demo.json ;;
+    test)
+        setup
+        exec .venv/bin/python -m pytest -p no:cacheprovider tests labs --nbval-lax ;;
+    *)
+        echo "usage: ./lab.sh demo | test | setup" >&2
+        exit 2 ;;
+esac
