@@ -114,13 +114,14 @@ class MemoryLedger:
         Each distinct storage counts once; the total is kept as `activation_bytes` if it is the
         largest seen, and added to `activations_in_flight` until `release_activations`.
         """
-        skip = {_storage_key(t)[2] for t in exclude}
-        seen: set = set()
+        excluded = list(exclude)  # their storages are looked up at each save: ZeRO-3
+        seen: set = set()          # allocates a layer's parameters only while it runs
         counted = [0]
 
         def pack(t: torch.Tensor):
             key = _storage_key(t)
-            if key[2] not in skip and key[2] != 0 and key not in seen:
+            if key[2] != 0 and key not in seen and \
+                    key[2] not in {_storage_key(p)[2] for p in excluded}:
                 seen.add(key)
                 counted[0] += key[3]
             return t

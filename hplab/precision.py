@@ -1,0 +1,143 @@
+"""Mixed precision: compute in bf16 / fp16, keep the weights that learn in fp32.
+
+Half-precision numbers (2 bytes) halve the memory of parameters, gradients and activations and
+run matrix multiplies several times faster on GPUs. But an optimizer step adds `lr · update`
+to a weight, and that update is often smaller than the gap between two neighbouring
+half-precision numbers (bf16 keeps 8 significant bits: 1 + 2⁻⁸ is already the next number
+after 1). Added to a bf16 weight, small updates round away and the model stops learning.
+
+The recipe (Micikevicius et al., 2018), used by every large training run:
+
+1. **Master weights.** The optimizer owns an fp32 copy of every parameter ("master weights")
+   and fp32 state (Adam: exp_avg, exp_avg_sq). The model holds bf16/fp16 copies.
+2. **Forward and backward in half precision**: half-precision params, activations, gradients.
+3. **Step in fp32**: gradients are upcast to fp32, the optimizer updates the master weights,
+   and the new master weights are rounded down into the model's half-precision copy.
+
+Memory per parameter, as the ZeRO paper counts it for Adam: 2 (params) + 2 (grads) + K, with
+K = 12 bytes of fp32 "optimizer state": master 4 + exp_avg 4 + exp_avg_sq 4. That is 16 bytes
+per parameter — the same as pure fp32 (4 + 4 + 8) — which is why mixed precision alone saves
+activation memory and time but not model-state memory; ZeRO then shards the K part.
+
+**fp16 needs a loss scaler.** fp16 has only 5 exponent bits: gradients smaller than ~6e-8
+underflow to zero. Multiplying the loss by a large factor S shifts every gradient up by S
+(backward is linear), the step divides by S again in fp32. Too large an S overflows to inf:
+then the step is skipped and S halved; after a run of good steps S is doubled again. That is
+the *dynamic* loss scaler below. bf16 has fp32's 8 exponent bits: no scaler needed.
+
+`MixedPrecision` holds the choice and the scaler; `MasterWeights` is the fp32 copy for a
+strategy that keeps whole parameters (data parallel). ZeRO keeps its master weights sharded
+(see `hplab.zero`) and only uses the scaler from here.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PrecisionError(ValueError):
+    """An unknown precision name."""
+
+
+class DynamicLossScaler:
+    """Loss scale S for fp16: skip the step and halve S when a gradient is inf/nan; double S
+    after `growth_interval` good steps in a row.
+
+    The default start, 2¹⁶, is PyTorch's GradScaler and DeepSpeed's; the first few steps of a
+    small model may overflow and be skipped while S finds its level.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.good_steps = 0  # steps without overflow since S last changed
+        self.skipped_steps = 0  # total, for the summary
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+
+def has_inf_or_nan(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """True if any element of any tensor is inf or nan (this rank's tensors only)."""
+    return any(not bool(torch.isfinite(t).all()) for t in tensors if t is not None)
+
+
+class MixedPrecision:
+    """The precision of a run: `param_dtype` for model params, grads and activations (fp32
+    master weights whenever it is not fp32), and a loss scaler for fp16."""
+
+    def __init__(self, name: str = "fp32", init_scale: float = 2.0**16,
+                 growth_interval: int = 2000):
+        if name not in DTYPES:
+            raise PrecisionError(f"unknown precision {name!r}: choose fp32, bf16 or fp16")
+        self.name = name
+        self.param_dtype = DTYPES[name]
+        self.mixed = name != "fp32"  # master weights needed
+        self.scaler = DynamicLossScaler(init_scale, growth_interval=growth_interval) \
+            if name == "fp16" else None
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 unless fp16)."""
+        return self.scaler.scale if self.scaler else 1.0
+
+    def found_overflow(self, grads: Iterable[torch.Tensor | None], comm=None) -> bool:
+        """fp16 only: did any rank's (scaled) gradients overflow? All ranks of `comm` must
+        agree, since they skip the step together; a rank holding a shard checks only its own
+        shard, so the verdict is reduced (max) over the group."""
+        if self.scaler is None:
+            return False
+        local = 1.0 if has_inf_or_nan(grads) else 0.0
+        if comm is not None:
+            local = comm.all_reduce_scalar(local, op=torch.distributed.ReduceOp.MAX)
+        return local > 0
+
+    def update(self, found_inf: bool) -> None:
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+
+
+class MasterWeights:
+    """fp32 copies of a model's parameters, for the optimizer. Make them while the model is
+    still in fp32 (so no precision is lost), then cast the model to half precision.
+
+    Each step: `take_grads(params, 1/S)` sets every master's `.grad` to the fp32, unscaled
+    gradient of its parameter; the optimizer steps the masters; `copy_to(params)` rounds the
+    new values into the half-precision parameters. The fp32 gradients exist only during the
+    step (they are dropped by `zero_grad`).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter]):
+        self.params = [nn.Parameter(p.detach().clone().float()) for p in params]
+
+    @torch.no_grad()
+    def take_grads(self, params: list[nn.Parameter], unscale: float = 1.0) -> list[torch.Tensor]:
+        for master, p in zip(self.params, params, strict=True):
+            g = torch.zeros_like(master) if p.grad is None else p.grad.float()
+            master.grad = g.mul_(unscale) if unscale != 1.0 else g
+        return [m.grad for m in self.params]
+
+    @torch.no_grad()
+    def copy_to(self, params: list[nn.Parameter]) -> None:
+        for master, p in zip(self.params, params, strict=True):
+            p.copy_(master)
+
+    def zero_grad(self) -> None:
+        for master in self.params:
+            master.grad = None
+
