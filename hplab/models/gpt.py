@@ -92,8 +92,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        B, T, _ = q.shape  # of the projections: under sequence parallel c_attn gathers all of T
         # [B, T, heads·d] -> [B, heads, T, d]; `-1` lets the same code run on a shard of heads
         q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -134,6 +134,11 @@ class Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy over every token: logits [B, T, V], targets [B, T]."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 class GPT(nn.Module):
     """GPT-2 language model. `forward(idx, targets)` returns `(logits, loss)`; loss is the mean
     cross-entropy over every token of the batch (None without targets).
@@ -148,6 +153,7 @@ class GPT(nn.Module):
         self.transformer = Transformer(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, two uses
+        self.loss_fn = cross_entropy  # tensor parallel swaps in a vocab-parallel version
         self.recompute = False
         self.reset_parameters()
 
@@ -187,8 +193,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = self.run_block(block, x)
         logits = self.head(x)
-        loss = None if targets is None else F.cross_entropy(
-            logits.flatten(0, 1).float(), targets.flatten())
+        loss = None if targets is None else self.loss_fn(logits, targets)
         return logits, loss
 
 
