@@ -30,8 +30,15 @@ from pathlib import Path
 METRICS_VERSION = 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (via ValueError) instead of usage text."""
+
+    def error(self, message):
+        raise ValueError(f"{message} (see --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="torchrun --nproc_per_node N hplab/train.py",
         description="Train hplab's GPT with any dp × tp × pp layout (dp × tp × pp = N).")
     layout = p.add_argument_group("layout")
@@ -85,6 +92,34 @@ def build_parser() -> argparse.ArgumentParser:
                           "runs torch.distributed.run); not needed under torchrun")
     out.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p
+
+
+def parse_args(argv: list[str]):
+    """Flags, with `--config FILE` (a TOML recipe from configs/) supplying defaults that the
+    command line overrides. Keys are flag names (`batch-size` or `batch_size`)."""
+    parser = build_parser()
+    first = parser.parse_args(argv)
+    if first.config:
+        path = Path(first.config)
+        if not path.exists():
+            raise ValueError(f"config file {path} not found: see configs/ for the recipes")
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
+        try:
+            recipe = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"{path} is not valid TOML: {err}") from None
+        known = {a.dest for a in parser._actions}
+        values = {k.replace("-", "_"): v for k, v in recipe.items()}
+        unknown = sorted(set(values) - known - {"config"})
+        if unknown:
+            raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; the keys are "
+                             "train.py's flag names")
+        parser.set_defaults(**values)
+        return parser.parse_args(argv)
+    return first
 
 
 def resolve_layout(args, world_size: int) -> None:
@@ -228,11 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     from hplab.dist import shutdown
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
+        args = parse_args(argv)
         if args.nproc and not under_torchrun:
             preflight(args, args.nproc)
             return launch(args, argv)

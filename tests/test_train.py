@@ -45,6 +45,27 @@ def test_bad_command_lines_fail_with_one_clear_line(capsys, monkeypatch, flags, 
     assert says in lines[0]
 
 
+def test_bad_flag_value_is_one_line(capsys, monkeypatch):
+    code, err = run_main(capsys, monkeypatch, "--zero", "5")
+    assert code == 2
+    assert err.strip() == ("hplab: error: argument --zero: invalid choice: 5 "
+                           "(choose from 0, 1, 2, 3) (see --help)")
+
+
+def test_config_file_gives_defaults_and_flags_override(tmp_path, capsys, monkeypatch):
+    from hplab.train import parse_args
+
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('# a recipe\nbatch-size = 32\nsteps = 7\nlr = 3e-4\nrecompute = true\n')
+    args = parse_args(["--config", str(recipe), "--steps", "9"])
+    assert (args.batch_size, args.steps, args.lr, args.recompute) == (32, 9, 3e-4, True)
+    recipe.write_text("batch-size = 32\nwarp-speed = 9\n")
+    code, err = run_main(capsys, monkeypatch, "--config", str(recipe))
+    assert code == 2 and "unknown setting(s) warp_speed" in err
+    code, err = run_main(capsys, monkeypatch, "--config", str(tmp_path / "none.toml"))
+    assert code == 2 and "none.toml not found" in err
+
+
 def test_layout_is_checked_under_torchrun_environment_too(capsys, monkeypatch):
     code, err = run_main(capsys, monkeypatch, "--dp", "2", env={"WORLD_SIZE": "3", "RANK": "0"})
     assert code == 2
