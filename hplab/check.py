@@ -8,6 +8,7 @@ computes on the whole batch) and says precisely what differs:
     python -m hplab.check memory            # lab 00: count training memory by hand
     python -m hplab.check ring_allreduce    # lab 01: ring all-reduce from send/recv (4 ranks)
     python -m hplab.check buckets           # lab 02: bucketed, overlapped gradient all-reduce
+    python -m hplab.check planning          # lab 07: ZeRO memory and the pipeline bubble
     python -m hplab.check buckets my_copy.py
 
 Exit code 0 when every check passes, 1 when one fails, 2 for a wrong command line.
@@ -314,6 +315,52 @@ def _buckets_worker(paths: list[str]) -> list[list[tuple]]:
     return per_file
 
 
+# --- lab 07: the planner's first formulas (no processes: these are formulas) ---------------
+
+def check_planning(path: str) -> list[Result]:
+    """The learner's ZeRO memory and pipeline bubble against `hplab.plan` over a grid."""
+    from hplab import plan
+
+    try:
+        module = load_module(path)
+    except Exception as err:
+        return [Result("import", False, _describe_exception(err, path))]
+    results = []
+    for precision in ("fp32", "bf16"):
+        for zero in range(4):
+            label = f"model_state_bytes_per_gpu(zero={zero}, {precision})"
+            wrong = None
+            try:
+                for psi in (1.5e9, 175e9, 335_232):
+                    for dp in (1, 3, 8, 64):
+                        mine = module.model_state_bytes_per_gpu(psi, dp, zero, precision)
+                        ref = plan.model_state_bytes(psi, dp, zero, precision)["total_bytes"]
+                        if not math.isclose(mine, ref, rel_tol=1e-9):
+                            wrong = (f"Ψ={psi:g}, dp={dp}: you say {mine:,.0f} bytes, the "
+                                     f"planner {ref:,.0f} ({ref / psi:g} bytes per parameter)")
+                            break
+                    if wrong:
+                        break
+            except Exception as err:
+                wrong = _describe_exception(err, path)
+            results.append(Result(label, wrong is None, wrong or "equal over Ψ and dp"))
+    wrong = None
+    try:
+        for pp in (1, 2, 4, 8):
+            for m in (1, 4, 8, 32):
+                mine = module.bubble_fraction(pp, m)
+                ref = plan.bubble_fraction("1f1b", pp, m)
+                if not math.isclose(mine, ref, rel_tol=1e-9, abs_tol=1e-12):
+                    wrong = f"pp={pp}, m={m}: you say {mine:.4g}, the planner {ref:.4g}"
+                    break
+            if wrong:
+                break
+    except Exception as err:
+        wrong = _describe_exception(err, path)
+    results.append(Result("bubble_fraction", wrong is None, wrong or "equal for pp ≤ 8, m ≤ 32"))
+    return results
+
+
 # --- running a check ------------------------------------------------------------------------
 
 EXERCISES = {
@@ -321,6 +368,7 @@ EXERCISES = {
     "memory": ("00", "lab00_memory.py", 0, None),
     "ring_allreduce": ("01", "lab01_ring_allreduce.py", 4, _ring_worker),
     "buckets": ("02", "lab02_buckets.py", 2, _buckets_worker),
+    "planning": ("07", "lab07_planning.py", 0, None),
 }
 
 
@@ -336,7 +384,7 @@ def run_check(name: str, paths: list[str | Path]) -> list[list[Result]]:
             raise CheckError(f"no such file: {p}")
     _, _, nproc, worker = EXERCISES[name]
     if nproc == 0:
-        return [check_memory(p) for p in paths]
+        return [(check_planning if name == "planning" else check_memory)(p) for p in paths]
     previous = os.environ.get("HPLAB_TIMEOUT_S")
     os.environ["HPLAB_TIMEOUT_S"] = COLLECTIVE_TIMEOUT_S  # read by the spawned processes
     try:
@@ -390,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckError as err:
         print(f"hplab: error: {err}", file=sys.stderr)
         return 2
-    print(report(args.name, path, results))
+    shown = os.path.relpath(path)
+    print(report(args.name, shown if not shown.startswith("..") else path, results))
     return 0 if all(r.passed for r in results) and results else 1
 
 

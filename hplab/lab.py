@@ -145,7 +145,7 @@ def launch(nproc: int, script: str | Path, args: list[str], label: str | None = 
         lines = [line for line in output.replace("\r", "\n").splitlines() if line.strip()]
         raise LaunchError(f"{label} exited with code {proc.returncode}; its last output:\n"
                           + "\n".join(lines[-30:]))
-    bar.draw(f"{_bar(1, 1)[:-4]}done in {seconds:.1f} s", final=True)
+    bar.draw("█" * 24 + f" done in {seconds:.1f} s", final=True)
     return output, seconds
 
 

@@ -48,7 +48,8 @@ def plot_memory_breakdown(measured: dict[str, dict[str, float]],
                           title: str = "Memory per rank, by kind",
                           predicted_label: str = "formula"):
     """Grouped bars in MiB: one group per kind (params, grads, optim, master, activation), one
-    bar per measured entry ({label: {kind: bytes}}), and a hatched bar for the formula."""
+    bar per measured entry ({label: {kind: bytes}}), and a hatched bar for the formula where
+    it gives that kind."""
     import numpy as np
 
     ax = _axes(ax, (7.2, 4.0))
@@ -59,9 +60,10 @@ def plot_memory_breakdown(measured: dict[str, dict[str, float]],
     x = np.arange(len(kinds))
     for i, (label, values) in enumerate(series):
         is_formula = predicted is not None and i == len(series) - 1
-        heights = [values.get(k, 0) / MiB for k in kinds]
-        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, heights, width, label=label,
-                      hatch="//" if is_formula else None, fill=not is_formula,
+        shown = [j for j, k in enumerate(kinds) if not is_formula or k in values]
+        heights = [values.get(kinds[j], 0) / MiB for j in shown]
+        bars = ax.bar(x[shown] + (i - (len(series) - 1) / 2) * width, heights, width,
+                      label=label, hatch="//" if is_formula else None, fill=not is_formula,
                       edgecolor="black" if is_formula else None)
         ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
     ax.set_xticks(x, [KIND_LABELS[k] for k in kinds])
@@ -82,6 +84,8 @@ def plot_throughput(x, series: dict[str, list[float]], xlabel: str, ax=None,
         ax.plot(x, ys, "--", color="gray", label=label)
     if logx:
         ax.set_xscale("log", base=2)
+    if all(isinstance(v, (int, float)) for v in x):
+        ax.set_xticks(list(x))  # the values run, not a continuous axis
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -138,6 +142,7 @@ def plot_zero_memory(num_params: float, world_sizes=(1, 2, 4, 8, 16, 32, 64),
     if device_bytes:
         ax.axhline(device_bytes / GiB, color="red", lw=1, label="device memory")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(list(world_sizes), [str(n) for n in world_sizes])
     ax.set_yscale("log")
     ax.set(xlabel="data-parallel size N_d", ylabel="model states per device (GiB)",
            title=f"ZeRO memory, formula: Ψ = {num_params / 1e9:.2g} B params, {precision} + Adam")

@@ -68,6 +68,19 @@ def model_state_bytes(c):
 """
 
 
+# The bubble as a fraction of the whole step instead of relative to the useful time.
+PLANNING_STEP_FRACTION = """
+def model_state_bytes_per_gpu(psi, dp, zero, precision):
+    per = {"fp32": (4, 4, 8, 0), "bf16": (2, 2, 8, 4)}[precision]
+    divisors = (dp if zero >= 3 else 1, dp if zero >= 2 else 1, dp if zero >= 1 else 1,
+                dp if zero >= 1 else 1)
+    return sum(b * psi / d for b, d in zip(per, divisors))
+
+def bubble_fraction(pp, m):
+    return (pp - 1) / (m + pp - 1)
+"""
+
+
 def _files(name, tmp_path, extra: dict[str, str]):
     filename = EXERCISES[name][1]
     paths = {"solution": SOLUTIONS_DIR / filename}
@@ -85,7 +98,8 @@ def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("exercises")
     wrong = {"memory": {"untied": MEMORY_UNTIED},
              "ring_allreduce": {"cheat": RING_CHEAT, "whole_tensor": RING_WHOLE_TENSOR},
-             "buckets": {"no_overlap": BUCKETS_NO_OVERLAP}}
+             "buckets": {"no_overlap": BUCKETS_NO_OVERLAP},
+             "planning": {"step_fraction": PLANNING_STEP_FRACTION}}
     out = {}
     for name in EXERCISES:
         paths = _files(name, tmp, wrong[name])
@@ -140,3 +154,10 @@ def test_command_line_errors_are_one_line(capsys):
     assert err.startswith("hplab: error: unknown exercise") and "\n" not in err
     assert main(["memory", "/nonexistent/file.py"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_planning_tells_the_two_bubble_definitions_apart(outcomes):
+    results = {r.name: r for r in outcomes["planning"]["step_fraction"]}
+    assert results["model_state_bytes_per_gpu(zero=3, bf16)"].passed
+    assert not results["bubble_fraction"].passed
+    assert "pp=2, m=1: you say 0.5, the planner 1" in results["bubble_fraction"].message

@@ -1,0 +1,27 @@
+"""Lab 07 exercise: the two formulas a planner starts from.
+
+Implement both functions, then compare them with hplab's planner over a grid of model sizes,
+data-parallel sizes, ZeRO stages, precisions, pipeline depths and microbatch counts:
+
+    python -m hplab.check planning                 # checks this file
+    python -m hplab.check planning path/to/yours.py
+"""
+
+
+def model_state_bytes_per_gpu(psi: float, dp: int, zero: int, precision: str) -> float:
+    """Bytes of model states on one GPU: Ψ parameters trained with Adam over `dp`
+    data-parallel ranks with ZeRO stage `zero` (0 = plain DDP), [ZeRO] Sec. 5.
+
+    Bytes per parameter, before sharding:
+        precision "fp32":            params 4, grads 4, optimizer state 8, no master copy
+        precision "bf16" or "fp16":  params 2, grads 2, optimizer state 8, fp32 master 4
+    Stage 1 divides optimizer state and master weights by dp, stage 2 also the gradients,
+    stage 3 also the parameters. Return the total (a float: Ψ/dp need not be whole)."""
+    raise NotImplementedError("sum the four kinds, each divided by dp if the stage shards it")
+
+
+def bubble_fraction(pp: int, microbatches: int) -> float:
+    """Idle time of a GPipe or 1F1B pipeline relative to its useful time ([PTD-P] Sec. 2.2):
+    with p stages and m microbatches, each stage waits p - 1 slots at the start and end of the
+    step for m slots of work. (pp = 1: no pipeline, no bubble.)"""
+    raise NotImplementedError("the ratio of idle slots to working slots")

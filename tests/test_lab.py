@@ -1,0 +1,50 @@
+"""hplab.lab: the α-β fit recovers known parameters, the flag translation, and a failing job
+becomes one clear error line instead of a hang or a wall of output (one 1-process launch)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from hplab import lab
+
+
+@pytest.mark.parametrize("op,n", [("all_reduce", 4), ("all_gather", 8), ("send_recv", 2)])
+def test_alpha_beta_fit_recovers_the_model_it_was_given(op, n):
+    alpha, beta = 250e-6, 3e9
+    steps, factor = lab.alpha_beta_terms(op, n)
+    sizes = 2.0 ** np.arange(10, 25)
+    times = steps * alpha + factor * sizes / beta
+    fit = lab.fit_alpha_beta(op, n, sizes, times)
+    assert math.isclose(fit.alpha_s, alpha, rel_tol=1e-6)
+    assert math.isclose(fit.beta_bytes_per_s, beta, rel_tol=1e-6)
+    assert fit.max_relative_error < 1e-6
+
+
+def test_ring_terms_follow_the_bus_factor_convention():
+    from hplab.comm import bus_factor
+
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        for n in (2, 4, 8):
+            assert lab.alpha_beta_terms(op, n)[1] == bus_factor(op, n)
+    assert lab.alpha_beta_terms("all_reduce", 4)[0] == 6  # 2(n-1) latency steps
+
+
+def test_flags_translate_python_names_to_the_command_line():
+    assert lab._flags({"bucket_mb": 0.5, "recompute": True, "zero": None, "no_progress": False}) \
+        == ["--bucket-mb", "0.5", "--recompute"]
+
+
+def test_mfu_formula():
+    metrics = {"world_size": 2, "tokens_per_s": 1000.0,
+               "model": {"num_params": 100, "n_layer": 2, "n_embd": 4, "n_positions": 8}}
+    run = lab.Run(metrics)
+    per_token = 6 * 100 + 12 * 2 * 4 * 8
+    assert lab.mfu(run, peak_flops_per_process=1e6) == pytest.approx(1000 * per_token / 2e6)
+
+
+def test_a_failing_job_raises_its_one_line_error():
+    with pytest.raises(lab.LaunchError) as err:
+        lab.train(nproc=1, dp=3, steps=1, progress=False, timeout_s=120)
+    message = str(err.value)
+    assert message.startswith("hplab: error: layout dp=3") and "\n" not in message
