@@ -179,7 +179,8 @@ def worker(steps: int) -> dict:
 def table(r: dict) -> str:
     MiB = 2**20
     lines = [f"TP on {WORLD} ranks, {BATCH}×{SEQ} tokens, forward + backward",
-             "", "| module | hplab tokens/s | DTensor tokens/s | ratio | max rel err hplab / DTensor |",
+             "", "| module | hplab tokens/s | DTensor tokens/s | ratio "
+             "| max rel err hplab / DTensor |",
              "|---|---:|---:|---:|---|"]
     for k, t in r["throughput"].items():
         e = t["max_rel_err_vs_one_process"]

@@ -239,9 +239,10 @@ class Split:
 def shard(full: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
     """This rank's piece of `full` (padded with zeros first if `split` says so)."""
     if split.full_size is not None:
-        padded = math.ceil(full.shape[split.dim] / comm.size) * comm.size
-        pad = [0, 0] * (full.dim() - 1 - split.dim % full.dim()) + [0, padded - full.shape[split.dim]]
-        full = F.pad(full, pad)
+        size = full.shape[split.dim]
+        extra = math.ceil(size / comm.size) * comm.size - size
+        dims_after = full.dim() - 1 - split.dim % full.dim()  # F.pad counts from the last dim
+        full = F.pad(full, [0, 0] * dims_after + [0, extra])
     blocks = full.chunk(split.fused, split.dim)
     return torch.cat([_split(b, split.dim, comm) for b in blocks], split.dim).clone()
 
