@@ -1,0 +1,425 @@
+"""Pipeline parallel trains exactly the model one process trains, on every schedule.
+
+Two kinds of checks:
+* pure (no processes): the action lists of every schedule — order, matching sends and
+  receives, no deadlock (simulated for p ≤ 8, m ≤ 16), bubble = formula with unit costs;
+* distributed: one launch on 2 processes and one on 4 run every schedule for 3 steps and
+  return losses, parameters, traces; the tests compare them with one process on the same
+  global batch, and with torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B.
+
+Relative error of a tensor is ||a - b|| / ||b||; the fp32 tolerance is 1e-5.
+"""
+
+import functools
+import itertools
+
+import pytest
+import torch
+
+from hplab import pp
+from hplab.dist import run_distributed
+
+TOL = 1e-5
+STEPS = 3
+PER_MICROBATCH = 2  # sequences per microbatch (per data-parallel rank)
+SEQ, VOCAB = 16, 256
+
+
+def rel(a, b) -> float:
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# =========================================================================================
+# Action lists and the simulator (no processes)
+# =========================================================================================
+
+def all_schedules(max_p=8, max_m=16):
+    for p in range(2, max_p + 1):
+        for m in range(1, max_m + 1):
+            yield "gpipe", p, m, 1
+            yield "1f1b", p, m, 1
+            yield "zb-h1", p, m, 1
+            if m % p == 0:
+                for v in (2, 3):
+                    yield "interleaved", p, m, v
+
+
+def test_every_compute_action_once_and_in_order():
+    for name, p, m, v in all_schedules():
+        plans = pp.build_schedule(name, p, m, v)
+        for r, plan in enumerate(plans):
+            position = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(plan)
+                        if a.kind in pp.COMPUTE}
+            kinds = ("F", "B", "W") if name == "zb-h1" else ("F", "B")
+            chunks = range(r, p * v, p)
+            assert len(position) == len(kinds) * m * len(chunks), (name, p, m, v, r)
+            for mb, c in itertools.product(range(m), chunks):
+                order = [position[(k, mb, c)] for k in kinds]
+                assert order == sorted(order), f"{name} p={p} m={m}: rank {r} mb {mb}"
+
+
+def test_every_send_has_its_receive_in_the_same_order():
+    for name, p, m, v in all_schedules():
+        plans = pp.build_schedule(name, p, m, v)
+        sent, received = {}, {}
+        for r, plan in enumerate(plans):
+            for a in plan:
+                if a.kind.startswith("send"):
+                    sent.setdefault((r, a.peer), []).append(pp.message_key(a, p * v))
+                elif a.kind.startswith("recv"):
+                    received.setdefault((a.peer, r), []).append(pp.message_key(a, p * v))
+        assert sent == received, (name, p, m, v)
+        # every chunk boundary carries one activation and one gradient per microbatch
+        assert sum(len(k) for k in sent.values()) == 2 * m * (p * v - 1)
+
+
+def test_no_schedule_deadlocks():
+    """Simulation finishes for p ≤ 8, m ≤ 16 (it raises DeadlockError otherwise), also with
+    uneven costs and a message latency."""
+    count = 0
+    for name, p, m, v in all_schedules():
+        plans = pp.build_schedule(name, p, m, v)
+        for costs in ((1, 1, 1), (1, 3, 0.5)):
+            sim = pp.simulate(plans, *costs, latency=0.3)
+            assert sim.makespan > 0
+            count += 1
+    assert count > 600
+
+
+def test_simulator_detects_a_deadlock():
+    # rank 1 runs microbatch 1 first; rank 0 sends it only after microbatch 0's backward,
+    # which needs rank 1's gradient of microbatch 0: each waits for the other
+    orders = [[("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)],
+              [("F", 1, 1), ("B", 1, 1), ("F", 0, 1), ("B", 0, 1)]]
+    with pytest.raises(pp.DeadlockError, match="rank 0 waits at B0.*rank 1 waits at F1"):
+        pp.simulate(pp.add_communication(orders, 2, 1))
+    bad = [[("F", 0, 0), ("B", 0, 0)], [("B", 0, 1), ("F", 0, 1)]]
+    with pytest.raises(pp.DeadlockError, match="before its F"):
+        pp.simulate(pp.add_communication(bad, 2, 1))
+
+
+def test_simulated_bubble_equals_the_formula():
+    """Unit costs (F = B = W = 1): every rank's idle share of the step is the textbook
+    bubble exactly — (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(vm) of the compute for
+    interleaved, (p-1)/(3m) of the compute for ZB-H1 (for m ≥ p)."""
+    for name, p, m, v in all_schedules():
+        if name == "zb-h1" and m < p:
+            continue
+        sim = pp.simulate(pp.build_schedule(name, p, m, v))
+        expected = pp.bubble_formula(name, p, m, v)["of_step"]
+        for r in range(p):
+            assert sim.bubble_fraction(r) == pytest.approx(expected, abs=1e-12), (name, p, m, v)
+    assert pp.bubble_formula("gpipe", 4, 4)["of_step"] == pytest.approx(3 / 7)
+    zb, f1b = pp.bubble_formula("zb-h1", 4, 8), pp.bubble_formula("1f1b", 4, 8)
+    assert zb["relative"] == pytest.approx(f1b["relative"] / 3)
+
+
+def test_simulated_in_flight_microbatches():
+    for p, m in ((2, 5), (4, 8), (8, 16)):
+        gpipe = pp.simulate(pp.build_schedule("gpipe", p, m))
+        f1b = pp.simulate(pp.build_schedule("1f1b", p, m))
+        zb = pp.simulate(pp.build_schedule("zb-h1", p, m))
+        for r in range(p):
+            assert gpipe.in_flight_max(r) == m
+            assert f1b.in_flight_max(r) == min(p - r, m)
+            assert zb.in_flight_max(r) <= p  # held until W; 1F1B's peak (rank 0)
+
+
+def test_schedule_errors_are_clear():
+    with pytest.raises(pp.PipelineError, match="multiple of 4"):
+        pp.build_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(pp.PipelineError, match="only 4 layers"):
+        pp.split_layers(4, 8)
+    with pytest.raises(pp.PipelineError, match="needs --schedule interleaved"):
+        pp.build_schedule("1f1b", 4, 8, 2)
+    with pytest.raises(pp.PipelineError, match="at least 1"):
+        pp.build_schedule("gpipe", 2, 0)
+    assert [len(r) for r in pp.split_layers(10, 4)] == [3, 3, 2, 2]
+
+
+# =========================================================================================
+# Real runs on 2 and 4 processes
+# =========================================================================================
+
+def make_args(*flags):
+    from hplab.train import build_parser
+
+    return build_parser().parse_args(["--weight-decay", "0.1", *flags])
+
+
+def config(n_layer):
+    from hplab.models.gpt import GPTConfig
+
+    return GPTConfig(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=n_layer, n_head=2)
+
+
+def global_batches(batch):
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (STEPS, batch, SEQ + 1), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+@functools.lru_cache(maxsize=None)  # the same for every schedule: compute it once
+def reference_run(n_layer, batch, microbatches=1, clip=0.0):
+    """One process, the whole global batch, cut into the same microbatches as the pipeline
+    (gradient accumulation of loss / microbatches); also checked against one backward on the
+    whole batch (`whole_batch_loss`)."""
+    from hplab.models.gpt import build_model
+    from hplab.parallel import clip_grad_norm, make_optimizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads only fight the busy machine
+    model = build_model(config(n_layer), seed=0)
+    opt = make_optimizer(model.parameters(), lr=1e-3, weight_decay=0.1)
+    losses = []
+    for x, y in global_batches(batch):
+        total = 0.0
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            _, loss = model(xm, ym)
+            (loss / microbatches).backward()
+            total += float(loss.detach()) / microbatches
+        if clip > 0:
+            clip_grad_norm([p.grad for p in model.parameters()], clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    torch.set_num_threads(threads)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@functools.lru_cache(maxsize=None)
+def whole_batch_loss(n_layer, batch):
+    """The first step's loss as one forward over the whole batch."""
+    from hplab.models.gpt import build_model
+
+    model = build_model(config(n_layer), seed=0)
+    x, y = global_batches(batch)[0]
+    with torch.no_grad():
+        return float(model(x, y)[1])
+
+
+def worst_param_error(got: dict, ref: dict) -> float:
+    """Largest per-tensor relative error, and the whole model's (all tensors as one vector).
+
+    One slice is left out of the per-tensor check: the key part of each attention c_attn
+    bias. Softmax ignores a shift shared by all keys, so its true gradient is exactly 0 and
+    the computed one is float noise (~1e-10); Adam divides by sqrt(v), which turns that noise
+    into lr-sized steps of random sign. Two runs whose gradients differ only in summation
+    order (a pipeline and one process; also torch.distributed.pipelining and one process)
+    then differ there by ~1e-4 relative. It is still inside the whole-model check."""
+    n_embd = config(1).n_embd
+    worst, diff, norm = 0.0, 0.0, 0.0
+    for name, r in ref.items():
+        g, r = torch.as_tensor(got[name]), torch.as_tensor(r).detach()
+        diff, norm = diff + float((g - r).pow(2).sum()), norm + float(r.pow(2).sum())
+        if name.endswith("attn.c_attn.bias"):
+            keep = torch.ones_like(r, dtype=torch.bool)
+            keep[n_embd:2 * n_embd] = False
+            g, r = g[keep], r[keep]
+        worst = max(worst, rel(g, r))
+    return max(worst, (diff / norm) ** 0.5)
+
+
+def own_params(model):
+    """The parameters this rank kept, as numpy arrays (tensors do not cross the result queue
+    of a finished process)."""
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters() if p.numel() > 0}
+
+
+def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
+    from hplab.dist import Mesh
+    from hplab.models.gpt import build_model
+    from hplab.parallel import build_engine
+
+    mesh = Mesh.create(dp=dp, pp=pp_size)
+    args = make_args("--pp", str(pp_size), "--dp", str(dp), "--schedule", schedule,
+                     "--microbatches", str(m), "--virtual-stages", str(v), *extra)
+    model = build_model(config(n_layer), seed=0)
+    engine = build_engine(model, mesh, args)
+    losses = []
+    for x, y in global_batches(PER_MICROBATCH * m * dp):
+        share = x.shape[0] // dp
+        sl = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
+        losses.append(engine.train_step(x[sl], y[sl]))
+    report = engine.pipeline_report()
+    return {"losses": losses, "params": own_params(model), "report": report,
+            "memory": engine.memory.as_dict()}
+
+
+def run_torch_pipelining(n_layer, p, schedule, m):
+    """The same model split the same way, run by torch.distributed.pipelining."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from hplab.dist import Mesh
+    from hplab.models.gpt import build_model
+    from hplab.parallel import make_optimizer
+
+    mesh = Mesh.create(pp=p)
+    model = build_model(config(n_layer), seed=0)
+    (stage,) = pp.build_stages(model, mesh.pp_rank, p)
+    pp.free_unowned_parameters(model, [stage])
+    tied = pp.tied_embedding_group(mesh)
+    pipe_stage = PipelineStage(stage, mesh.pp_rank, p, mesh.device, group=mesh.pp.group)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    runner = kind(pipe_stage, m, loss_fn=pp.loss_fn)
+    opt = make_optimizer(pp.stage_parameters([stage]), lr=1e-3, weight_decay=0.1)
+    losses = []
+    for x, y in global_batches(PER_MICROBATCH * m):
+        mb_losses = []
+        if mesh.pp_rank == 0:
+            runner.step(x)
+        elif mesh.pp_rank == p - 1:
+            runner.step(target=y, losses=mb_losses)
+        else:
+            runner.step()
+        pp.sync_tied_gradients([stage], tied)
+        opt.step()
+        opt.zero_grad()
+        local = float(torch.stack(mb_losses).mean()) if mb_losses else 0.0
+        losses.append(mesh.pp.all_reduce_scalar(local))
+    dist.barrier()
+    return {"losses": losses, "params": own_params(model)}
+
+
+def cases(p):
+    odd = {2: 3, 4: 5}[p]
+    out = [(s, m, 1) for s in ("gpipe", "1f1b", "zb-h1") for m in (p, 2 * p, odd)]
+    return out + [("interleaved", m, 2) for m in (p, 2 * p)]
+
+
+def _worker(world_size):
+    import torch.distributed as dist
+
+    p = world_size
+    n_layer = 2 * p  # room for the interleaved schedule's 2 chunks per rank
+    out = {"hplab": {}, "torch": {}, "errors": {}}
+    for schedule, m, v in cases(p):
+        out["hplab"][(schedule, m, v)] = run_hplab(n_layer, p, 1, schedule, m, v)
+    for schedule in ("gpipe", "1f1b"):
+        out["torch"][schedule] = run_torch_pipelining(n_layer, p, schedule, p)
+    if world_size == 4:  # pp × dp: 2 stages × 2 data-parallel replicas, with clipping
+        for schedule in ("1f1b", "zb-h1"):
+            out["hplab"][("dp2", schedule, 4)] = run_hplab(
+                n_layer, 2, 2, schedule, 4, extra=("--grad-clip", "0.05"))
+    # clear errors, raised the same on every rank before any communication
+    for name, call in (("layers", lambda: run_hplab(p - 1, p, 1, "1f1b", p)),
+                       ("interleaved_m",
+                        lambda: run_hplab(n_layer, p, 1, "interleaved", p + 1, 2))):
+        try:
+            call()
+        except ValueError as err:
+            out["errors"][name] = str(err)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def runs(request):
+    world = request.param
+    results = run_distributed(_worker, world, world)
+    return world, results
+
+
+def merged_params(results, key, kind="hplab"):
+    """Each rank returns the parameters it owns; the tied embedding appears on the first and
+    the last stage — both copies must be equal."""
+    merged = {}
+    for r in results:
+        for name, t in r[kind][key]["params"].items():
+            if name in merged:
+                assert rel(t, merged[name]) == 0, f"copies of {name} differ"
+            merged[name] = t
+    return merged
+
+
+def test_every_schedule_equals_one_process(runs):
+    world, results = runs
+    for (schedule, m, v) in cases(world):
+        ref_losses, ref_params = reference_run(2 * world, PER_MICROBATCH * m, m)
+        whole = whole_batch_loss(2 * world, PER_MICROBATCH * m)
+        assert abs(ref_losses[0] - whole) / whole < TOL
+        for r in results:
+            got = r["hplab"][(schedule, m, v)]["losses"]
+            assert max(abs(a - b) / abs(b) for a, b in zip(got, ref_losses)) < TOL, \
+                (schedule, m, got, ref_losses)
+        params = merged_params(results, (schedule, m, v))
+        assert params.keys() == ref_params.keys()
+        worst = worst_param_error(params, ref_params)
+        assert worst < TOL, (schedule, m, v, worst)
+
+
+def test_pipeline_times_data_parallel_equals_one_process(runs):
+    """pp = 2 × dp = 2, 4 microbatches per replica, gradient clipping on."""
+    world, results = runs
+    if world != 4:
+        pytest.skip("pp × dp needs 4 processes")
+    # one process: the global batch of 16 as the same 8 microbatches of 2
+    ref_losses, ref_params = reference_run(8, PER_MICROBATCH * 4 * 2, 8, clip=0.05)
+    for schedule in ("1f1b", "zb-h1"):
+        key = ("dp2", schedule, 4)
+        for r in results:
+            got = r["hplab"][key]["losses"]
+            assert max(abs(a - b) / abs(b) for a, b in zip(got, ref_losses)) < TOL
+        # ranks 0, 1 are stage 0 (dp 0, 1); ranks 2, 3 stage 1: replicas must agree exactly
+        for a, b in ((0, 1), (2, 3)):
+            for n, t in results[a]["hplab"][key]["params"].items():
+                assert rel(t, results[b]["hplab"][key]["params"][n]) == 0
+        worst = worst_param_error(merged_params(results, key), ref_params)
+        assert worst < TOL, (schedule, worst)
+
+
+def test_equals_torch_pipelining(runs):
+    world, results = runs
+    for schedule in ("gpipe", "1f1b"):
+        ours = merged_params(results, (schedule, world, 1))
+        theirs = merged_params(results, schedule, kind="torch")
+        worst = max(rel(ours[n], theirs[n]) for n in theirs)  # every tensor, all of it
+        assert worst < TOL, (schedule, worst)
+        last = results[-1]
+        ours_loss, theirs_loss = last["hplab"][(schedule, world, 1)]["losses"], \
+            last["torch"][schedule]["losses"]
+        assert max(abs(a - b) / abs(b) for a, b in zip(ours_loss, theirs_loss)) < TOL
+
+
+def test_measured_in_flight_microbatches(runs):
+    world, results = runs
+    p = world
+    for r, res in enumerate(results):
+        for m in (p, 2 * p):
+            gpipe = res["hplab"][("gpipe", m, 1)]["report"]
+            f1b = res["hplab"][("1f1b", m, 1)]["report"]
+            assert gpipe["in_flight_max"] == m
+            assert f1b["in_flight_max"] == p - r
+            # activation bytes held: m microbatches vs p - r, each the same size
+            per_mb = gpipe["activation_bytes_in_flight_max"] / m
+            assert per_mb > 0
+            assert f1b["activation_bytes_in_flight_max"] == pytest.approx(per_mb * (p - r))
+
+
+def test_trace_has_every_action(runs):
+    world, results = runs
+    p = world
+    for r, res in enumerate(results):
+        for schedule, m, v in cases(p):
+            trace = res["hplab"][(schedule, m, v)]["report"]["trace"]
+            plan = pp.build_schedule(schedule, p, m, v)[r]
+            compute = [(e["kind"], e["microbatch"], e["chunk"]) for e in trace
+                       if e["kind"] in pp.COMPUTE]
+            assert compute == [(a.kind, a.microbatch, a.chunk) for a in plan
+                               if a.kind in pp.COMPUTE]
+            sends = sum(a.kind.startswith("send") for a in plan)
+            assert sum(e["kind"] == "send" for e in trace) == sends
+            assert sum(e["kind"] == "recv" for e in trace) == sum(
+                a.kind.startswith("recv") for a in plan)
+            assert all(0 <= e["start_s"] <= e["end_s"] for e in trace)
+            bubble = res["hplab"][(schedule, m, v)]["report"]["bubble_fraction"]
+            assert 0 < bubble < 1
+
+
+def test_clear_errors(runs):
+    world, results = runs
+    for r in results:
+        assert "layers" in r["errors"]["layers"] and "--n-layer" in r["errors"]["layers"]
+        assert f"multiple of {world}" in r["errors"]["interleaved_m"]
