@@ -168,3 +168,152 @@ def plot_bubble_fraction(pp: int, max_microbatches: int = 32, schedule: str = "1
     ax.grid(alpha=0.3)
     ax.legend()
     return ax
+
+
+# --- pipeline ---------------------------------------------------------------------------------
+# Gantt charts of a pipeline step (hplab/pp.py): what the ranks really did (the metrics file's
+# "pipeline" trace) next to the ideal timeline of the same schedule (pp.simulate), and the
+# measured bubble per rank next to the formula.
+
+PIPELINE_COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "recv": "#BBBBBB"}
+
+
+def _pipeline(run_or_metrics) -> dict:
+    metrics = getattr(run_or_metrics, "metrics", run_or_metrics)
+    if not metrics.get("pipeline"):
+        raise ValueError("this run has no pipeline trace: run train.py with --pp > 1")
+    return metrics["pipeline"]
+
+
+def _draw_gantt(ax, rows: list[list[tuple]], unit: str, show_waits: bool = True):
+    """rows[r] = [(kind, microbatch, local chunk, start, end), ...]; one lane per rank. Bars
+    are labelled with their microbatch; a rank's later model chunks (interleaved) are paler."""
+    for r, events in enumerate(rows):
+        for kind, mb, chunk, start, end in events:
+            if kind == "send":
+                ax.plot([start, start], [r - 0.42, r + 0.42], color="k", lw=0.6)
+                continue
+            if kind == "recv" and not show_waits:
+                continue
+            ax.barh(r, end - start, left=start, height=0.8 if kind != "recv" else 0.3,
+                    color=PIPELINE_COLORS[kind], edgecolor="white", lw=0.5,
+                    alpha=1.0 if kind == "recv" else 1.0 / (1 + 0.8 * chunk))  # later chunks paler
+            if kind != "recv":
+                ax.text((start + end) / 2, r, str(mb), ha="center", va="center", fontsize=6,
+                        color="white" if not chunk else "black", clip_on=True)
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def _legend(ax, kinds, waits=True):
+    from matplotlib.patches import Patch
+
+    names = {"F": "F forward", "B": "B backward", "W": "W weight grads",
+             "recv": "waiting for a message"}
+    handles = [Patch(color=PIPELINE_COLORS[k], label=names[k]) for k in kinds]
+    if waits:
+        handles.append(Patch(color=PIPELINE_COLORS["recv"], label=names["recv"]))
+    ax.legend(handles=handles, fontsize=7, loc="lower right", framealpha=0.9)
+
+
+def simulated_costs(pipeline: dict) -> dict:
+    """F, B, W costs per whole stage (seconds) for pp.simulate, from a measured trace: the mean
+    duration of each kind over all ranks, times the chunks per rank."""
+    v = pipeline.get("virtual_stages", 1)
+    durations = {"F": [], "B": [], "W": []}
+    for events in pipeline["trace"]:
+        for e in events:
+            if e["kind"] in durations:
+                durations[e["kind"]].append(e["end_s"] - e["start_s"])
+    mean = {k: (sum(d) / len(d) if d else 0.0) for k, d in durations.items()}
+    return {"f": mean["F"] * v, "b": mean["B"] * v, "w": mean["W"] * v}
+
+
+def plot_simulated_pipeline(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
+                            f: float = 1.0, b: float = 1.0, w: float = 1.0, ax=None,
+                            unit: str = "time (F = 1)"):
+    """The ideal timeline of a schedule (pp.simulate of its action lists, no message cost),
+    with the simulated bubble and the formula in the title."""
+    from hplab import pp as pipeline
+
+    ax = _axes(ax, figsize=(9, 0.5 * pp + 1.5))
+    plans = pipeline.build_schedule(schedule, pp, microbatches, virtual_stages)
+    sim = pipeline.simulate(plans, f, b, w)
+    rows = [[(a.kind, a.microbatch, a.chunk // pp, s, e) for a, s, e in lane if a.kind in "FBW"]
+            for lane in sim.timeline]
+    _draw_gantt(ax, rows, unit, show_waits=False)
+    formula = pipeline.bubble_formula(schedule, pp, microbatches, virtual_stages, f, b, w)
+    ax.set_title(f"{schedule}, p={pp}, m={microbatches}"
+                 + (f", v={virtual_stages}" if virtual_stages > 1 else "")
+                 + f" — simulated bubble {sim.bubble_fraction(0):.1%} of the step; "
+                   f"formula {formula['formula']} → {formula['of_step']:.1%}", fontsize=9)
+    _legend(ax, ["F", "B", "W"] if schedule == "zb-h1" else ["F", "B"], waits=False)
+    return ax
+
+
+def plot_pipeline_trace(run_or_metrics, ax=None):
+    """The measured timeline of the last training step: every F, B, W of every rank (numbers
+    are microbatches), thin grey bars where a rank waited for a message, black ticks at sends.
+    The title gives each rank's measured bubble (1 − compute / step time)."""
+    p = _pipeline(run_or_metrics)
+    ax = _axes(ax, figsize=(9, 0.5 * len(p["trace"]) + 1.5))
+    v = p.get("virtual_stages", 1)
+    stages = p.get("stages", len(p["trace"]))
+    rows = [[(e["kind"], e["microbatch"], e["chunk"] // stages, e["start_s"] * 1e3,
+              e["end_s"] * 1e3) for e in events] for events in p["trace"]]
+    _draw_gantt(ax, rows, "time (ms)")
+    bubbles = ", ".join(f"{b:.0%}" for b in p["bubble_fraction"])
+    ax.set_title(f"measured: {p['schedule']}, p={stages}, m={p['microbatches']}"
+                 + (f", v={v}" if v > 1 else "") + f" — bubble per rank {bubbles}", fontsize=9)
+    _legend(ax, ["F", "B", "W"] if p["schedule"] == "zb-h1" else ["F", "B"])
+    return ax
+
+
+def plot_pipeline_gantt(run_or_metrics, axes=None):
+    """Measured timeline (top) over the ideal timeline of the same schedule (bottom), both in
+    ms: the simulation uses the mean F, B, W durations this run measured, and no message cost,
+    so the difference between the two is what communication and waiting cost."""
+    import matplotlib.pyplot as plt
+
+    p = _pipeline(run_or_metrics)
+    ranks, stages = len(p["trace"]), p.get("stages", len(p["trace"]))
+    if axes is None:
+        _, axes = plt.subplots(2, 1, figsize=(10, ranks + 2.5), sharex=True,
+                               layout="constrained")
+    plot_pipeline_trace(run_or_metrics, ax=axes[0])
+    costs = {k: c * 1e3 for k, c in simulated_costs(p).items()}
+    if p["schedule"] != "zb-h1":  # the measured B includes the weight gradients
+        costs["w"] = 0.0
+    plot_simulated_pipeline(p["schedule"], stages, p["microbatches"],
+                            p.get("virtual_stages", 1), ax=axes[1], unit="time (ms)", **costs)
+    axes[1].set_title("ideal (simulated with the measured mean F, B, W): "
+                      + axes[1].get_title().split(" — ")[1], fontsize=9)
+    return axes
+
+
+def plot_pipeline_bubbles(runs: dict, ax=None):
+    """Measured bubble per run (bars: mean over ranks, whiskers: min and max rank) next to
+    the formula (hatched), for runs {label: Run or metrics dict} with a pipeline trace."""
+    from hplab import pp as pipeline
+
+    ax = _axes(ax, figsize=(max(6.4, 1.1 * len(runs) + 2), 4.0))
+    labels = list(runs)
+    for i, label in enumerate(labels):
+        p = _pipeline(runs[label])
+        measured = p["bubble_fraction"]
+        mean = sum(measured) / len(measured)
+        ax.bar(i - 0.2, mean, 0.4, color="#4C72B0", label="measured" if i == 0 else None,
+               yerr=[[mean - min(measured)], [max(measured) - mean]], capsize=3)
+        formula = pipeline.bubble_formula(p["schedule"], p.get("stages", len(p["trace"])),
+                                          p["microbatches"],
+                                          p.get("virtual_stages", 1))["of_step"]
+        ax.bar(i + 0.2, formula, 0.4, color="white", edgecolor="#4C72B0", hatch="//",
+               label="formula (F = B = W)" if i == 0 else None)
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set(ylabel="idle fraction of the step", ylim=(0, 1),
+           title="Pipeline bubble: measured per run vs formula")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax

@@ -354,7 +354,7 @@ def test_pipeline_times_data_parallel_equals_one_process(runs):
     """pp = 2 × dp = 2, 4 microbatches per replica, gradient clipping on."""
     world, results = runs
     if world != 4:
-        pytest.skip("pp × dp needs 4 processes")
+        pytest.skip("pp × dp is in the 4-process launch")
     # one process: the global batch of 16 as the same 8 microbatches of 2
     ref_losses, ref_params = reference_run(8, PER_MICROBATCH * 4 * 2, 8, clip=0.05)
     for schedule in ("1f1b", "zb-h1"):
@@ -423,3 +423,35 @@ def test_clear_errors(runs):
     for r in results:
         assert "layers" in r["errors"]["layers"] and "--n-layer" in r["errors"]["layers"]
         assert f"multiple of {world}" in r["errors"]["interleaved_m"]
+
+
+# =========================================================================================
+# The command line: torchrun hplab/train.py --pp ... writes the trace into the metrics file
+# =========================================================================================
+
+def test_train_py_writes_the_pipeline_trace(tmp_path):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from hplab.dist import torchrun_command
+
+    repo = Path(__file__).resolve().parent.parent
+    metrics = tmp_path / "pp.json"
+    command = torchrun_command(4, str(repo / "hplab" / "train.py"), "--pp", "2", "--dp", "2",
+                               "--schedule", "zb-h1", "--microbatches", "4", "--batch-size", "8",
+                               "--steps", "2", "--n-layer", "2", "--n-embd", "32",
+                               "--seq-len", "16", "--no-progress", "--metrics", str(metrics))
+    done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pipeline = json.loads(metrics.read_text())["pipeline"]
+    assert (pipeline["schedule"], pipeline["stages"], pipeline["microbatches"]) == ("zb-h1", 2, 4)
+    assert len(pipeline["trace"]) == 4  # one list per rank
+    for events in pipeline["trace"]:
+        kinds = [e["kind"] for e in events]
+        assert kinds.count("F") == kinds.count("B") == kinds.count("W") == 4
+        # 2 stages: the first sends 4 activations, the second 4 gradients; each receives 4
+        assert kinds.count("send") == kinds.count("recv") == 4
+        assert set(events[0]) == {"kind", "microbatch", "chunk", "start_s", "end_s"}
+    assert pipeline["in_flight_max"] == [2, 2, 2, 2]
+    assert all(0 < b < 1 for b in pipeline["bubble_fraction"])
