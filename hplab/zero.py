@@ -62,7 +62,9 @@ and gives identical results.
 Any `torch.optim` optimizer works, because every rank steps a plain tensor (its master
 shard). The update equals the unsharded one when the optimizer is element-wise (SGD, Adam,
 AdamW: the sharded slices see exactly the numbers they would see in the whole tensor);
-optimizers that look at whole tensors (LAMB, Adafactor) would need per-parameter care.
+optimizers that look at whole tensors (LAMB, Adafactor) would need per-parameter care. A
+parameter that gets no gradient in a step steps with a zero gradient (as in DDP), where a
+single process would skip it: the same unless the optimizer decays weights.
 """
 
 from __future__ import annotations

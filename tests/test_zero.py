@@ -196,12 +196,57 @@ def _torch_fsdp2(mesh, args):
     return {"losses": losses, "params": params}
 
 
+class _Net(torch.nn.Module):
+    """Not a GPT: odd sizes (units padded to a multiple of N) and a parameter that never gets
+    a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(6, 7), torch.nn.Linear(7, 7)
+        self.unused, self.head = torch.nn.Linear(3, 3), torch.nn.Linear(7, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _any_module_any_optimizer(comm):
+    """hplab.zero.ZeRO on a plain module with SGD + momentum, against one process."""
+    from hplab.zero import ZeRO
+
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, 5, generator=g)) for _ in range(3)]
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    ref = _Net()
+    opt = sgd(ref.parameters())
+    for x, y in data:
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {}
+    n, r = comm.size, comm.rank
+    for stage in (1, 2, 3):
+        net = _Net()
+        zero = ZeRO(net, comm, stage, sgd, layers=[net.a, net.b])
+        for x, y in data:
+            b = x.shape[0] // n
+            torch.nn.functional.mse_loss(net(x[r * b:(r + 1) * b]), y[r * b:(r + 1) * b]).backward()
+            zero.step()
+        params = zero.full_parameters()
+        out[stage] = {"param": max(_rel(params[k], p.detach()) for k, p in ref.named_parameters()),
+                      "shards": [u.shard_numel for u in zero.units],
+                      "optim_bytes": sum(t.numel() * 4 for t in
+                                         zero.memory_tensors()["optim"])}
+    return out
+
+
 def _worker(world_size: int, extended: bool):
     from hplab.dist import Mesh
 
     mesh = Mesh.create(dp=world_size)
     config = _config()
     out = {"psi": config.num_params(), "n": world_size, "rank": mesh.rank}
+    out["any_module"] = _any_module_any_optimizer(mesh.dp)
 
     base = _args(world_size)
     ref_losses, ref_params, _ = _reference(base)
@@ -282,6 +327,15 @@ def test_stages_equal_pytorch_zero_redundancy_optimizer_and_fsdp2(results):
     r = results[0]
     for name in ("torch_zero1", "torch_fsdp2", "hplab_vs_torch_zero1", "hplab_vs_torch_fsdp2"):
         assert r[name]["loss"] < RTOL and r[name]["param"] < RTOL, (name, r[name])
+
+
+def test_any_module_any_optimizer_with_padding_and_an_unused_parameter(results):
+    n = results[0]["n"]
+    for stage, r in results[0]["any_module"].items():
+        assert r["param"] < RTOL, (stage, r)
+        # units: root = head 40 + unused 12 = 52 elements, a = 49, b = 56; each padded up
+        assert r["shards"] == [math.ceil(52 / n), math.ceil(49 / n), math.ceil(56 / n)]
+        assert r["optim_bytes"] == 4 * sum(r["shards"])  # SGD momentum: one fp32 per element
 
 
 def _formula(psi, n, stage, precision):
