@@ -152,12 +152,13 @@ def preflight(args, world_size: int):
     line (LayoutError / ValueError) instead of after N processes have started."""
     from hplab.data import TokenDataset
     from hplab.models.gpt import config_from_preset
-    from hplab.parallel import refuse_unavailable
+    from hplab.parallel import check_pipeline, refuse_unavailable
 
     resolve_layout(args, world_size)
     check_batch(args)
     refuse_unavailable(args)
     config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
+    check_pipeline(args, config.n_layer)
     dataset = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions)
     if dataset.vocab_size > config.vocab_size:
         raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
