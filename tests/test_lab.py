@@ -48,3 +48,30 @@ def test_a_failing_job_raises_its_one_line_error():
         lab.train(nproc=1, dp=3, steps=1, progress=False, timeout_s=120)
     message = str(err.value)
     assert message.startswith("hplab: error: layout dp=3") and "\n" not in message
+
+
+def test_plots_draw_from_a_metrics_dict_without_a_notebook():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from hplab import viz
+
+    kinds = {"params_bytes": 4, "grads_bytes": 4, "optim_bytes": 8, "master_bytes": 0,
+             "activation_bytes": 20, "peak_bytes": 36, "peak_rss_bytes": 1}
+    metrics = {"world_size": 1, "config": {"dp": 1, "tp": 1, "pp": 1, "zero": 0},
+               "steps": [{"step": 0, "loss": 2.0, "time_s": 0.1, "tokens": 10},
+                         {"step": 1, "loss": 1.5, "time_s": 0.1, "tokens": 10}],
+               "tokens_per_s": 100.0, "memory": [kinds], "comm": [{}]}
+    run = lab.Run(metrics)
+    assert run.label() == "dp=1" and run.losses == [2.0, 1.5]
+    ax = run.plot_loss()
+    assert ax.get_title() and ax.get_ylabel().startswith("loss")
+    ax = run.plot_memory(predicted={"params": 4, "grads": 4, "optim": 8})
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["measured (dp=1)", "formula"]
+    sizes = [2**k for k in range(10, 16)]
+    data = {"world_size": 4, "backend": "gloo", "repeats": 1, "ledger": {}, "demo": [],
+            "results": {"all_reduce": [{"bytes": s, "time_s": 1e-4 + s / 1e9} for s in sizes]}}
+    ax = lab.Collectives(data).plot()
+    assert "4 processes" in ax.get_title() and ax.get_xscale() == "log"
+    viz.plot_bubble_fraction(4, highlight=8)
+    viz.plot_zero_memory(1e9, highlight=(2, 8))
