@@ -47,12 +47,6 @@ class LaunchError(RuntimeError):
 
 # --- launching ----------------------------------------------------------------------------
 
-def launch_command(nproc: int, script: str | Path, args: list[str]) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc_per_node N script args...`"""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", str(script), *args]
-
-
 class _Progress:
     """A one-line text progress bar. In a notebook it is one output updated in place (so the
     saved notebook shows the final state); in a terminal it is redrawn with a carriage return."""
@@ -104,7 +98,9 @@ def launch(nproc: int, script: str | Path, args: list[str], label: str | None = 
     job's `hplab: error:` line (or the tail of its output) is raised as a LaunchError; past
     `timeout_s` the whole process group is killed and a LaunchError says so.
     """
-    command = launch_command(nproc, script, args)
+    from hplab.dist import torchrun_command
+
+    command = torchrun_command(nproc, str(script), *args)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO_DIR), os.environ.get("PYTHONPATH", "")]))
     label = label or f"{Path(script).name} on {nproc} processes"
