@@ -8,6 +8,8 @@ computes on the whole batch) and says precisely what differs:
     python -m hplab.check memory            # lab 00: count training memory by hand
     python -m hplab.check ring_allreduce    # lab 01: ring all-reduce from send/recv (4 ranks)
     python -m hplab.check buckets           # lab 02: bucketed, overlapped gradient all-reduce
+    python -m hplab.check zero1             # lab 03: the ZeRO-1 step (reduce-scatter, all-gather)
+    python -m hplab.check tp_linear         # lab 04: column/row-parallel linear layers, f and g
     python -m hplab.check planning          # lab 07: ZeRO memory and the pipeline bubble
     python -m hplab.check buckets my_copy.py
 
@@ -315,6 +317,246 @@ def _buckets_worker(paths: list[str]) -> list[list[tuple]]:
     return per_file
 
 
+# --- lab 03: the ZeRO-1 step (2 processes) ---------------------------------------------------
+
+ZERO1_LR, ZERO1_STEPS = 1e-2, 3
+
+
+def _zero1_worker(paths: list[str]) -> list[list[tuple]]:
+    """On every rank: train with the learner's ZeRO1 on this rank's half of each batch; compare
+    with one process's AdamW on the whole batch (gradient = mean of the two halves' gradients,
+    added in the same order as the reduce-scatter, so fp32 agrees to the last bits)."""
+    import torch
+    import torch.distributed as dist
+
+    from hplab.comm import CommTimeout
+    from hplab.dist import Mesh
+    from hplab.models.gpt import build_model, config_from_preset
+
+    mesh = Mesh.create(dp=dist.get_world_size())
+    comm, n, r = mesh.world, mesh.world.size, mesh.world.rank
+    config = config_from_preset("tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16)
+    batches = [torch.randint(0, config.vocab_size, (2 * n, config.n_positions + 1),
+                             generator=torch.Generator().manual_seed(step))
+               for step in range(ZERO1_STEPS)]
+
+    # the reference: one process, the whole global batch, an ordinary AdamW
+    reference_model = build_model(config, seed=0)
+    names = [name for name, _ in reference_model.named_parameters()]
+    reference_optimizer = torch.optim.AdamW(reference_model.parameters(), lr=ZERO1_LR,
+                                            weight_decay=0.0, foreach=False)
+    reference_params, reference_grads = [], []
+    for batch in batches:
+        grads = None
+        for k in range(n):
+            reference_model.zero_grad()
+            part = batch[k * 2:(k + 1) * 2]
+            reference_model(part[:, :-1], part[:, 1:])[1].backward()
+            mine = [p.grad / n for p in reference_model.parameters()]
+            grads = mine if grads is None else [g + m for g, m in zip(grads, mine)]
+        for p, g in zip(reference_model.parameters(), grads):
+            p.grad = g
+        reference_grads.append(torch.cat([g.reshape(-1) for g in grads]))
+        reference_optimizer.step()
+        reference_params.append([p.detach().clone() for p in reference_model.parameters()])
+    numel = reference_grads[0].numel()
+    shard = math.ceil(numel / n)
+    flat_bytes = 4 * shard * n
+
+    per_file = []
+    for path in paths:
+        results = []
+        try:
+            module = load_module(path)
+            model = build_model(config, seed=0)
+            opt = module.ZeRO1(list(model.parameters()), comm, lr=ZERO1_LR)
+        except Exception as err:
+            per_file.append([("import", False, _describe_exception(err, path))])
+            continue
+        for step, batch in enumerate(batches):
+            label = f"step {step + 1}"
+            mine = batch[r * 2:(r + 1) * 2]
+            model.zero_grad()
+            model(mine[:, :-1], mine[:, 1:])[1].backward()
+            mesh.ledger.reset()
+            try:
+                opt.step()
+            except CommTimeout as err:
+                results.append((label, False, f"{err} — do all ranks call the same collectives "
+                                "in the same order?"))
+                break
+            except Exception as err:
+                results.append((label, False, _describe_exception(err, path)))
+                break
+            used = mesh.ledger.as_dict()
+            rs = used.get("reduce_scatter", {"calls": 0, "bytes": 0})
+            ag = used.get("all_gather", {"calls": 0, "bytes": 0})
+            others = sorted(op for op in used if op not in ("reduce_scatter", "all_gather"))
+            expected_grad = torch.zeros(shard * n)
+            expected_grad[:numel] = reference_grads[step]
+            expected_grad = expected_grad[r * shard:(r + 1) * shard]
+            master_grad = getattr(getattr(opt, "master", None), "grad", None)
+            state = [t for s in opt.optimizer.state.values() for t in s.values()
+                     if torch.is_tensor(t) and t.dim() > 0]
+            state_numel = sum(t.numel() for t in state)
+            wrong = [(name, p, ref) for name, p, ref in
+                     zip(names, model.parameters(), reference_params[step])
+                     if not torch.allclose(p.detach(), ref, RTOL, ATOL)]
+            if others:
+                problem = (f"used {', '.join(others)}: ZeRO-1 needs only a reduce-scatter of the "
+                           "gradients and an all-gather of the parameters")
+            elif master_grad is None:
+                problem = "self.master.grad is None: give my shard its gradient before stepping"
+            elif master_grad.shape != expected_grad.shape or not torch.allclose(
+                    master_grad, expected_grad, RTOL, ATOL):
+                ratio = (float(master_grad.norm() / expected_grad.norm())
+                         if master_grad.shape == expected_grad.shape else float("nan"))
+                problem = ("self.master.grad is not my shard of the global-batch average "
+                           "gradient: " + (f"shape {tuple(master_grad.shape)}, expected "
+                                           f"{tuple(expected_grad.shape)}"
+                                           if master_grad.shape != expected_grad.shape else
+                                           _first_difference(master_grad, expected_grad)) +
+                           (f" — it is {ratio:.3g}× too large: divide by n" if
+                            abs(ratio - n) < 1e-3 else ""))
+            elif wrong:
+                name, got, ref = wrong[0]
+                problem = (f"{len(wrong)} of {len(names)} parameters differ from one process's "
+                           f"AdamW; first {name}: " + _first_difference(got.detach(), ref))
+            elif state_numel != 2 * shard:
+                problem = (f"the optimizer holds {state_numel:,} state elements; AdamW on my "
+                           f"shard holds 2 × {shard:,}")
+            elif (rs["calls"], rs["bytes"], ag["calls"], ag["bytes"]) != (1, flat_bytes, 1,
+                                                                          flat_bytes):
+                problem = (f"{rs['calls']} reduce-scatter(s) of {rs['bytes']:,} B and "
+                           f"{ag['calls']} all-gather(s) of {ag['bytes']:,} B; expected one "
+                           f"each of the padded flat buffer, {flat_bytes:,} B")
+            else:
+                problem = None
+            results.append((label, problem is None, problem or
+                            f"params equal one process's AdamW; one reduce-scatter + one "
+                            f"all-gather of {flat_bytes:,} B; Adam state {2 * shard:,} elements "
+                            f"= 2 × Ψ/{n}"))
+            if problem:
+                break
+        per_file.append(results)
+    return per_file
+
+
+# --- lab 04: column- and row-parallel linear layers, f and g (2 processes) ---------------------
+
+TP_CASES = [(2, 8, 16), (3, 5, 24)]  # (b, s, h): the MLP is h → 4h → h
+
+
+def _tp_linear_worker(paths: list[str]) -> list[list[tuple]]:
+    """On every rank: the learner's column → GeLU → row MLP against the whole MLP in one
+    process (the same seed, the same X); compare output, gradients and collectives."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from hplab.comm import CommTimeout
+    from hplab.dist import Mesh
+
+    mesh = Mesh.create(tp=dist.get_world_size())
+    comm, n, r = mesh.tp, mesh.tp.size, mesh.tp.rank
+
+    def full_layers(h):
+        torch.manual_seed(h)
+        return nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    per_file = []
+    for path in paths:
+        results = []
+        try:
+            module = load_module(path)
+        except Exception as err:
+            per_file.append([("import", False, _describe_exception(err, path))])
+            continue
+        for b, s, h in TP_CASES:
+            case = f"b={b} s={s} h={h}"
+            g = torch.Generator().manual_seed(b * s * h)
+            x_full, weights_r = torch.randn(b, s, h, generator=g), torch.randn(b, s, h, generator=g)
+            fc, proj = full_layers(h)  # the reference, one process
+            x_ref = x_full.clone().requires_grad_()
+            z_ref = proj(F.gelu(fc(x_ref)))
+            (z_ref * weights_r).sum().backward()
+            rows = slice(r * 4 * h // n, (r + 1) * 4 * h // n)
+            expected = {"column.weight": fc.weight.grad[rows], "column.bias": fc.bias.grad[rows],
+                        "row.weight": proj.weight.grad[:, rows], "row.bias": proj.bias.grad}
+            fc, proj = full_layers(h)  # fresh copies for the learner
+            x = x_full.clone().requires_grad_()
+            mesh.ledger.reset()
+            try:
+                column = module.ColumnParallelLinear(fc, comm)
+                row = module.RowParallelLinear(proj, comm)
+                z = row(F.gelu(column(x)))
+                forward_comm = mesh.ledger.as_dict()
+                mesh.ledger.reset()
+                (z * weights_r).sum().backward()
+                backward_comm = mesh.ledger.as_dict()
+            except CommTimeout as err:
+                results.append((case, False, f"{err} — do all ranks call the same collectives "
+                                "in the same order?"))
+                break
+            except Exception as err:
+                results.append((case, False, _describe_exception(err, path)))
+                break
+            z_bytes = z_ref.numel() * 4
+            # forward output
+            if z.shape != z_ref.shape:
+                results.append((f"{case}: forward", False, f"Z has shape {tuple(z.shape)}, "
+                                f"expected the full output {tuple(z_ref.shape)} on every rank"))
+            elif not torch.allclose(z, z_ref, RTOL, ATOL):
+                ratio = float((z - proj.bias).norm() / (z_ref - proj.bias).norm())
+                hint = (" — the bias is added before the all-reduce, so it counts T times: "
+                        "add it once, after g") if torch.allclose(
+                    z, z_ref + (n - 1) * proj.bias, RTOL, ATOL) else (
+                    " — only this rank's partial sum: g must all-reduce it"
+                    if abs(ratio - 1) > 1e-3 else "")
+                results.append((f"{case}: forward", False, "Z differs from the whole MLP: "
+                                + _first_difference(z.detach(), z_ref.detach()) + hint))
+            else:
+                results.append((f"{case}: forward", True, "Z equals the whole MLP's output"))
+            # the input gradient: f's backward
+            if x.grad is None or not torch.allclose(x.grad, x_ref.grad, RTOL, ATOL):
+                results.append((f"{case}: X.grad", False, "X.grad is not the single-process "
+                                "gradient: " + ("None" if x.grad is None else
+                                                _first_difference(x.grad, x_ref.grad)) +
+                                " — f's backward must all-reduce: each rank holds only its "
+                                "slice's contribution"))
+            else:
+                results.append((f"{case}: X.grad", True, "equals the single-process gradient "
+                                "(f summed the ranks' contributions)"))
+            # the parameter gradients: each a slice of the single-process gradient
+            got = {"column.weight": column.weight, "column.bias": column.bias,
+                   "row.weight": row.weight, "row.bias": row.bias}
+            wrong = []
+            for name, ref in expected.items():
+                p = got[name]
+                if not isinstance(p, nn.Parameter) or p.grad is None:
+                    wrong.append(f"{name} is not a Parameter with a gradient")
+                elif p.shape != ref.shape:
+                    wrong.append(f"{name} has shape {tuple(p.shape)}, expected this rank's "
+                                 f"slice {tuple(ref.shape)}")
+                elif not torch.allclose(p.grad, ref, RTOL, ATOL):
+                    wrong.append(f"{name}.grad: " + _first_difference(p.grad, ref))
+            results.append((f"{case}: parameter gradients", not wrong, "; ".join(wrong) or
+                            "each equals this rank's slice of the single-process gradient"))
+            # communication: one all-reduce of Z in forward, one of X.grad in backward
+            seen = {phase: {op: (v["calls"], v["bytes"]) for op, v in used.items()}
+                    for phase, used in (("forward", forward_comm), ("backward", backward_comm))}
+            want = {"all_reduce": (1, z_bytes)}
+            bad = [f"{phase}: {used or 'nothing'}" for phase, used in seen.items() if used != want]
+            results.append((f"{case}: communication", not bad,
+                            ("expected exactly one all-reduce of b·s·h·4 = "
+                             f"{z_bytes:,} B in forward and one in backward; saw (calls, bytes) "
+                             + "; ".join(bad)) if bad else
+                            f"one all-reduce of {z_bytes:,} B in forward (g), one in backward (f)"))
+        per_file.append(results)
+    return per_file
+
+
 # --- lab 07: the planner's first formulas (no processes: these are formulas) ---------------
 
 def check_planning(path: str) -> list[Result]:
@@ -368,6 +610,8 @@ EXERCISES = {
     "memory": ("00", "lab00_memory.py", 0, None),
     "ring_allreduce": ("01", "lab01_ring_allreduce.py", 4, _ring_worker),
     "buckets": ("02", "lab02_buckets.py", 2, _buckets_worker),
+    "zero1": ("03", "lab03_zero1.py", 2, _zero1_worker),
+    "tp_linear": ("04", "lab04_tp_linear.py", 2, _tp_linear_worker),
     "planning": ("07", "lab07_planning.py", 0, None),
 }
 

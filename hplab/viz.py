@@ -317,3 +317,38 @@ def plot_pipeline_bubbles(runs: dict, ax=None):
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     return ax
+
+
+def plot_memory_stacked(measured: dict[str, dict[str, float]],
+                        predicted: dict[str, dict[str, float]] | None = None, ax=None,
+                        title: str = "Memory per rank, stacked by kind"):
+    """One stacked bar per configuration ({label: {kind: bytes}}, solid: measured), with the
+    formula's stacked bar (hatched, same colours) beside it where `predicted` has the label."""
+    import numpy as np
+
+    ax = _axes(ax, (max(6.4, 1.6 * len(measured) + 2), 4.2))
+    colours = dict(zip(KIND_LABELS, ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")))
+    labels = list(measured)
+    x = np.arange(len(labels))
+    width = 0.38 if predicted else 0.6
+    for offset, source, is_formula in ((-width / 2 if predicted else 0, measured, False),
+                                       (width / 2, predicted or {}, True)):
+        bottom = np.zeros(len(labels))
+        for kind in KIND_LABELS:
+            heights = np.array([source.get(label, {}).get(kind, 0) / MiB for label in labels])
+            if not heights.any():
+                continue
+            ax.bar(x + offset, heights, width, bottom=bottom, color="white" if is_formula else
+                   colours[kind], edgecolor=colours[kind], hatch="//" if is_formula else None,
+                   label=None if is_formula else KIND_LABELS[kind])
+            bottom += heights
+        for i, total in enumerate(bottom):
+            if total:
+                ax.text(x[i] + offset, total, f"{total:.2f}", ha="center", va="bottom", fontsize=7)
+    if predicted:
+        ax.bar([0], [0], color="white", edgecolor="black", hatch="//", label="formula (hatched)")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set(ylabel="MiB per rank", title=title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax

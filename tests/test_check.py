@@ -2,7 +2,7 @@
 fail, and typical mistakes fail with the message that names them.
 
 Each exercise's files are checked in ONE launch (`run_check` takes several files): one
-4-process launch for the ring, one 2-process launch for the buckets.
+4-process launch for the ring, one 2-process launch each for the buckets and the ZeRO-1 step.
 """
 
 import textwrap
@@ -81,6 +81,72 @@ def bubble_fraction(pp, m):
 """
 
 
+# ZeRO-1 with an all-reduce of the whole gradient: right parameters, DDP's communication pattern.
+ZERO1_ALL_REDUCE = """
+import sys
+import torch
+sys.path.insert(0, {solutions!r})
+from lab03_zero1 import ZeRO1 as Reference
+
+class ZeRO1(Reference):
+    @torch.no_grad()
+    def step(self):
+        grads = torch.zeros(self.padded_numel)
+        grads[:self.numel] = torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.comm.all_reduce(grads)
+        grads /= self.comm.size
+        r = self.comm.rank
+        self.master.grad = grads[r * self.shard_numel:(r + 1) * self.shard_numel].clone()
+        self.optimizer.step()
+        full = torch.empty(self.padded_numel)
+        self.comm.all_gather(full, self.master.detach().clone())
+        offset = 0
+        for p in self.params:
+            p.copy_(full[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+"""
+
+# ZeRO-1 that forgets to divide by n: AdamW hardly notices the scale, the gradient check does.
+ZERO1_NO_DIVIDE = """
+import sys
+sys.path.insert(0, {solutions!r})
+import lab03_zero1
+
+class ZeRO1(lab03_zero1.ZeRO1):
+    def step(self):
+        for p in self.params:
+            p.grad.mul_(self.comm.size)  # so the solution's division by n cancels out
+        super().step()
+"""
+
+
+# Column parallel without f: forward right, X.grad only this rank's contribution.
+TP_NO_F = """
+import sys
+import torch.nn.functional as F
+sys.path.insert(0, {solutions!r})
+import lab04_tp_linear
+from lab04_tp_linear import CopyToTP, ReduceFromTP, RowParallelLinear
+
+class ColumnParallelLinear(lab04_tp_linear.ColumnParallelLinear):
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+"""
+
+# Row parallel that adds the bias before g: the bias is summed T times.
+TP_BIAS_BEFORE_G = """
+import sys
+import torch.nn.functional as F
+sys.path.insert(0, {solutions!r})
+import lab04_tp_linear
+from lab04_tp_linear import CopyToTP, ReduceFromTP, ColumnParallelLinear
+
+class RowParallelLinear(lab04_tp_linear.RowParallelLinear):
+    def forward(self, x_slice):
+        return ReduceFromTP.apply(F.linear(x_slice, self.weight, self.bias), self.comm)
+"""
+
+
 def _files(name, tmp_path, extra: dict[str, str]):
     filename = EXERCISES[name][1]
     paths = {"solution": SOLUTIONS_DIR / filename}
@@ -99,6 +165,8 @@ def outcomes(tmp_path_factory):
     wrong = {"memory": {"untied": MEMORY_UNTIED},
              "ring_allreduce": {"cheat": RING_CHEAT, "whole_tensor": RING_WHOLE_TENSOR},
              "buckets": {"no_overlap": BUCKETS_NO_OVERLAP},
+             "zero1": {"all_reduce": ZERO1_ALL_REDUCE, "no_divide": ZERO1_NO_DIVIDE},
+             "tp_linear": {"no_f": TP_NO_F, "bias_before_g": TP_BIAS_BEFORE_G},
              "planning": {"step_fraction": PLANNING_STEP_FRACTION}}
     out = {}
     for name in EXERCISES:
@@ -146,6 +214,32 @@ def test_buckets_without_overlap_fail(outcomes):
     assert results["bucket_bytes=inf"].passed  # one bucket: nothing to overlap with
     assert not results["bucket_bytes=0"].passed
     assert "after backward returned" in results["bucket_bytes=0"].message
+
+
+def test_zero1_refuses_an_all_reduce(outcomes):
+    results = outcomes["zero1"]["all_reduce"]
+    assert not results[0].passed and "used all_reduce" in results[0].message
+
+
+def test_zero1_names_the_missing_division(outcomes):
+    results = outcomes["zero1"]["no_divide"]
+    assert not results[0].passed
+    assert "not my shard of the global-batch average" in results[0].message
+    assert "2× too large: divide by n" in results[0].message
+
+
+def test_tp_linear_without_f_gets_the_input_gradient_wrong(outcomes):
+    results = {r.name: r for r in outcomes["tp_linear"]["no_f"]}
+    assert results["b=2 s=8 h=16: forward"].passed  # f does nothing in forward
+    failed = results["b=2 s=8 h=16: X.grad"]
+    assert not failed.passed and "f's backward must all-reduce" in failed.message
+    assert not results["b=2 s=8 h=16: communication"].passed
+
+
+def test_tp_linear_names_a_bias_added_before_g(outcomes):
+    results = {r.name: r for r in outcomes["tp_linear"]["bias_before_g"]}
+    failed = results["b=2 s=8 h=16: forward"]
+    assert not failed.passed and "add it once, after g" in failed.message
 
 
 def test_command_line_errors_are_one_line(capsys):
