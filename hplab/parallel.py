@@ -5,6 +5,22 @@ of the others. This module composes them for a layout, in a fixed order (torchti
 
     pipeline split → tensor parallel → recompute → data parallel / ZeRO (over the dp group)
 
+Every rank first builds the *whole* model from the seed (so the initial weights never depend on
+the layout). Then: the pipeline split decides which layers this rank's stage runs; tensor
+parallel cuts every layer into this rank's slices (`tp.parallelize_gpt`, run before the stage
+keeps its layers, because it swaps the embedding and head modules the stage takes); recompute
+is a flag the blocks read; last, data parallel (DDP buckets or a flat all-reduce) or ZeRO 1-2
+wraps *what is left*: ranks of one dp group hold the same slices of the same stage, so each
+slice's gradient is averaged (or reduce-scattered) with exactly its replicas.
+
+Which engine runs a layout:
+
+    --pp > 1                   PipelineEngine: stages (TP-cut when --tp > 1), dp sync by a
+                               flat all-reduce (--zero 0) or ZeRO 1/2; ZeRO-3 is refused
+    --zero 1-3                 ZeroEngine (TP-cut first when --tp > 1)
+    --tp > 1                   TensorParallelEngine: TP, then DDP buckets over mesh.dp
+    otherwise                  DataParallelEngine (also one process)
+
 and returns an `Engine`: an object whose `train_step(x, y)` runs one optimizer step on this
 rank's share of the global batch and returns the global batch's mean loss.
 
@@ -13,6 +29,11 @@ What every engine does in one step, whatever the layout:
     for each microbatch:  forward, loss / microbatches, backward   (gradients accumulate)
     synchronise gradients across the data-parallel group
     clip by global norm (if asked), optimizer step, zero the gradients
+
+Every engine also has a collective pair for unified checkpoints (hplab/checkpoint.py):
+`full_state()` gathers the single-device view (hplab names, full fp32 tensors, and each
+parameter's optimizer state) from whatever slices / stages / shards the ranks hold, and
+`load_full_state(...)` lets each rank of *any* layout cut out what it holds.
 """
 
 from __future__ import annotations
@@ -20,13 +41,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from hplab.dist import Mesh
 from hplab.memory import MemoryLedger, optimizer_state_tensors
 
 
 class NotAvailableYet(ValueError):
-    """A flag whose strategy is not built yet."""
+    """A combination of flags that hplab refuses, with the reason."""
 
 
 def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -52,6 +74,60 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, comm=None) -> flo
     return norm
 
 
+def is_tp_split(p: torch.Tensor) -> bool:
+    """A tensor-parallel slice of a bigger parameter (tp.py marks them)."""
+    return getattr(p, "tp_split", None) is not None
+
+
+def global_grad_norm(pieces, mesh: Mesh, replicated_over_dp: bool, skip=None) -> float:
+    """The L2 norm of the whole model's gradient, from the (parameter, gradient piece) pairs
+    this rank holds. Every element must be counted exactly once over all ranks, so a piece
+    counts here unless another rank holds the same numbers: a parameter replicated over the
+    tp group counts on tp rank 0 only, a DDP replica on dp rank 0 only, `skip` (the LM head's
+    copy of the tied embedding) not at all. ZeRO shards and TP slices are disjoint: all count.
+    One all-reduce over the world sums the squares."""
+    squares = 0.0
+    if not replicated_over_dp or mesh.dp_rank == 0:
+        for p, g in pieces:
+            if g is None or p is skip or (mesh.tp_rank != 0 and not is_tp_split(p)):
+                continue
+            squares += float(g.float().pow(2).sum())
+    return mesh.world.all_reduce_scalar(squares) ** 0.5
+
+
+def scale_to_norm(grads, norm: float, max_norm: float) -> None:
+    if norm > max_norm:
+        for g in grads:
+            if g is not None:
+                g.mul_(max_norm / (norm + 1e-6))
+
+
+@torch.no_grad()
+def whole(p: torch.Tensor, piece: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """The full tensor, on the CPU, of this rank's `piece` of parameter `p` (or of one of its
+    optimizer-state tensors, which have the parameter's shape): glued back over the tp group
+    when `p` is a tensor-parallel slice (a collective: every tp rank calls it)."""
+    if is_tp_split(p):
+        from hplab import tp
+
+        return tp.unshard(piece.to(mesh.device), p.tp_split, mesh.tp).cpu()
+    return piece.detach().cpu().clone()
+
+
+@torch.no_grad()
+def mine(p: torch.Tensor, full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's piece of a full tensor for parameter `p` (its tp slice, or all of it)."""
+    if is_tp_split(p):
+        from hplab import tp
+
+        return tp.shard(full.to(mesh.device), p.tp_split, mesh.tp)
+    return full.clone()
+
+
+def optimizer_state_of(optimizer, param) -> dict[str, torch.Tensor]:
+    return dict(optimizer.state.get(param, {}))
+
+
 class Engine:
     """One rank's share of training. Subclasses define how a step's gradients are made and
     synchronised; `memory_tensors()` says what the rank holds, for the MemoryLedger."""
@@ -68,6 +144,20 @@ class Engine:
 
     def measure_memory(self) -> dict[str, int]:
         return self.memory.measure(self.memory_tensors())
+
+    def param_names(self) -> dict[int, str]:
+        """id(parameter) → its single-device name (a tied parameter: its first name)."""
+        return {id(p): name for name, p in self.model.named_parameters()}
+
+    def full_state(self) -> tuple[dict, dict]:
+        """(model_state, optimizer_state): every parameter's full fp32 value and full optimizer
+        state tensors under its single-device name, gathered from this layout's pieces. A
+        collective (every rank calls it); the result is complete on rank 0."""
+        raise NotImplementedError
+
+    def load_full_state(self, model_state: dict, optimizer_state: dict) -> None:
+        """The reverse: every rank gets the full dicts and keeps the pieces it holds."""
+        raise NotImplementedError
 
     def forward_backward(self, model, x, y, scale: float) -> torch.Tensor:
         """Forward (activations measured), loss × scale, backward; returns the unscaled loss."""
@@ -129,20 +219,49 @@ class DataParallelEngine(Engine):
         return {**held, "optim": optimizer_state_tensors(self.optimizer),
                 "master": self.master.params if self.master else []}
 
+    def optimized_pairs(self):
+        """(model parameter, the tensor the optimizer steps for it: itself or its fp32 master)."""
+        return list(zip(self.ddp.params, self.master.params if self.master else self.ddp.params))
+
+    def full_state(self):
+        names = self.param_names()
+        model_state, optimizer_state = {}, {}
+        for p, q in self.optimized_pairs():  # same order on every rank: tp collectives match
+            name = names[id(p)]
+            model_state[name] = whole(p, q.detach().float(), self.mesh)
+            optimizer_state[name] = {k: whole(p, t, self.mesh) if t.dim() else t.clone()
+                                     for k, t in optimizer_state_of(self.optimizer, q).items()}
+        return model_state, optimizer_state
+
+    @torch.no_grad()
+    def load_full_state(self, model_state, optimizer_state):
+        names = self.param_names()
+        for p, q in self.optimized_pairs():
+            name = names[id(p)]
+            piece = mine(p, model_state[name].float(), self.mesh)
+            p.copy_(piece)
+            if q is not p:
+                q.copy_(piece)
+            if optimizer_state.get(name):
+                self.optimizer.state[q] = {
+                    k: mine(p, t, self.mesh).to(q.device) if t.dim() else t.clone()
+                    for k, t in optimizer_state[name].items()}
+
 
 # --- ZeRO (zero.py): a ZeroEngine goes here -------------------------------------------------
 
 class ZeroEngine(Engine):
     """ZeRO stage 1, 2 or 3 over the dp group (hplab/zero.py), with mixed precision and
-    offload. One unit per transformer block, the rest (embeddings, ln_f, tied head) in the
-    root unit. One step:
+    offload; with --tp > 1 the model is cut by tensor parallel first, and ZeRO shards each
+    rank's slices over the ranks holding the same slices. One unit per transformer block, the
+    rest (embeddings, ln_f, tied head) in the root unit. One step:
 
         for each microbatch: forward, loss × scale / microbatches, backward
                              (stage 3 gathers each block just in time; stages 2, 3
                              reduce-scatter each block's gradients as backward finishes it)
         shard gradients      fp32, unscaled: this rank's 1/N (stage 1 reduce-scatters here)
         fp16 overflow?       skip the step on every rank and halve the loss scale
-        clip                 squares of the shards summed over the dp group
+        clip                 squares of the shards (and tp slices) summed over the world
         optimizer step       on the master shards (on the CPU with --offload)
         update params        stages 1, 2: all-gather; stage 3: keep the shard
     """
@@ -152,6 +271,10 @@ class ZeroEngine(Engine):
         from hplab.zero import ZeRO
 
         super().__init__(model, mesh, args)
+        if mesh.tp_size > 1:  # tensor parallel first: ZeRO then shards each rank's slices
+            from hplab import tp
+
+            tp.parallelize_gpt(model, mesh.tp)
         self.precision = MixedPrecision(args.precision)
         blocks = list(getattr(getattr(model, "transformer", None), "h", []))
         self.zero = ZeRO(model, mesh.dp, args.zero,
@@ -168,10 +291,12 @@ class ZeroEngine(Engine):
                                                 self.precision.loss_scale / m))
             self.zero.backward_done()
         grads = self.zero.shard_gradients(unscale=1 / self.precision.loss_scale)
-        overflow = self.precision.found_overflow(grads, self.mesh.dp)
+        overflow = self.precision.found_overflow(grads, self.mesh.world)  # shards and slices
         if not overflow:
-            if self.args.grad_clip > 0:
-                clip_grad_norm(grads, self.args.grad_clip, self.mesh.dp)
+            if self.args.grad_clip > 0:  # shards over dp, slices over tp: count each once
+                norm = global_grad_norm(self.zero.grad_pieces(), self.mesh,
+                                        replicated_over_dp=False)
+                scale_to_norm(grads, norm, self.args.grad_clip)
             self.optimizer.step()
             self.zero.update_params()
         self.precision.update(overflow)
@@ -182,6 +307,27 @@ class ZeroEngine(Engine):
 
     def memory_tensors(self):
         return self.zero.memory_tensors()
+
+    def full_state(self):
+        values, states = self.zero.full_state()  # gathered over dp, still tp slices
+        names = self.param_names()
+        model_state, optimizer_state = {}, {}
+        for p in self.zero.unit_of:  # unit order: the same on every rank
+            name = names[id(p)]
+            model_state[name] = whole(p, values[p], self.mesh)
+            optimizer_state[name] = {k: whole(p, t, self.mesh) if t.dim() else t
+                                     for k, t in states[p].items()}
+        return model_state, optimizer_state
+
+    def load_full_state(self, model_state, optimizer_state):
+        names = self.param_names()
+        values, states = {}, {}
+        for p in self.zero.unit_of:
+            name = names[id(p)]
+            values[p] = mine(p, model_state[name].float(), self.mesh).cpu()
+            states[p] = {k: mine(p, t, self.mesh).cpu() if t.dim() else t
+                         for k, t in optimizer_state.get(name, {}).items()}
+        self.zero.load_full_state(values, states)
 
 
 
@@ -207,9 +353,6 @@ class TensorParallelEngine(DataParallelEngine):
         if mesh.tp_size == 1:
             raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel "
                              "group: use it with --tp 2 or more")
-        if args.zero > 0 or getattr(args, "offload", False):
-            raise NotAvailableYet("--zero / --offload together with --tp is not available yet: "
-                                  "use --zero 0 with --tp, or --tp 1 with --zero")
         self.tp = tp
         tp.parallelize_gpt(model, mesh.tp, sequence_parallel=args.sequence_parallel)
         super().__init__(model, mesh, args)  # data parallel over mesh.dp, AdamW on the slices
@@ -260,33 +403,72 @@ def check_pipeline(args, n_layer: int) -> None:
 
 
 class PipelineEngine(Engine):
-    """Pipeline parallel over mesh.pp (hplab/pp.py), with data parallel over mesh.dp.
+    """Pipeline parallel over mesh.pp (hplab/pp.py), composed with tensor parallel inside each
+    stage and data parallel or ZeRO 1-2 over mesh.dp — the whole dp × tp × pp × zero layout.
 
-    One step: this rank runs its action list of the schedule (forwards, backwards and the
-    point-to-point messages of its chunks); the tied embedding / LM-head gradient is summed
-    between the first and last stage; then the stage's gradients are averaged over the dp
-    group with one plain all-reduce of a flat buffer (no overlap with the schedule: simple,
-    and the schedule's trace stays pure pipeline); clip by the global norm (squares summed
-    over the stages), optimizer step on the stage's own parameters.
+    Built in the fixed order: the whole model from the seed → tensor parallel cuts every layer
+    (mesh.tp) → the stage keeps its layers and frees the rest → recompute (a flag) → data
+    parallel over mesh.dp: ranks of one dp group hold the same slices of the same stage.
+
+    One step:
+
+        pipeline schedule      this rank's action list: F, B (W) of its chunks, p2p messages;
+                               TP collectives inside every layer; ZeRO-2 reduce-scatters
+                               each block's gradients as soon as its B is done
+        tied embedding         the first stage's wte and the last stage's LM head are one
+                               weight: their gradients are summed between the two ranks
+        data parallel          --zero 0: one all-reduce of the stage's flat gradients;
+                               ZeRO 1: reduce-scatter now; ZeRO 2: wait for the last ones
+        fp16 overflow?         checked over the world: every rank skips together
+        clip                   global norm: squares summed over the world, each element once
+        optimizer step         on the stage's parameters / fp32 masters / ZeRO shards
     """
 
     def __init__(self, model, mesh, args):
         from hplab import pp
+        from hplab.precision import MasterWeights, MixedPrecision
 
         super().__init__(model, mesh, args)
         self.pp = pp
         p, v, m = mesh.pp_size, args.virtual_stages, args.microbatches
         self.plans = pp.build_schedule(args.schedule, p, m, v)  # checks p, m, v
+        if mesh.tp_size > 1:
+            from hplab import tp
+
+            tp.parallelize_gpt(model, mesh.tp)
         self.stages = pp.build_stages(model, mesh.pp_rank, p, v)  # checks layers ≥ chunks
         pp.free_unowned_parameters(model, self.stages)
         self.params = pp.stage_parameters(self.stages)
+        self.is_first = any(s.is_first for s in self.stages)
+        ends = [s.wte for s in self.stages if s.is_first] + \
+               [s.lm_head for s in self.stages if s.is_last]
+        self.tied_module = ends[0] if ends else None  # this rank's copy of the tied weight
+        self.tied = self.tied_module.weight if ends else None
         self.tied_comm = pp.tied_embedding_group(mesh)
+        self.precision = MixedPrecision(args.precision)
+        self.master = self.zero = None
+        make = lambda params: make_optimizer(params, args.lr, args.weight_decay)  # noqa: E731
+        if args.zero:
+            from hplab.zero import ZeRO
+
+            # The tied weight gets a unit of its own: same flat layout on the first and the
+            # last stage, so its gradient shards can be summed between the two.
+            units = [self.tied_module] * (self.tied is not None) + \
+                [block for s in self.stages for block in s.blocks]
+            self.zero = ZeRO(torch.nn.ModuleList(self.stages), mesh.dp, args.zero, make,
+                             layers=units, param_dtype=self.precision.param_dtype,
+                             offload=args.offload)
+            self.optimizer = self.zero.optimizer
+        else:
+            with torch.no_grad():  # every dp replica starts from dp rank 0's weights
+                for t in self.params:
+                    mesh.dp.broadcast(t, src=0)
+            self.master = MasterWeights(self.params) if self.precision.mixed else None
+            model.to(self.precision.param_dtype)
+            self.optimizer = make(self.master.params if self.master else self.params)
         self.executor = pp.PipelineExecutor(self.stages, self.plans[mesh.pp_rank], mesh.pp,
-                                            memory=self.memory)
-        with torch.no_grad():  # data parallel: every replica starts from dp rank 0's weights
-            for t in self.params:
-                mesh.dp.broadcast(t, src=0)
-        self.optimizer = make_optimizer(self.params, args.lr, args.weight_decay)
+                                            memory=self.memory,
+                                            dtype=self.precision.param_dtype)
         self.step_start = 0.0
 
     def train_step(self, x, y) -> float:
@@ -298,41 +480,136 @@ class PipelineEngine(Engine):
                 f"this rank's batch of {x.shape[0]} sequences does not split into "
                 f"--microbatches {m}: use a batch size that is a multiple of dp × microbatches")
         self.step_start = time.perf_counter()
+        self.executor.loss_scale = self.precision.loss_scale
         losses = self.executor.run(list(x.chunk(m)), list(y.chunk(m)))
-        self.pp.sync_tied_gradients(self.stages, self.tied_comm)
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.mesh.dp_size > 1:
-            flat = torch.cat([p.grad.flatten() for p in self.params])
-            self.mesh.dp.all_reduce(flat)
-            flat /= self.mesh.dp_size
-            offset = 0
+        unscale = 1 / self.precision.loss_scale
+        if self.zero:
+            self.zero.backward_done()  # ZeRO-2: the last reduce-scatters
+            self._sum_tied_gradient()
+            grads = self.zero.shard_gradients(unscale)
+            pieces = lambda: self.zero.grad_pieces()  # noqa: E731
+        else:
             for p in self.params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-        if self.args.grad_clip > 0:  # the norm counts the tied weight once; scale every copy
-            norm = clip_grad_norm(self._unique_grads(), 0.0, self.mesh.pp)
-            if norm > self.args.grad_clip:
-                for p in self.params:
-                    p.grad.mul_(self.args.grad_clip / (norm + 1e-6))
-        self.optimizer.step()
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._sum_tied_gradient()
+            self._all_reduce_over_dp([p.grad for p in self.params])
+            grads = self.master.take_grads(self.params, unscale) if self.master \
+                else [p.grad for p in self.params]
+            pieces = lambda: zip(self.params, grads)  # noqa: E731
+        overflow = self.precision.found_overflow(grads, self.mesh.world)
+        if not overflow:
+            if self.args.grad_clip > 0:  # the LM head's copy of the tied weight counts once
+                norm = global_grad_norm(pieces(), self.mesh, replicated_over_dp=not self.zero,
+                                        skip=None if self.is_first else self.tied)
+                scale_to_norm(grads, norm, self.args.grad_clip)
+            self.optimizer.step()
+            if self.zero:
+                self.zero.update_params()
+            elif self.master:
+                self.master.copy_to(self.params)
+        self.precision.update(overflow)
         self.measure_memory()
-        for p in self.params:
-            p.grad = None
+        if self.zero:
+            self.zero.zero_grad()
+        else:
+            for p in self.params:
+                p.grad = None
+            if self.master:
+                self.master.zero_grad()
         loss = self.mesh.pp.all_reduce_scalar(sum(losses)) / m  # only the last stage has them
         return self.mesh.dp.all_reduce_scalar(loss) / self.mesh.dp_size
 
-    def _unique_grads(self):
-        """Gradients for the global norm: the tied weight counts once (on the first stage)."""
-        first_stage = any(s.is_first for s in self.stages)
-        tied = None if first_stage else next((s.lm_head.weight for s in self.stages
-                                              if s.is_last), None)
-        return [p.grad for p in self.params if p is not tied]
+    @torch.no_grad()
+    def _sum_tied_gradient(self) -> None:
+        """Embedding (first stage) and LM head (last stage) are one weight split over two
+        ranks: sum their gradients so both copies take the same step (Megatron's embedding
+        group). Under ZeRO-2 the gradient already lives in its unit's shard; the unit has the
+        same layout on both ends, so the shards are summed."""
+        if self.tied_comm is None or self.tied is None:
+            return
+        if self.zero and self.zero.stage >= 2:
+            self.tied_comm.all_reduce(self.zero.unit_of[self.tied].grad_shard)
+        else:
+            self.tied_comm.all_reduce(self.tied.grad)
+
+    @torch.no_grad()
+    def _all_reduce_over_dp(self, grads: list[torch.Tensor]) -> None:
+        """Average the stage's gradients over mesh.dp with one all-reduce of a flat buffer (no
+        overlap with the schedule: simple, and the trace stays pure pipeline)."""
+        if self.mesh.dp_size == 1:
+            return
+        flat = torch.cat([g.flatten() for g in grads])
+        self.mesh.dp.all_reduce(flat)
+        flat /= self.mesh.dp_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def memory_tensors(self):
+        if self.zero:
+            return self.zero.memory_tensors()
         return {"params": self.params, "grads": [p.grad for p in self.params],
-                "optim": optimizer_state_tensors(self.optimizer), "master": []}
+                "optim": optimizer_state_tensors(self.optimizer),
+                "master": self.master.params if self.master else []}
+
+    def _local_state(self):
+        """This rank's stage, glued back over tp (and dp-ZeRO shards): {name: ...} pairs."""
+        names = self.param_names()
+        if self.zero:
+            values, states = self.zero.full_state()
+            order = list(self.zero.unit_of)
+        else:
+            optimized = self.master.params if self.master else self.params
+            values = {p: q.detach().float() for p, q in zip(self.params, optimized)}
+            states = {p: optimizer_state_of(self.optimizer, q)
+                      for p, q in zip(self.params, optimized)}
+            order = self.params
+        model_state = {names[id(p)]: whole(p, values[p], self.mesh) for p in order}
+        optimizer_state = {names[id(p)]: {k: whole(p, t, self.mesh) if t.dim() else t.clone()
+                                          for k, t in states[p].items()} for p in order}
+        return model_state, optimizer_state
+
+    def full_state(self):
+        """Each stage's state (tp and ZeRO pieces glued together first), sent to rank 0 by
+        the (dp 0, tp 0) rank of every stage."""
+        local = self._local_state()
+        if self.mesh.dp_rank or self.mesh.tp_rank:
+            local = ({}, {})
+        everyone = [None] * dist.get_world_size() if self.mesh.rank == 0 else None
+        dist.gather_object(local, everyone, dst=0)  # in memory, between our own processes
+        if self.mesh.rank != 0:
+            return {}, {}
+        model_state, optimizer_state = {}, {}
+        for stage_model, stage_optimizer in everyone:
+            model_state.update(stage_model)
+            optimizer_state.update(stage_optimizer)
+        return model_state, optimizer_state
+
+    @torch.no_grad()
+    def load_full_state(self, model_state, optimizer_state):
+        names = self.param_names()
+        if self.zero:
+            values, states = {}, {}
+            for p in self.zero.unit_of:
+                name = names[id(p)]
+                values[p] = mine(p, model_state[name].float(), self.mesh).cpu()
+                states[p] = {k: mine(p, t, self.mesh).cpu() if t.dim() else t
+                             for k, t in optimizer_state.get(name, {}).items()}
+            self.zero.load_full_state(values, states)
+            return
+        optimized = self.master.params if self.master else self.params
+        for p, q in zip(self.params, optimized):
+            name = names[id(p)]
+            piece = mine(p, model_state[name].float(), self.mesh)
+            p.copy_(piece)
+            if q is not p:
+                q.copy_(piece)
+            if optimizer_state.get(name):
+                self.optimizer.state[q] = {
+                    k: mine(p, t, self.mesh).to(q.device) if t.dim() else t.clone()
+                    for k, t in optimizer_state[name].items()}
 
     def pipeline_report(self) -> dict:
         """This rank's trace of the last step and what it held, for the metrics file. Times
@@ -351,18 +628,23 @@ class PipelineEngine(Engine):
 
 
 def refuse_unavailable(args) -> None:
-    """Flags of strategies not built yet get one clear line instead of a wrong run."""
-    wanted = {
-        "--save / --resume (unified checkpoints)": bool(args.save or args.resume),
-        "--zero with --pp": args.zero > 0 and args.pp > 1,
-        "--tp / --sequence-parallel with --pp": args.pp > 1 and (
-            args.tp > 1 or args.sequence_parallel),
-        f"--precision {args.precision} with --pp": args.precision != "fp32" and args.pp > 1,
+    """Combinations hplab refuses get one line with the reason, instead of a wrong run."""
+    refused = {
+        "--zero 3 with --pp: ZeRO-3 would gather every layer again for every microbatch's "
+        "forward and backward (DeepSpeed and Colossal-AI refuse it too); use --zero 1 or 2":
+            args.zero == 3 and args.pp > 1,
+        "--sequence-parallel with --pp or --zero: sequence parallel runs with --tp and --dp "
+        "only": args.sequence_parallel and (args.pp > 1 or args.zero > 0),
+        "--zero 2 with --schedule zb-h1: ZeRO-2 sends each layer's gradients when backward "
+        "finishes them, and ZB-H1 defers weight gradients; use --zero 1":
+            args.zero == 2 and args.pp > 1 and args.schedule == "zb-h1",
     }
-    missing = [name for name, asked in wanted.items() if asked]
-    if missing:
-        raise NotAvailableYet(f"not available yet: {', '.join(missing)} — each strategy runs "
-                              "on its own and with --dp; these combinations are not built yet")
+    reasons = [reason for reason, asked in refused.items() if asked]
+    if reasons:
+        raise NotAvailableYet("not supported: " + "; ".join(reasons))
+    if args.offload and args.zero == 0:
+        raise ValueError("--offload moves ZeRO's sharded optimizer state to the CPU: use it "
+                         "with --zero 1, 2 or 3")
 
 
 def build_engine(model: torch.nn.Module, mesh: Mesh, args) -> Engine:
@@ -371,11 +653,8 @@ def build_engine(model: torch.nn.Module, mesh: Mesh, args) -> Engine:
     model.recompute = args.recompute
     if args.pp > 1:
         return PipelineEngine(model, mesh, args)
-    if args.tp > 1 or args.sequence_parallel:
-        return TensorParallelEngine(model, mesh, args)
     if args.zero > 0:
         return ZeroEngine(model, mesh, args)
-    if args.offload:
-        raise ValueError("--offload moves ZeRO's sharded optimizer state to the CPU: use it "
-                         "with --zero 1, 2 or 3")
+    if args.tp > 1 or args.sequence_parallel:
+        return TensorParallelEngine(model, mesh, args)
     return DataParallelEngine(model, mesh, args)

@@ -557,6 +557,7 @@ class PipelineExecutor:
             for s in stages:
                 split_linear_backward(s, self.deferred)
         self.dtype = dtype
+        self.loss_scale = 1.0  # fp16: the loss is multiplied by this before backward
         self.trace: list[TraceEvent] = []
         self.in_flight_max = 0
         self.activation_bytes_in_flight_max = 0
@@ -603,9 +604,9 @@ class PipelineExecutor:
                 with tracker as counted:
                     out = stage(x)
                     if stage.is_last:
-                        loss = loss_fn(out, targets[mb])
+                        loss = stage.gpt.loss_fn(out, targets[mb])  # vocab-parallel under TP
                         step_losses.append(loss.detach())
-                        out = loss / m  # each microbatch contributes 1/m of the batch's mean
+                        out = loss * self.loss_scale / m  # 1/m of the batch's mean
                 stage_in[(mb, c)], stage_out[(mb, c)] = x, out
                 act_bytes[(mb, c)] = counted[0]
                 held, held_bytes = held + 1, held_bytes + act_bytes[(mb, c)]

@@ -82,9 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep optimizer state and step on the CPU (with --zero)")
     out = p.add_argument_group("output")
     out.add_argument("--metrics", help="write the metrics JSON here (rank 0)")
-    out.add_argument("--save", help="save a unified checkpoint to this directory")
-    out.add_argument("--save-every", type=int, default=0)
-    out.add_argument("--resume", help="resume from a unified checkpoint directory")
+    out.add_argument("--save", help="save a unified checkpoint to this directory at the end "
+                                    "(one single-device, Hugging Face-loadable layout)")
+    out.add_argument("--save-every", type=int, default=0,
+                     help="with --save: also save every N steps (0: only at the end)")
+    out.add_argument("--resume", help="resume from a unified checkpoint directory, under any "
+                                      "layout; --steps counts from the start of the first run")
     out.add_argument("--config", help="a recipe file from configs/")
     out.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     out.add_argument("--nproc", type=int, default=None,
@@ -145,6 +148,8 @@ def check_batch(args) -> None:
                          "multiple of the microbatch count")
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.save_every < 0 or (args.save_every and not args.save):
+        raise ValueError(f"--save-every {args.save_every} needs --save DIR and N ≥ 0")
 
 
 def preflight(args, world_size: int):
@@ -159,6 +164,15 @@ def preflight(args, world_size: int):
     refuse_unavailable(args)
     config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
     check_pipeline(args, config.n_layer)
+    if args.resume:
+        from hplab import checkpoint
+
+        found = checkpoint.find(args.resume)  # CheckpointError (one line) if there is none
+        step = json.loads((found / "trainer_state.json").read_text())["step"]
+        if step >= args.steps:
+            raise checkpoint.CheckpointError(
+                f"{found} is already at step {step}: ask for more with --steps (it counts "
+                "from the first run's start)")
     dataset = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions)
     if dataset.vocab_size > config.vocab_size:
         raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
@@ -179,25 +193,71 @@ def launch(args, argv: list[str]) -> int:
 
 
 def summary_table(metrics: dict) -> str:
-    """The end-of-run report: loss, throughput, memory by kind and comm by op, per rank."""
+    """The end-of-run report: loss, throughput; per rank its mesh coordinates, memory by kind,
+    and communication by dimension (dp / tp / pp / world) as calls and MiB."""
     MiB = 2**20
     steps = metrics["steps"]
     lines = [f"loss {steps[0]['loss']:.4f} → {steps[-1]['loss']:.4f} over {len(steps)} steps; "
              f"{metrics['tokens_per_s']:,.0f} tokens/s on {metrics['world_size']} processes "
              f"({metrics['backend']})", "",
              "memory per rank (MiB)   params    grads    optim   master  activ.     peak"]
+    coords = [f"dp{c['dp_rank']} tp{c['tp_rank']} pp{c['pp_rank']}"
+              for c in metrics.get("mesh") or [{"dp_rank": 0, "tp_rank": 0, "pp_rank": 0}] *
+              len(metrics["memory"])]
     for r, m in enumerate(metrics["memory"]):
-        lines.append(f"  rank {r:<17}" + "".join(
+        lines.append(f"  rank {r} {coords[r]:<15}" + "".join(
             f"{m[k] / MiB:9.2f}" for k in ("params_bytes", "grads_bytes", "optim_bytes",
                                            "master_bytes", "activation_bytes", "peak_bytes")))
-    ops = sorted({op for c in metrics["comm"] for op in c})
-    lines += ["", "communication per rank   " + "".join(f"{op:>22}" for op in ops),
-              "  (calls / MiB)"]
-    for r, c in enumerate(metrics["comm"]):
-        cells = [f"{c[op]['calls']:>8} / {c[op]['bytes'] / MiB:10.2f}" if op in c else
-                 f"{'-':>21}" for op in ops]
-        lines.append(f"  rank {r:<18}" + " ".join(cells))
+    by_group = metrics.get("comm_by_group") or [{"all": c} for c in metrics["comm"]]
+    for family in ("dp", "tp", "pp", "world", "all"):
+        rows = [g.get(family, {}) for g in by_group]
+        ops = sorted({op for row in rows for op in row})
+        if not ops:
+            continue
+        lines += ["", f"communication over {family} (calls / MiB)".ljust(25) +
+                  "".join(f"{op:>22}" for op in ops)]
+        for r, c in enumerate(rows):
+            cells = [f"{c[op]['calls']:>8} / {c[op]['bytes'] / MiB:10.2f}" if op in c else
+                     f"{'-':>21}" for op in ops]
+            lines.append(f"  rank {r} {coords[r]:<15} " + " ".join(cells))
     return "\n".join(lines)
+
+
+def resume(engine, args, config) -> int:
+    """Load a unified checkpoint into this layout; return the step to continue from."""
+    from hplab import checkpoint
+
+    saved = checkpoint.load(args.resume)  # every rank reads it: the files are local
+    checkpoint.check_compatible(saved["config"], config)
+    state = saved["trainer_state"]
+    engine.load_full_state(saved["model"], saved["optimizer"])
+    checkpoint.restore_rng(saved["rng"])
+    scaler = getattr(getattr(engine, "precision", None), "scaler", None)
+    if scaler is not None and "loss_scale" in state:
+        scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
+    return state["step"]
+
+
+def save(engine, args, config, step: int, steps: list) -> None:
+    """Gather the single-device state (a collective), rank 0 writes it atomically, then
+    everyone waits so no rank runs ahead of a checkpoint still being written."""
+    import torch.distributed as dist
+
+    from hplab import checkpoint
+
+    ledger = engine.mesh.ledger  # the gathers are checkpoint traffic, not training: unrecorded
+    training_traffic = ledger.by_group
+    ledger.reset()
+    model_state, optimizer_state = engine.full_state()
+    ledger.by_group = training_traffic
+    if dist.get_rank() == 0:
+        scaler = getattr(getattr(engine, "precision", None), "scaler", None)
+        trainer_state = {"step": step, "config": vars(args),
+                         "losses": [s["loss"] for s in steps]}
+        if scaler is not None:
+            trainer_state.update(loss_scale=scaler.scale, good_steps=scaler.good_steps)
+        checkpoint.save(args.save, config, model_state, optimizer_state, trainer_state)
+    dist.barrier()
 
 
 def run(args) -> dict | None:
@@ -215,10 +275,11 @@ def run(args) -> dict | None:
     mesh = Mesh.create(args.dp, args.tp, args.pp, device)
     model = build_model(config, args.seed).to(device)
     engine = build_engine(model, mesh, args)
+    first_step = resume(engine, args, config) if args.resume else 0
 
     is_rank0 = mesh.rank == 0
-    bar = tqdm(range(args.steps), disable=not is_rank0 or args.no_progress, unit="step",
-               dynamic_ncols=True, file=sys.stdout)
+    bar = tqdm(range(first_step, args.steps), disable=not is_rank0 or args.no_progress,
+               unit="step", dynamic_ncols=True, file=sys.stdout)
     steps, tokens_per_step = [], args.batch_size * config.n_positions
     for step in bar:
         indices = global_batch_indices(len(dataset), step, args.batch_size, args.seed)
@@ -228,14 +289,16 @@ def run(args) -> dict | None:
         elapsed = time.perf_counter() - start
         steps.append({"step": step, "loss": loss, "time_s": elapsed, "tokens": tokens_per_step})
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
+        if args.save and (step + 1 == args.steps or
+                          (args.save_every and (step + 1) % args.save_every == 0)):
+            save(engine, args, config, step + 1, steps)
     bar.close()
 
     # First step excluded from throughput: it pays one-time costs (allocations, warm-up).
     timed = steps[1:] or steps
     per_rank = {"memory": engine.memory.as_dict(), "comm": mesh.ledger.as_dict(),
                 "comm_by_group": mesh.ledger.by_group_dict(), "mesh": mesh.describe(),
-                "pipeline": engine.pipeline_report() if hasattr(engine, "pipeline_report")
-                else None}  # the last step's timeline of every F, B, W, send, recv (--pp > 1)
+                "pipeline": engine.pipeline_report() if args.pp > 1 else None}  # the last step's timeline of every F, B, W, send, recv (--pp > 1)
     gathered = [None] * dist.get_world_size() if is_rank0 else None
     dist.gather_object(per_rank, gathered, dst=0)
     if not is_rank0:

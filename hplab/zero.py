@@ -141,8 +141,9 @@ class FlatUnit:
             self.grad_full = None
             self.grad_shard = torch.zeros(self.shard_numel, dtype=param_dtype, device=device)
 
-        self.ready = 0  # params whose gradient backward has finished, this backward
-        self.reducing = None  # (input, output, Pending) of the in-flight reduce-scatter
+        self.ready = 0  # params whose gradient backward has finished since the last send
+        self.reducing = []  # (input, output, Pending) of in-flight reduce-scatters (a
+        #                     pipeline runs several microbatches' backwards before waiting)
         self.gathering = None  # the in-flight all-gather (stage 3)
         self.gathered = stage != 3
 
@@ -185,13 +186,14 @@ class FlatUnit:
             offset += p.numel()
         flat.div_(self.comm.size)
         out = torch.empty_like(self.grad_shard)
-        self.reducing = (flat, out, self.comm.reduce_scatter(out, flat, async_op=True))
+        self.reducing.append((flat, out, self.comm.reduce_scatter(out, flat, async_op=True)))
+        self.ready = 0
 
     def finish_reduce_scatter(self) -> None:
-        flat, out, pending = self.reducing
-        pending.wait()
-        self.grad_shard.add_(out)
-        self.reducing = None
+        for flat, out, pending in self.reducing:
+            pending.wait()
+            self.grad_shard.add_(out)
+        self.reducing = []
 
 
 # --- ZeRO ---------------------------------------------------------------------------------------
@@ -311,7 +313,7 @@ class ZeRO:
         unit = self.unit_of[param]
         unit.ready += 1
         if unit.ready == len(unit.params):
-            unit.start_reduce_scatter()
+            unit.start_reduce_scatter()  # (resets unit.ready: the next microbatch counts anew)
             if self.stage == 3:  # this layer's backward is over: free its parameters
                 unit.release()
 
@@ -321,11 +323,10 @@ class ZeRO:
         if self.stage == 1:
             return
         for u in self.units:  # the same order on every rank
-            if u.reducing is None and u.ready < len(u.params):
+            if not u.reducing or u.ready > 0:  # never sent, or some gradients not yet sent
                 u.start_reduce_scatter()
         for u in self.units:
             u.finish_reduce_scatter()
-            u.ready = 0
             if self.stage == 3 and u.gathered:
                 u.release()
         self.in_backward = False
@@ -398,6 +399,69 @@ class ZeRO:
                 "grads": grads,
                 "optim": optimizer_state_tensors(self.optimizer),
                 "master": [u.master for u in units]}
+
+    # -- unified checkpoints: every unit back in one piece, and cut again ---------------------
+    def _param_slices(self, unit: FlatUnit):
+        offset = 0
+        for p in unit.params:
+            yield p, slice(offset, offset + p.numel())
+            offset += p.numel()
+
+    @torch.no_grad()
+    def _gather(self, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(unit.padded, dtype=shard.dtype, device=unit.full.device)
+        self.comm.all_gather(full, shard.detach().to(unit.full.device), async_op=False)
+        return full
+
+    @torch.no_grad()
+    def full_state(self) -> tuple[dict, dict]:
+        """({param: full fp32 value}, {param: {state name: full tensor}}), gathered from the
+        master shards and their optimizer state (a collective over the dp group)."""
+        values, states = {}, {}
+        for u in self.units:
+            flat = self._gather(u, u.master)
+            state = self.optimizer.state.get(u.master, {})
+            flat_state = {k: (self._gather(u, t) if t.dim() else t) for k, t in state.items()}
+            for p, where in self._param_slices(u):
+                values[p] = flat[where].view(p.shape).cpu()
+                states[p] = {k: (t[where].view(p.shape).cpu() if t.dim() else t.cpu())
+                             for k, t in flat_state.items()}
+        return values, states
+
+    @torch.no_grad()
+    def load_full_state(self, values: dict, states: dict) -> None:
+        """The reverse of `full_state`: each rank keeps its shard of every unit."""
+        for u in self.units:
+            flat = torch.zeros(u.padded, dtype=torch.float32)
+            for p, where in self._param_slices(u):
+                flat[where] = values[p].reshape(-1).float().cpu()
+            if self.stage == 3:
+                u.shard.copy_(flat[u.lo:u.hi])
+            else:
+                u.full.copy_(flat)
+            if not u.master_is_shard:
+                u.master.copy_(flat[u.lo:u.hi])
+            saved = [states[p] for p in u.params if states.get(p)]
+            if saved:
+                state = {}
+                for k, t in saved[0].items():
+                    if t.dim() == 0:  # e.g. Adam's step count, kept where the optimizer had it
+                        state[k] = t.clone()
+                        continue
+                    flat_t = torch.zeros(u.padded, dtype=t.dtype)
+                    for p, where in self._param_slices(u):
+                        flat_t[where] = states[p][k].reshape(-1)
+                    state[k] = flat_t[u.lo:u.hi].clone().to(u.master.device)
+                self.optimizer.state[u.master] = state
+
+    def grad_pieces(self):
+        """(param, the part of its gradient inside this rank's master shard) pairs: what a
+        global gradient norm needs, where parameters of different kinds share one shard."""
+        for u in self.units:
+            for p, where in self._param_slices(u):
+                lo, hi = max(where.start, u.lo), min(where.stop, u.hi)
+                if lo < hi:
+                    yield p, u.master.grad[lo - u.lo:hi - u.lo]
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters by name, as fp32 copies (gathers in stage 3; every

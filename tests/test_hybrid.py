@@ -1,0 +1,365 @@
+"""Hybrid dp × tp × pp × ZeRO layouts and unified checkpoints that reshard (hplab/parallel.py).
+
+Every layout must train exactly the model one process trains: the same losses and the same
+parameters after 3 AdamW steps (fp32, relative error at most 1e-5), with gradient clipping
+on (so the global norm, summed over every dimension with each element counted once, is
+checked too) and weight decay. A checkpoint saved under tp2 × pp2 resumes under dp4 + ZeRO-3,
+under tp4 and on one process with the losses of a run that never stopped, and opens in
+Hugging Face's GPT2LMHeadModel.
+
+Process start-up is expensive, so each world size runs ONE launch (a module-level worker that
+trains every layout and returns plain numbers); the tests assert on those numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hplab.dist import run_distributed
+
+REPO = Path(__file__).resolve().parent.parent
+RTOL = 1e-5
+STEPS = 3
+CONFIG = dict(vocab_size=101, n_positions=16, n_embd=32, n_layer=4, n_head=4)
+GLOBAL_BATCH = 8  # sequences
+TRAINING = dict(lr=1e-3, weight_decay=0.1, grad_clip=0.5)
+
+
+def make_args(**layout):
+    base = dict(dp=1, tp=1, pp=1, zero=0, schedule="1f1b", virtual_stages=1, microbatches=2,
+                sequence_parallel=False, bucket_mb=0.01, precision="fp32", recompute=False,
+                offload=False, **TRAINING)
+    return SimpleNamespace(**{**base, **layout})
+
+
+def batches(n_steps: int, start: int = 0):
+    """The global batches of steps start .. start+n_steps-1, the same in every process."""
+    out = []
+    for step in range(start, start + n_steps):
+        g = torch.Generator().manual_seed(1000 + step)
+        tokens = torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, CONFIG["n_positions"] + 1),
+                               generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def reference(n_steps: int) -> tuple[list[float], list[dict]]:
+    """One process, the whole global batch: losses and the parameters after every step."""
+    from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel import make_optimizer
+
+    model = build_model(GPTConfig(**CONFIG), 0)
+    optimizer = make_optimizer(model.parameters(), TRAINING["lr"], TRAINING["weight_decay"])
+    losses, params = [], []
+    for x, y in batches(n_steps):
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), TRAINING["grad_clip"])
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return losses, params
+
+
+def train(mesh, args, steps: int = STEPS, start: int = 0, state=None):
+    """Build the engine for `args` on `mesh`, optionally load a full state, train `steps`
+    steps on this rank's share; return the losses and the engine."""
+    from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel import build_engine
+
+    engine = build_engine(build_model(GPTConfig(**CONFIG), 0), mesh, args)
+    if state is not None:
+        engine.load_full_state(*state)
+    share = GLOBAL_BATCH // mesh.dp_size
+    mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
+    losses = [engine.train_step(x[mine], y[mine]) for x, y in batches(steps, start)]
+    return losses, engine
+
+
+def run_layouts(layouts: dict[str, dict]) -> dict:
+    """Train every layout; rank 0 returns {name: (losses, full model state)}."""
+    from hplab.dist import Mesh
+
+    out = {}
+    meshes = {}
+    for name, layout in layouts.items():
+        key = (layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1))
+        if key not in meshes:
+            meshes[key] = Mesh.create(*key)
+        losses, engine = train(meshes[key], make_args(**layout))
+        model_state, _ = engine.full_state()  # also checks full_state of every engine
+        out[name] = (losses, {n: t.numpy().copy() for n, t in model_state.items()})  # numpy:
+        # tensors do not cross the result queue of a finished process
+    return out
+
+
+LAYOUTS_8 = {
+    "dp2 tp2 pp2 zero0": dict(dp=2, tp=2, pp=2, zero=0),
+    "dp2 tp2 pp2 zero1 recompute": dict(dp=2, tp=2, pp=2, zero=1, recompute=True),
+    "dp2 tp2 pp2 zero2 interleaved": dict(dp=2, tp=2, pp=2, zero=2, schedule="interleaved",
+                                          virtual_stages=2),
+}
+LAYOUTS_4 = {
+    "tp2 pp2": dict(tp=2, pp=2),
+    "dp2 tp2": dict(dp=2, tp=2),
+    "dp2 tp2 zero1": dict(dp=2, tp=2, zero=1),
+    "dp2 pp2": dict(dp=2, pp=2, schedule="gpipe"),
+    "dp2 pp2 zero2": dict(dp=2, pp=2, zero=2),
+}
+
+
+def _world8(directory: str) -> dict:
+    import torch.distributed as dist
+
+    results = run_layouts(LAYOUTS_8)
+    results["configs"] = _run_configs(configs_of_size(8), directory)
+    return results if dist.get_rank() == 0 else None
+
+
+def _world4(directory: str) -> dict:
+    """Every 4-rank layout; then save under tp2 × pp2 after 3 steps and resume under
+    dp4 + ZeRO-3 and under tp4 for 3 more."""
+    import torch.distributed as dist
+
+    from hplab import checkpoint
+    from hplab.dist import Mesh
+    from hplab.models.gpt import GPTConfig
+
+    results = run_layouts(LAYOUTS_4)
+    _, engine = train(Mesh.create(tp=2, pp=2), make_args(tp=2, pp=2))
+    model_state, optimizer_state = engine.full_state()
+    if dist.get_rank() == 0:
+        checkpoint.save(directory, GPTConfig(**CONFIG), model_state, optimizer_state,
+                        {"step": STEPS})
+    dist.barrier()
+    saved = checkpoint.load(directory)
+    state = (saved["model"], saved["optimizer"])
+    for name, layout in {"dp4 zero3": dict(dp=4, zero=3), "tp4": dict(tp=4)}.items():
+        mesh = Mesh.create(layout.get("dp", 1), layout.get("tp", 1), 1)
+        losses, _ = train(mesh, make_args(**layout), start=STEPS, state=state)
+        results[f"resumed under {name}"] = losses
+    results["configs"] = _run_configs(configs_of_size(4), directory + "-configs")
+    return results if dist.get_rank() == 0 else None
+
+
+def _world1(directory: str) -> list[float]:
+    from hplab import checkpoint
+    from hplab.dist import Mesh
+
+    saved = checkpoint.load(directory)
+    losses, _ = train(Mesh.create(), make_args(), start=STEPS,
+                      state=(saved["model"], saved["optimizer"]))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(2 * STEPS)
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory):
+    return run_distributed(_world8, 8, str(tmp_path_factory.mktemp("world8")), timeout_s=400)[0]
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hybrid") / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def world4(saved_dir):
+    return run_distributed(_world4, 4, str(saved_dir), timeout_s=300)[0]
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def model_rel_err(ours: dict, ref: dict) -> float:
+    """max|a − b| / max|b| over the whole model (AdamW moves elements whose gradient is
+    rounding noise by ~lr in no agreed direction; see tests/test_tp.py model_rel_err)."""
+    assert set(ours) == set(ref), set(ours) ^ set(ref)
+    worst = max(float((ours[n].double() - ref[n].double()).abs().max()) for n in ref)
+    return worst / max(float(t.abs().max()) for t in ref.values())
+
+
+def check_layout_result(result, ref):
+    losses, params = result
+    params = {n: torch.from_numpy(a) for n, a in params.items()}
+    ref_losses, ref_params = ref
+    assert len(losses) == STEPS
+    assert max(rel(a, b) for a, b in zip(losses, ref_losses)) < RTOL, (losses, ref_losses)
+    assert model_rel_err(params, ref_params[STEPS - 1]) < RTOL
+
+
+def test_reference_clips(ref):
+    """The clip threshold is below the gradient norm, so clipping is really exercised."""
+    from hplab.models.gpt import GPTConfig, build_model
+
+    model = build_model(GPTConfig(**CONFIG), 0)
+    x, y = batches(1)[0]
+    model(x, y)[1].backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    assert norm > TRAINING["grad_clip"]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_8))
+def test_eight_rank_layouts_equal_one_process(world8, ref, name):
+    check_layout_result(world8[name], ref)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_4))
+def test_four_rank_layouts_equal_one_process(world4, ref, name):
+    check_layout_result(world4[name], ref)
+
+
+@pytest.mark.parametrize("name", ["dp4 zero3", "tp4"])
+def test_saved_under_tp2_pp2_resumes_under_another_layout(world4, ref, name):
+    resumed = world4[f"resumed under {name}"]
+    uninterrupted = ref[0][STEPS:]
+    assert max(rel(a, b) for a, b in zip(resumed, uninterrupted)) < RTOL, (resumed,
+                                                                           uninterrupted)
+
+
+def test_saved_under_tp2_pp2_resumes_on_one_process(world4, ref, saved_dir):
+    resumed = run_distributed(_world1, 1, str(saved_dir))[0]
+    assert max(rel(a, b) for a, b in zip(resumed, ref[0][STEPS:])) < RTOL
+
+
+def test_saved_directory_is_a_hugging_face_model(world4, ref, saved_dir):
+    """The tp2 × pp2 checkpoint holds the one-process model after 3 steps, and
+    GPT2LMHeadModel.from_pretrained gives the same logits as hplab's GPT with those weights."""
+    transformers = pytest.importorskip("transformers")
+    from hplab import checkpoint
+    from hplab.models.gpt import GPTConfig, build_model
+
+    saved = checkpoint.load(saved_dir)
+    assert model_rel_err({n: saved["model"][n] for n in ref[1][STEPS - 1]},
+                         ref[1][STEPS - 1]) < RTOL
+    assert set(saved["optimizer"]) == set(ref[1][0])  # every parameter's AdamW state
+    model = build_model(GPTConfig(**CONFIG), 0)
+    model.load_state_dict({n: saved["model"][n] for n in model.state_dict()})
+    hf = transformers.GPT2LMHeadModel.from_pretrained(saved_dir).eval()
+    x, _ = batches(1)[0]
+    with torch.no_grad():
+        ours, theirs = model.eval()(x)[0], hf(input_ids=x).logits
+    assert float((ours - theirs).abs().max() / theirs.abs().max()) < RTOL
+
+
+# --- train.py: --save / --save-every / --resume -------------------------------------------------
+
+def _train_runs(directory: str) -> dict:
+    """train.py's own run() (flags parsed as on the command line) three times in one 2-rank
+    launch: uninterrupted 4 steps as dp2 saving every 2; 2 steps as a 2-stage pipeline, saved;
+    resumed from that under tp2 for steps 2 and 3 (and saved). Rank 0 returns the metrics."""
+    from hplab import train
+
+    common = ["--no-progress", "--n-layer", "2", "--batch-size", "4", "--lr", "3e-3"]
+    runs = {
+        "uninterrupted": ["--dp", "2", "--steps", "4", "--save", f"{directory}/a",
+                          "--save-every", "2"],
+        "first half": ["--pp", "2", "--steps", "2", "--save", f"{directory}/b"],
+        "resumed": ["--tp", "2", "--steps", "4", "--resume", f"{directory}/b",
+                    "--save", f"{directory}/c"],
+    }
+    out = {name: train.run(train.parse_args(common + flags)) for name, flags in runs.items()}
+    out["configs"] = _run_configs(configs_of_size(2), directory + "-configs")
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("world2")
+    return run_distributed(_train_runs, 2, str(directory), timeout_s=300)[0], directory
+
+
+def test_train_resume_under_another_layout_continues_the_run(world2):
+    metrics, tmp_path = world2
+    uninterrupted = [s["loss"] for s in metrics["uninterrupted"]["steps"]]
+    resumed = metrics["resumed"]["steps"]
+    assert [s["step"] for s in resumed] == [2, 3]
+    assert max(rel(s["loss"], uninterrupted[s["step"]]) for s in resumed) < RTOL
+    # --save-every 2 then the end: the directory holds the last one, nothing left aside
+    assert json.loads((tmp_path / "a" / "trainer_state.json").read_text())["step"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+    # the save's tp all-gathers are checkpoint traffic, kept out of the training ledger
+    assert "all_gather" not in metrics["resumed"]["comm"][0]
+
+
+def test_resume_past_the_end_is_one_clear_line(tmp_path, capsys):
+    from hplab import train
+
+    assert train.main(["--resume", str(tmp_path / "none")]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "trainer_state.json").write_text('{"step": 5}')
+    assert train.main(["--resume", str(tmp_path / "c"), "--steps", "5"]) == 2
+    assert "already at step 5" in capsys.readouterr().err
+
+
+# --- configs/: every recipe runs (2 steps), one launch per world size ---------------------------
+
+CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+
+
+def _world_size(path: Path) -> int:
+    import tomllib
+
+    recipe = tomllib.loads(path.read_text())
+    return recipe.get("dp", 1) * recipe.get("tp", 1) * recipe.get("pp", 1)
+
+
+def _run_configs(paths: list[str], directory: str) -> dict:
+    """train.py's run() on each recipe for 2 steps (a recipe's --save goes to `directory`)."""
+    from hplab import train
+
+    out = {}
+    for path in paths:
+        flags = ["--config", path, "--steps", "2", "--no-progress"]
+        args = train.parse_args(flags)
+        if args.save:
+            flags += ["--save", f"{directory}/{Path(path).stem}"]
+        metrics = train.run(train.parse_args(flags))
+        if metrics is not None:
+            out[Path(path).name] = {"losses": [s["loss"] for s in metrics["steps"]],
+                                    "world_size": metrics["world_size"],
+                                    "summary": train.summary_table(metrics)}
+    return out
+
+
+def configs_of_size(world_size: int) -> list[str]:
+    return [str(p) for p in CONFIGS if _world_size(p) == world_size]
+
+
+@pytest.fixture(scope="module")
+def config_runs(world2, world4, world8):
+    """The recipes ran inside the launches above, grouped by world size."""
+    return {**world2[0]["configs"], **world4["configs"], **world8["configs"]}
+
+
+def test_there_is_a_recipe_per_seed_layout():
+    names = {p.stem for p in CONFIGS}
+    assert {"colossalai_gpt2_pp2_zero1_fp16", "paddle_gpt3_sharding4_mp2_amp_recompute",
+            "megatron_gpt2_345m_tp2", "megatron_gpt2_345m_pp2", "megatron_gpt2_345m_tp2_pp2",
+            "paddlenlp_trainer_tp2_pp2_sharding2"} <= names
+    for path in CONFIGS:
+        assert "original:" in path.read_text(), f"{path.name} must quote the original's numbers"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_config_runs_two_steps(config_runs, path):
+    result = config_runs[path.name]
+    assert result["world_size"] == _world_size(path)
+    assert len(result["losses"]) == 2
+    assert all(0 < loss < 20 for loss in result["losses"])  # finite, a language-model loss
+    for rank in range(result["world_size"]):  # the summary names every rank's coordinates
+        assert f"rank {rank} dp" in result["summary"]
