@@ -631,8 +631,9 @@ class PipelineExecutor:
                 self.deferred.collecting = None
                 record("B", a, start)
             elif a.kind == "W":
-                for work in weight_work.pop((mb, c)):
-                    work()
+                with torch.no_grad():  # plain products into .grad: no graph to build
+                    for work in weight_work.pop((mb, c)):
+                        work()
                 record("W", a, start)
             elif a.kind in ("send_act", "send_grad"):
                 tensor = (stage_out[(mb, c)].detach() if a.kind == "send_act"

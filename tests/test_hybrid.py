@@ -113,6 +113,7 @@ LAYOUTS_4 = {
     "dp2 tp2 zero1": dict(dp=2, tp=2, zero=1),
     "dp2 pp2": dict(dp=2, pp=2, schedule="gpipe"),
     "dp2 pp2 zero2": dict(dp=2, pp=2, zero=2),
+    "dp2 pp2 zero1 zb-h1": dict(dp=2, pp=2, zero=1, schedule="zb-h1"),
 }
 
 
@@ -253,6 +254,20 @@ def test_saved_directory_is_a_hugging_face_model(world4, ref, saved_dir):
     with torch.no_grad():
         ours, theirs = model.eval()(x)[0], hf(input_ids=x).logits
     assert float((ours - theirs).abs().max() / theirs.abs().max()) < RTOL
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (dict(pp=2, zero=3), "--zero 3 with --pp"),
+    (dict(pp=2, tp=2, sequence_parallel=True), "--sequence-parallel with --pp"),
+    (dict(dp=2, tp=2, zero=1, sequence_parallel=True), "--sequence-parallel with --pp or --zero"),
+    (dict(pp=2, zero=2, schedule="zb-h1"), "--zero 2 with --schedule zb-h1"),
+    (dict(offload=True), "use it with --zero 1, 2 or 3"),
+])
+def test_refused_combinations_say_why(flags, reason):
+    from hplab.parallel import refuse_unavailable
+
+    with pytest.raises(ValueError, match=reason.replace("-", r"\-")):
+        refuse_unavailable(make_args(**flags))
 
 
 # --- train.py: --save / --save-every / --resume -------------------------------------------------
