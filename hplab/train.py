@@ -301,6 +301,9 @@ def run(args) -> dict | None:
                 "pipeline": engine.pipeline_report() if args.pp > 1 else None}  # the last step's timeline of every F, B, W, send, recv (--pp > 1)
     gathered = [None] * dist.get_world_size() if is_rank0 else None
     dist.gather_object(per_rank, gathered, dst=0)
+    # every rank's asynchronous collectives are finished before any process tears gloo down
+    # (a process exiting with work in flight aborts with "terminate called ...")
+    dist.barrier()
     if not is_rank0:
         return None
     return {
