@@ -10,6 +10,7 @@ computes on the whole batch) and says precisely what differs:
     python -m hplab.check buckets           # lab 02: bucketed, overlapped gradient all-reduce
     python -m hplab.check zero1             # lab 03: the ZeRO-1 step (reduce-scatter, all-gather)
     python -m hplab.check tp_linear         # lab 04: column/row-parallel linear layers, f and g
+    python -m hplab.check one_f_one_b       # lab 05: the 1F1B schedule, simulated
     python -m hplab.check planning          # lab 07: ZeRO memory and the pipeline bubble
     python -m hplab.check buckets my_copy.py
 
@@ -557,6 +558,87 @@ def _tp_linear_worker(paths: list[str]) -> list[list[tuple]]:
     return per_file
 
 
+# --- lab 05: the 1F1B action order (simulated: a schedule is data) ---------------------------
+
+ONE_F_ONE_B_GRID = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 12)]
+
+
+def check_one_f_one_b(path: str) -> list[Result]:
+    """The learner's per-rank orders, run by `hplab.pp.simulate` with their sends and receives,
+    against the reference 1F1B schedule of `hplab.pp` over a grid of (p, m)."""
+    from hplab import pp
+
+    try:
+        module = load_module(path)
+    except Exception as err:
+        return [Result("import", False, _describe_exception(err, path))]
+    results = []
+    for name, grid in (("p=2", [g for g in ONE_F_ONE_B_GRID if g[0] == 2]),
+                       ("p=3, 4", [g for g in ONE_F_ONE_B_GRID if g[0] in (3, 4)]),
+                       ("p=8", [g for g in ONE_F_ONE_B_GRID if g[0] == 8])):
+        problem = None
+        for p, m in grid:
+            where = f"p={p}, m={m}"
+            reference = pp.one_f_one_b_order(p, m)
+            try:
+                mine = module.one_f_one_b(p, m)
+            except Exception as err:
+                problem = _describe_exception(err, path)
+                break
+            if not isinstance(mine, (list, tuple)) or len(mine) != p:
+                problem = f"{where}: expected a list of {p} per-rank orders, got {mine!r:.80}"
+                break
+            work = sorted((kind, i) for kind in ("F", "B") for i in range(m))
+            for r in range(p):
+                order = [tuple(a) for a in mine[r]]
+                if sorted(order) != work:
+                    extra = sorted(set(order) - set(work))
+                    missing = sorted(set(work) - set(order))
+                    repeated = sorted({a for a in order if order.count(a) > 1})
+                    problem = (f"{where}, rank {r}: every rank runs F and B of each microbatch "
+                               "exactly once;" + (f" missing {missing[:4]}" if missing else "")
+                               + (f" repeated {repeated[:4]}" if repeated else "")
+                               + (f" unexpected {extra[:4]}" if extra else ""))
+                    break
+            if problem:
+                break
+            orders = [[(kind, i, r) for kind, i in mine[r]] for r in range(p)]
+            try:
+                simulation = pp.simulate(pp.add_communication(orders, p, 1), f=1, b=1, w=0)
+            except pp.DeadlockError as err:
+                problem = f"{where}: {err}"
+                break
+            best = pp.simulate(pp.build_schedule("1f1b", p, m), f=1, b=1, w=0)
+            held = [simulation.in_flight_max(r) for r in range(p)]
+            limit = [min(p - r, m) for r in range(p)]
+            if simulation.makespan > best.makespan:
+                problem = (f"{where}: the step takes {simulation.makespan:g} time units, 1F1B "
+                           f"{best.makespan:g} (= 2(m+p-1)): too few forwards in flight "
+                           "before the first backward")
+            elif held != limit:
+                problem = (f"{where}: ranks hold at most {held} microbatches' activations, 1F1B "
+                           f"{limit} (min(p-r, m)): " + ("more warm-up forwards than needed"
+                                                         if any(h > l for h, l in
+                                                                zip(held, limit)) else
+                                                         "fewer than needed"))
+            else:
+                for r in range(p):
+                    order = [tuple(a) for a in mine[r]]
+                    want = [(kind, i) for kind, i, _ in reference[r]]
+                    if order != want:
+                        k = next(j for j, (a, b) in enumerate(zip(order, want)) if a != b)
+                        problem = (f"{where}, rank {r}: action {k} is {order[k][0]}{order[k][1]}, "
+                                   f"1F1B runs {want[k][0]}{want[k][1]} (same step time and "
+                                   "memory, another order)")
+                        break
+            if problem:
+                break
+        results.append(Result(name, problem is None, problem or
+                              f"equal to 1F1B for m = 1 ... 12: no deadlock, step 2(m+p-1), "
+                              f"rank r holds min(p-r, m) microbatches"))
+    return results
+
+
 # --- lab 07: the planner's first formulas (no processes: these are formulas) ---------------
 
 def check_planning(path: str) -> list[Result]:
@@ -612,6 +694,7 @@ EXERCISES = {
     "buckets": ("02", "lab02_buckets.py", 2, _buckets_worker),
     "zero1": ("03", "lab03_zero1.py", 2, _zero1_worker),
     "tp_linear": ("04", "lab04_tp_linear.py", 2, _tp_linear_worker),
+    "one_f_one_b": ("05", "lab05_1f1b.py", 0, None),
     "planning": ("07", "lab07_planning.py", 0, None),
 }
 
@@ -628,7 +711,9 @@ def run_check(name: str, paths: list[str | Path]) -> list[list[Result]]:
             raise CheckError(f"no such file: {p}")
     _, _, nproc, worker = EXERCISES[name]
     if nproc == 0:
-        return [(check_planning if name == "planning" else check_memory)(p) for p in paths]
+        check = {"memory": check_memory, "one_f_one_b": check_one_f_one_b,
+                 "planning": check_planning}[name]
+        return [check(p) for p in paths]
     previous = os.environ.get("HPLAB_TIMEOUT_S")
     os.environ["HPLAB_TIMEOUT_S"] = COLLECTIVE_TIMEOUT_S  # read by the spawned processes
     try:

@@ -147,6 +147,19 @@ class RowParallelLinear(lab04_tp_linear.RowParallelLinear):
 """
 
 
+# GPipe's order: right work, no deadlock, same step time, but every rank holds all m microbatches.
+ONE_F_ONE_B_GPIPE = """
+def one_f_one_b(p, m):
+    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for r in range(p)]
+"""
+
+# No warm-up: each rank waits for every backward before its next forward.
+ONE_F_ONE_B_NO_WARMUP = """
+def one_f_one_b(p, m):
+    return [[a for i in range(m) for a in (("F", i), ("B", i))] for r in range(p)]
+"""
+
+
 def _files(name, tmp_path, extra: dict[str, str]):
     filename = EXERCISES[name][1]
     paths = {"solution": SOLUTIONS_DIR / filename}
@@ -167,6 +180,7 @@ def outcomes(tmp_path_factory):
              "buckets": {"no_overlap": BUCKETS_NO_OVERLAP},
              "zero1": {"all_reduce": ZERO1_ALL_REDUCE, "no_divide": ZERO1_NO_DIVIDE},
              "tp_linear": {"no_f": TP_NO_F, "bias_before_g": TP_BIAS_BEFORE_G},
+             "one_f_one_b": {"gpipe": ONE_F_ONE_B_GPIPE, "no_warmup": ONE_F_ONE_B_NO_WARMUP},
              "planning": {"step_fraction": PLANNING_STEP_FRACTION}}
     out = {}
     for name in EXERCISES:
@@ -240,6 +254,19 @@ def test_tp_linear_names_a_bias_added_before_g(outcomes):
     results = {r.name: r for r in outcomes["tp_linear"]["bias_before_g"]}
     failed = results["b=2 s=8 h=16: forward"]
     assert not failed.passed and "add it once, after g" in failed.message
+
+
+def test_one_f_one_b_tells_gpipe_by_its_memory(outcomes):
+    failed = outcomes["one_f_one_b"]["gpipe"][0]
+    assert not failed.passed
+    assert "p=2, m=2: ranks hold at most [2, 2] microbatches' activations, 1F1B [2, 1]" in \
+        failed.message
+
+
+def test_one_f_one_b_without_warmup_is_slower(outcomes):
+    failed = outcomes["one_f_one_b"]["no_warmup"][0]
+    assert not failed.passed
+    assert "p=2, m=2: the step takes 8 time units, 1F1B 6" in failed.message
 
 
 def test_command_line_errors_are_one_line(capsys):
