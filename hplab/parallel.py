@@ -197,12 +197,14 @@ class DataParallelEngine(Engine):
                                                     self.precision.loss_scale / len(microbatches)))
         self.ddp.finish_gradient_sync()
         params = self.ddp.params
+        self.after_gradient_sync(params)
         grads = self.master.take_grads(params, 1 / self.precision.loss_scale) if self.master \
             else [p.grad for p in params]
-        overflow = self.precision.found_overflow(grads)  # fp16: skip the step, shrink the scale
+        # fp16: skip the step, shrink the scale (every rank that holds other grads must agree)
+        overflow = self.precision.found_overflow(grads, self.overflow_comm)
         if not overflow:
             if self.args.grad_clip > 0:
-                clip_grad_norm(grads, self.args.grad_clip)
+                self.clip_gradients(params, grads)
             self.optimizer.step()
             if self.master:
                 self.master.copy_to(params)
@@ -213,6 +215,15 @@ class DataParallelEngine(Engine):
             self.master.zero_grad()
         local = float(torch.stack(losses).mean())
         return self.mesh.dp.all_reduce_scalar(local) / self.mesh.dp_size
+
+    # The three points where a layout inside data parallel (tensor parallel) differs:
+    overflow_comm = None  # every dp rank sees the same averaged gradients
+
+    def after_gradient_sync(self, params) -> None:
+        """Gradients are complete after the dp all-reduce: nothing more to synchronise."""
+
+    def clip_gradients(self, params, grads) -> None:
+        clip_grad_norm(grads, self.args.grad_clip)
 
     def memory_tensors(self):
         held = self.ddp.memory_tensors()
@@ -357,37 +368,20 @@ class TensorParallelEngine(DataParallelEngine):
         tp.parallelize_gpt(model, mesh.tp, sequence_parallel=args.sequence_parallel)
         super().__init__(model, mesh, args)  # data parallel over mesh.dp, AdamW on the slices
 
-    def train_step(self, x, y) -> float:
-        microbatches = list(zip(x.chunk(self.args.microbatches), y.chunk(self.args.microbatches)))
-        losses = []
-        for i, (xm, ym) in enumerate(microbatches):
-            last = i == len(microbatches) - 1
-            with self.ddp.no_sync() if not last else contextlib.nullcontext():
-                losses.append(self.forward_backward(self.ddp, xm, ym,
-                                                    self.precision.loss_scale / len(microbatches)))
-        self.ddp.finish_gradient_sync()
-        params = self.ddp.params
-        if self.args.sequence_parallel:
+    @property
+    def overflow_comm(self):
+        return self.mesh.tp  # each tp rank holds other slices
+
+    def after_gradient_sync(self, params) -> None:
+        if self.args.sequence_parallel:  # replicated parameters saw only s/T of the tokens
             self.tp.sync_sequence_parallel_grads(params, self.mesh.tp)
-        grads = self.master.take_grads(params, 1 / self.precision.loss_scale) if self.master \
-            else [p.grad for p in params]
-        overflow = self.precision.found_overflow(grads, self.mesh.tp)  # slices differ per rank
-        if not overflow:
-            if self.args.grad_clip > 0:
-                norm = self.tp.grad_norm_squared(params, grads, self.mesh.tp) ** 0.5
-                if norm > self.args.grad_clip:
-                    for g in grads:
-                        g.mul_(self.args.grad_clip / (norm + 1e-6))
-            self.optimizer.step()
-            if self.master:
-                self.master.copy_to(params)
-        self.precision.update(overflow)
-        self.measure_memory()
-        self.ddp.zero_grad()
-        if self.master:
-            self.master.zero_grad()
-        local = float(torch.stack(losses).mean())  # the same on every rank of the tp group
-        return self.mesh.dp.all_reduce_scalar(local) / self.mesh.dp_size
+
+    def clip_gradients(self, params, grads) -> None:
+        """Slices summed over mesh.tp, replicated parameters counted once."""
+        norm = self.tp.grad_norm_squared(params, grads, self.mesh.tp) ** 0.5
+        if norm > self.args.grad_clip:
+            for g in grads:
+                g.mul_(self.args.grad_clip / (norm + 1e-6))
 
 
 # --- pipeline parallel (pp.py): a PipelineEngine goes here ------------------------------------
