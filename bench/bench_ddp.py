@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -33,20 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODELS = {  # name: overrides of the tiny preset
-    "tiny": {},
-    "tiny x10": {"n_embd": 192, "n_layer": 7, "n_head": 6},
-}
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+from common import MODELS, rss_bytes  # noqa: E402  (bench/ is on sys.path as the script dir)
+from hplab.memory import peak_rss_bytes  # noqa: E402
 
 
 def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,

@@ -75,7 +75,8 @@ def model_state_tensors(model: torch.nn.Module, optimizer=None) -> dict[str, lis
             "optim": optimizer_state_tensors(optimizer), "master": []}
 
 
-def _rss_peak_bytes() -> int:
+def peak_rss_bytes() -> int:
+    """The process's resident-set peak (what the OS saw, PyTorch runtime included)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
@@ -146,4 +147,4 @@ class MemoryLedger:
         return {"params_bytes": self.bytes["params"], "grads_bytes": self.bytes["grads"],
                 "optim_bytes": self.bytes["optim"], "master_bytes": self.bytes["master"],
                 "activation_bytes": self.activation_bytes, "peak_bytes": self.peak_bytes(),
-                "peak_rss_bytes": _rss_peak_bytes()}
+                "peak_rss_bytes": peak_rss_bytes()}
