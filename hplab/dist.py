@@ -175,6 +175,13 @@ class Mesh:
     def pp_rank(self) -> int:
         return coordinates(self.rank, self.dp_size, self.tp_size, self.pp_size)[2]
 
+    def drain(self) -> None:
+        """Wait until no collective is in flight in any of this rank's groups: a gloo barrier
+        first waits for all work queued on its group. Call it before tearing the groups down
+        (a process exiting with a group's work still queued can abort)."""
+        for comm in (self.tp, self.dp, self.pp, self.world):
+            comm.barrier()
+
     def describe(self) -> dict:
         return {"rank": self.rank, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
                 "pp_rank": self.pp_rank}

@@ -301,9 +301,9 @@ def run(args) -> dict | None:
                 "pipeline": engine.pipeline_report() if args.pp > 1 else None}  # the last step's timeline of every F, B, W, send, recv (--pp > 1)
     gathered = [None] * dist.get_world_size() if is_rank0 else None
     dist.gather_object(per_rank, gathered, dst=0)
-    # every rank's asynchronous collectives are finished before any process tears gloo down
-    # (a process exiting with work in flight aborts with "terminate called ...")
-    dist.barrier()
+    # every rank's collectives, in every group, are finished before any process tears gloo
+    # down (a process exiting with work in flight aborts with "terminate called ...")
+    mesh.drain()
     if not is_rank0:
         return None
     return {
@@ -357,4 +357,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is written and every process group destroyed: leave now rather than through
+    # interpreter finalization, where gloo's worker threads have been seen to abort the process
+    # ("terminate called without an active exception", pytorch/pytorch#190489) after a
+    # successful run — turning it into a failed launch.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
