@@ -16,9 +16,11 @@ between layers) counts zero. Nothing here is a formula: the formulas live in `hp
 the labs put both side by side.
 
 Activations are measured with saved-tensor hooks: while `track_activations()` is active, every
-tensor autograd saves for backward passes through a hook that notes its storage. Parameters are
-excluded (a weight saved for backward is not an activation). 0-dim optimizer counters (Adam's
-`step`) are bookkeeping of a few bytes and are not counted.
+tensor autograd saves for backward passes through a hook that only keeps a reference to it (the
+hook runs for every saved tensor, so it does nothing more); when the forward pass is over, their
+distinct storages are counted once, parameters excluded (a weight saved for backward is not an
+activation). 0-dim optimizer counters (Adam's `step`) are bookkeeping of a few bytes and are
+not counted.
 
 Peak: on CUDA, the caching allocator's `max_memory_allocated`. The CPU allocator keeps no such
 statistics, so on CPU `peak_bytes` is the largest tally this ledger saw (model state plus the
@@ -112,23 +114,29 @@ class MemoryLedger:
         """Measure the bytes autograd saves for backward inside this block (one forward pass).
 
         `exclude`: tensors whose storages are not activations (pass the model's parameters).
-        Each distinct storage counts once; the total is kept as `activation_bytes` if it is the
+        The block yields a one-element list that holds the count once the block is over. Each
+        distinct storage counts once; the total is kept as `activation_bytes` if it is the
         largest seen, and added to `activations_in_flight` until `release_activations`.
+
+        The hook only appends the saved tensor to a list: it runs for every saved tensor
+        (dozens per layer), and looking up every parameter's storage there cost about a tenth
+        of a small stage's forward + backward. The parameters' storages are looked up once,
+        at the end of the block. (ZeRO-3 frees a layer's parameters after its forward: a
+        parameter saved by that layer then points at 0 bytes and counts nothing.) Holding the
+        saved tensors until then also keeps a freed tensor's memory from being reused inside
+        the block by another tensor, which would look like the same storage.
         """
-        excluded = list(exclude)  # their storages are looked up at each save: ZeRO-3
-        seen: set = set()          # allocates a layer's parameters only while it runs
+        saved: list[torch.Tensor] = []
         counted = [0]
 
-        def pack(t: torch.Tensor):
-            key = _storage_key(t)
-            if key[2] != 0 and key not in seen and \
-                    key[2] not in {_storage_key(p)[2] for p in excluded}:
-                seen.add(key)
-                counted[0] += key[3]
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield counted
+        parameters = {_storage_key(t) for t in exclude}
+        counted[0] = storage_bytes(saved, seen=parameters)
         self.activation_bytes = max(self.activation_bytes, counted[0])
         self.activations_in_flight += counted[0]
         self.peak_tally = max(self.peak_tally, self.model_state_bytes + self.activations_in_flight)
