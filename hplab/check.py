@@ -11,6 +11,7 @@ computes on the whole batch) and says precisely what differs:
     python -m hplab.check zero1             # lab 03: the ZeRO-1 step (reduce-scatter, all-gather)
     python -m hplab.check tp_linear         # lab 04: column/row-parallel linear layers, f and g
     python -m hplab.check one_f_one_b       # lab 05: the 1F1B schedule, simulated
+    python -m hplab.check mesh              # lab 06: ranks to (dp, tp, pp) coordinates, groups
     python -m hplab.check planning          # lab 07: ZeRO memory and the pipeline bubble
     python -m hplab.check buckets my_copy.py
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import math
 import os
 import sys
@@ -639,6 +641,119 @@ def check_one_f_one_b(path: str) -> list[Result]:
     return results
 
 
+# --- lab 06: the device mesh (no processes: numbering is arithmetic) ------------------------
+
+MESH_LAYOUTS = [(dp, tp, pp) for dp in (1, 2, 3, 4) for tp in (1, 2, 4, 8) for pp in (1, 2, 3, 4)]
+MESH_SHARED = {"tp": "dp and pp", "dp": "tp and pp", "pp": "dp and tp"}
+
+
+def _numbering(order: tuple[str, ...]):
+    """coordinates(rank, dp, tp, pp) of a numbering in which order[0] varies fastest: the
+    reference is ("tp", "dp", "pp"); the others name a learner's mix-up."""
+    def coordinates(rank, dp, tp, pp):
+        sizes, coords, stride = {"dp": dp, "tp": tp, "pp": pp}, {}, 1
+        for family in order:
+            coords[family] = rank // stride % sizes[family]
+            stride *= sizes[family]
+        return coords["dp"], coords["tp"], coords["pp"]
+    return coordinates
+
+
+def _mesh_hint(coordinates) -> str:
+    """Name the numbering or the tuple order the learner's coordinates follow, if they follow
+    another one consistently."""
+    from hplab.dist import coordinates as reference
+
+    layouts = [(r, lay) for lay in MESH_LAYOUTS for r in range(math.prod(lay))]
+    try:
+        mine = [tuple(coordinates(r, *lay)) for r, lay in layouts]
+    except Exception:
+        return ""
+    for order in itertools.permutations(("tp", "dp", "pp")):
+        theirs = _numbering(order)
+        if order != ("tp", "dp", "pp") and mine == [theirs(r, *lay) for r, lay in layouts]:
+            return (f" — you number {order[0]} fastest, then {order[1]}, then {order[2]}; "
+                    "Megatron's order is tp fastest, then dp, then pp")
+    wanted = [reference(r, *lay) for r, lay in layouts]
+    for perm in itertools.permutations(range(3)):
+        if perm != (0, 1, 2) and mine == [tuple(c[i] for i in perm) for c in wanted]:
+            names = ", ".join(("dp", "tp", "pp")[i] for i in perm)
+            return f" — you return ({names}); return (dp_rank, tp_rank, pp_rank) in that order"
+    return ""
+
+
+def check_mesh(path: str) -> list[Result]:
+    """The learner's coordinates and groups against `hplab.dist` (which builds the real
+    process groups) for every rank of 64 layouts, dp ≤ 4, tp ≤ 8, pp ≤ 4."""
+    from hplab.dist import coordinates, group_ranks
+
+    try:
+        module = load_module(path)
+    except Exception as err:
+        return [Result("import", False, _describe_exception(err, path))]
+    biggest = max(math.prod(lay) for lay in MESH_LAYOUTS)
+    problem = None
+    try:
+        for dp, tp, pp in MESH_LAYOUTS:
+            for rank in range(dp * tp * pp):
+                mine = module.coordinates(rank, dp, tp, pp)
+                want = coordinates(rank, dp, tp, pp)
+                if not isinstance(mine, (tuple, list)) or tuple(mine) != want:
+                    problem = (f"rank {rank} of dp{dp}×tp{tp}×pp{pp}: you say (dp, tp, pp) = "
+                               f"{mine!r:.60}, expected {want}" + _mesh_hint(module.coordinates))
+                    break
+            if problem:
+                break
+    except Exception as err:
+        problem = _describe_exception(err, path)
+    results = [Result("coordinates", problem is None, problem or
+                      f"every rank of {len(MESH_LAYOUTS)} layouts (1 to {biggest} ranks)")]
+    try:
+        mine_by_layout = {lay: module.groups(*lay) for lay in MESH_LAYOUTS}
+    except Exception as err:
+        return results + [Result("groups", False, _describe_exception(err, path))]
+    for family in ("tp", "dp", "pp"):
+        problem = None
+        for lay in MESH_LAYOUTS:
+            where, n = "dp{}×tp{}×pp{}".format(*lay), math.prod(lay)
+            want = group_ranks(*lay)[family]
+            mine = mine_by_layout[lay]
+            if not isinstance(mine, dict) or family not in mine:
+                problem = (f"{where}: groups() returned {mine!r:.60}, expected a dict with keys "
+                           "'tp', 'dp' and 'pp'")
+                break
+            try:
+                got = [list(g) for g in mine[family]]
+            except TypeError:
+                problem = (f"{where}: {family} should be a list of lists of ranks, got "
+                           f"{mine[family]!r:.60}")
+                break
+            unsorted = [g for g in got if g != sorted(g)]
+            if unsorted:
+                problem = (f"{where}: {family} group {unsorted[0]} is not in increasing order "
+                           "(a group's rank 0 is its smallest global rank)")
+                break
+            for rank in range(n):
+                holding = [g for g in got if rank in g]
+                expected = next(g for g in want if rank in g)
+                if len(holding) != 1:
+                    problem = (f"{where}: rank {rank} is in {len(holding)} {family} groups, "
+                               f"expected exactly one: {expected}")
+                elif holding[0] != expected:
+                    problem = (f"{where}: rank {rank}'s {family} group is {holding[0]}, expected "
+                               f"{expected} (the ranks that share its {MESH_SHARED[family]} "
+                               "coordinates)")
+                if problem:
+                    break
+            if not problem and sorted(got) != sorted(want):
+                problem = f"{where}: {len(got)} {family} groups, expected {len(want)}: {want}"
+            if problem:
+                break
+        results.append(Result(f"groups: {family}", problem is None, problem or
+                              f"every {family} group of the {len(MESH_LAYOUTS)} layouts"))
+    return results
+
+
 # --- lab 07: the planner's first formulas (no processes: these are formulas) ---------------
 
 def check_planning(path: str) -> list[Result]:
@@ -695,6 +810,7 @@ EXERCISES = {
     "zero1": ("03", "lab03_zero1.py", 2, _zero1_worker),
     "tp_linear": ("04", "lab04_tp_linear.py", 2, _tp_linear_worker),
     "one_f_one_b": ("05", "lab05_1f1b.py", 0, None),
+    "mesh": ("06", "lab06_mesh.py", 0, None),
     "planning": ("07", "lab07_planning.py", 0, None),
 }
 
@@ -712,7 +828,7 @@ def run_check(name: str, paths: list[str | Path]) -> list[list[Result]]:
     _, _, nproc, worker = EXERCISES[name]
     if nproc == 0:
         check = {"memory": check_memory, "one_f_one_b": check_one_f_one_b,
-                 "planning": check_planning}[name]
+                 "mesh": check_mesh, "planning": check_planning}[name]
         return [check(p) for p in paths]
     previous = os.environ.get("HPLAB_TIMEOUT_S")
     os.environ["HPLAB_TIMEOUT_S"] = COLLECTIVE_TIMEOUT_S  # read by the spawned processes

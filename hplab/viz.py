@@ -352,3 +352,54 @@ def plot_memory_stacked(measured: dict[str, dict[str, float]],
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     return ax
+
+
+# --- the device mesh ----------------------------------------------------------------------
+
+def plot_rank_grid(dp: int, tp: int, pp: int, ax=None):
+    """Which global rank holds which (dp, tp, pp) coordinate, numbered as `hplab.dist` does
+    (Megatron order: tp ranks adjacent, then dp, then pp). One panel per pipeline stage; in a
+    panel, row = dp rank, column = tp rank. A tp group is a row (solid outline), a dp group a
+    column (dashed outline), a pp group the same cell in every panel (same colour)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Rectangle
+
+    from hplab.dist import check_layout, global_rank
+
+    check_layout(dp * tp * pp, dp, tp, pp)
+    ax = _axes(ax, (max(4.0, 1.5 * pp * tp + 1.5), max(2.4, 1.0 * dp + 1.6)))
+    colours = plt.get_cmap("tab20").colors
+    gap = 0.8  # between pipeline stages
+    for p in range(pp):
+        left = p * (tp + gap)
+        for d in range(dp):
+            y = dp - 1 - d  # dp rank 0 on top
+            for t in range(tp):
+                rank = global_rank(d, t, p, dp, tp)
+                ax.add_patch(Rectangle((left + t - 0.4, y - 0.4), 0.8, 0.8, lw=0,
+                                       facecolor=colours[(d * tp + t) % len(colours)], alpha=0.6))
+                ax.text(left + t, y + 0.08, f"rank {rank}", ha="center", va="center",
+                        fontsize=10, weight="bold")
+                ax.text(left + t, y - 0.2, f"dp{d} tp{t} pp{p}", ha="center", va="center",
+                        fontsize=7)
+            ax.add_patch(Rectangle((left - 0.46, y - 0.46), tp - 0.08, 0.92, fill=False,
+                                   lw=1.6, edgecolor="black"))  # a tp group: one row
+        for t in range(tp):
+            ax.add_patch(Rectangle((left + t - 0.52, -0.52), 1.04, dp + 0.04, fill=False,
+                                   lw=1.2, ls="--", edgecolor="#C44E52"))  # a dp group: a column
+        ax.text(left + (tp - 1) / 2, dp - 0.3, f"pipeline stage {p}", ha="center", va="bottom",
+                fontsize=9)
+    ax.set_xlim(-0.7, pp * (tp + gap) - gap - 0.3)
+    ax.set_ylim(-0.7, dp + 0.1)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"dp{dp} × tp{tp} × pp{pp} on {dp * tp * pp} ranks: "
+                 f"rank = pp·{dp * tp} + dp·{tp} + tp", fontsize=10)
+    ax.legend(handles=[Line2D([], [], color="black", lw=1.6, label="tp group (a row)"),
+                       Line2D([], [], color="#C44E52", lw=1.2, ls="--",
+                              label="dp group (a column)"),
+                       Rectangle((0, 0), 1, 1, facecolor=colours[0], alpha=0.6,
+                                 label="pp group (same colour in every stage)")],
+              loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7, frameon=False)
+    return ax
