@@ -35,7 +35,8 @@ WORLD = 4
 MICROBATCHES = 8
 PER_MICROBATCH = 4
 SEQ = 64
-TIMED_STEPS = 10
+WARMUP_STEPS = 2  # not timed: one-time costs (allocations, first messages)
+TIMED_STEPS = 30  # per side; enough that the median holds on a shared, noisy machine
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 
 
@@ -97,7 +98,7 @@ def torch_1f1b():
 def _worker():
     import torch.distributed as dist
 
-    data = batches(TIMED_STEPS + 1)
+    data = batches(WARMUP_STEPS + TIMED_STEPS)
     out = {"throughput": {}, "bubble": {}}
 
     # 1. hplab 1F1B vs torch Schedule1F1B, alternating step by step
@@ -110,7 +111,7 @@ def _worker():
             start = time.perf_counter()
             ours.train_step(x, y) if name == "hplab" else theirs(x, y)
             mesh.world.barrier()
-            if i > 0:  # first step: warm-up
+            if i >= WARMUP_STEPS:
                 times[name].append(time.perf_counter() - start)
     tokens = PER_MICROBATCH * MICROBATCHES * SEQ
     out["throughput"] = {name: tokens / statistics.median(t) for name, t in times.items()}
