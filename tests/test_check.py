@@ -181,7 +181,8 @@ def outcomes(tmp_path_factory):
              "zero1": {"all_reduce": ZERO1_ALL_REDUCE, "no_divide": ZERO1_NO_DIVIDE},
              "tp_linear": {"no_f": TP_NO_F, "bias_before_g": TP_BIAS_BEFORE_G},
              "one_f_one_b": {"gpipe": ONE_F_ONE_B_GPIPE, "no_warmup": ONE_F_ONE_B_NO_WARMUP},
-             "planning": {"step_fraction": PLANNING_STEP_FRACTION}}
+             "planning": {"step_fraction": PLANNING_STEP_FRACTION},
+             "mesh": {}}  # its wrong variants are in tests/test_lab06.py
     out = {}
     for name in EXERCISES:
         paths = _files(name, tmp, wrong[name])
