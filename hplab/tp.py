@@ -375,6 +375,28 @@ class SequenceSlicedEmbedding(nn.Embedding):
         return super().forward(_split(positions, -1, self.comm))
 
 
+class OffsetPositionEmbedding(nn.Embedding):
+    """Position embeddings for a model handed only this rank's s/T tokens (Hugging Face GPT-2
+    under sequence parallel): the model numbers them 0 … s/T − 1, but they sit at positions
+    r·s/T … (r+1)·s/T − 1 of the sequence. The whole (replicated) table is kept."""
+
+    def __init__(self, embedding: nn.Embedding, comm: Communicator):
+        super().__init__(*embedding.weight.shape)
+        self.weight, self.comm = embedding.weight, comm
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return super().forward(positions + self.comm.rank * positions.shape[-1])
+
+
+class VocabParallelEmbeddingOfSlices(VocabParallelEmbedding):
+    """A sequence-parallel `VocabParallelEmbedding` for a model handed only this rank's s/T
+    token ids: it first all-gathers the ids along the sequence (b·s integers, no gradient), so
+    the vocabulary shards can look every token up before reduce-scattering back to s/T."""
+
+    def forward(self, ids_slice: torch.Tensor) -> torch.Tensor:
+        return super().forward(_all_gather(ids_slice, -1, self.comm))
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
                                  comm: Communicator, vocab_size: int) -> torch.Tensor:
     """The mean cross-entropy, from each rank's slice of the logits [..., V/T].
@@ -461,28 +483,49 @@ def parallelize_gpt(model: nn.Module, comm: Communicator, sequence_parallel: boo
     return model
 
 
-def parallelize_hf_gpt2(model: nn.Module, comm: Communicator):
+def parallelize_hf_gpt2(model: nn.Module, comm: Communicator, sequence_parallel: bool = False):
     """Cut a Hugging Face `GPT2LMHeadModel` across the ranks of `comm`, in place.
 
     Its projections are `Conv1D` (weight [in, out]) and c_attn fuses Q, K, V — the layers
     PyTorch's own tensor parallel refuses. Here they are cut like hplab's, along the other
     dimension. `model(ids).logits` is then this rank's vocabulary slice; compute the loss
-    with `vocab_parallel_cross_entropy` (HF's own loss would see only the slice)."""
+    with `vocab_parallel_cross_entropy` (HF's own loss would see only the slice).
+
+    With `sequence_parallel`, HF's forward, which sizes positions, the causal mask and its
+    output by the ids it is given, is given only this rank's s/T ids (`sequence_slice(ids,
+    comm)`): the embedding gathers the ids, positions are offset by the rank, and attention
+    sees the whole sequence after c_attn's all-gather — causal through PyTorch's
+    scaled-dot-product attention (HF's "sdpa", with no padding mask). The logits come back
+    for the whole sequence, as without sequence parallel."""
     config = model.config
     check_divisible(config.n_head, config.n_embd, comm.size)
+    if sequence_parallel and config._attn_implementation != "sdpa":
+        raise TensorParallelError(
+            f"sequence parallel needs the model built with attn_implementation='sdpa' (it has "
+            f"{config._attn_implementation!r}): HF sizes an explicit causal mask by the s/T "
+            "tokens a rank is given, not by the whole sequence attention sees")
+    sp = dict(sequence_parallel=sequence_parallel)
     body = model.transformer
-    body.wte = VocabParallelEmbedding.from_full(body.wte, comm)
-    model.lm_head = ColumnParallelLinear(body.wte.weight, None, comm)  # still tied
+    embedding = VocabParallelEmbeddingOfSlices if sequence_parallel else VocabParallelEmbedding
+    body.wte = embedding.from_full(body.wte, comm, **sp)
+    model.lm_head = ColumnParallelLinear(body.wte.weight, None, comm, **sp)  # still tied
+    if sequence_parallel:
+        body.wpe = OffsetPositionEmbedding(body.wpe, comm)
     for block in body.h:
         attn, mlp = block.attn, block.mlp
-        attn.c_attn = ColumnParallelLinear.from_full(attn.c_attn, comm, fused=3)
-        attn.c_proj = RowParallelLinear.from_full(attn.c_proj, comm)
+        attn.c_attn = ColumnParallelLinear.from_full(attn.c_attn, comm, fused=3, **sp)
+        attn.c_proj = RowParallelLinear.from_full(attn.c_proj, comm, **sp)
         attn.num_heads //= comm.size
         attn.embed_dim //= comm.size
         attn.split_size //= comm.size  # HF splits c_attn's output into q, k, v by this width
-        mlp.c_fc = ColumnParallelLinear.from_full(mlp.c_fc, comm)
-        mlp.c_proj = RowParallelLinear.from_full(mlp.c_proj, comm)
+        mlp.c_fc = ColumnParallelLinear.from_full(mlp.c_fc, comm, **sp)
+        mlp.c_proj = RowParallelLinear.from_full(mlp.c_proj, comm, **sp)
     return model
+
+
+def sequence_slice(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """This rank's s/T tokens of a [b, s] batch (what a sequence-parallel HF GPT-2 is given)."""
+    return _split(x, -1, comm)
 
 
 @torch.no_grad()

@@ -215,7 +215,11 @@ def _gpt_checks(comm, sequence_parallel: bool) -> dict:
 
 
 def _hf_forward(model, x, y):
-    """HF GPT-2 forward; the loss from whatever logits it returns (full or vocab slice)."""
+    """HF GPT-2 forward; the loss from whatever logits it returns (full or vocab slice).
+    Under sequence parallel the model is given only this rank's s/T ids."""
+    if getattr(model, "sequence_parallel", False):
+        from hplab import tp
+        x = tp.sequence_slice(x, model.tp_comm)
     logits = model(input_ids=x).logits
     if hasattr(model, "tp_comm"):
         from hplab import tp
@@ -224,7 +228,7 @@ def _hf_forward(model, x, y):
     return logits, F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def _hf_checks(comm) -> dict:
+def _hf_checks(comm, sequence_parallel: bool) -> dict:
     """Hugging Face GPT2LMHeadModel cut in place: same logits, loss, grads and training."""
     from transformers import GPT2LMHeadModel
 
@@ -237,10 +241,10 @@ def _hf_checks(comm) -> dict:
     reference_model = copy.deepcopy(hf)
     batches = [_batch(config.vocab_size, seed=s) for s in range(STEPS)]
     reference = _train_reference(reference_model, STEPS, batches, _hf_forward)
-    tp.parallelize_hf_gpt2(hf, comm)
-    hf.tp_comm = comm
-    out = _equivalence(reference,
-                       _train_tensor_parallel(hf, comm, STEPS, batches, _hf_forward, False))
+    tp.parallelize_hf_gpt2(hf, comm, sequence_parallel)
+    hf.tp_comm, hf.sequence_parallel = comm, sequence_parallel
+    out = _equivalence(reference, _train_tensor_parallel(hf, comm, STEPS, batches, _hf_forward,
+                                                         sequence_parallel))
     out["conv1d_weight_shape"] = list(hf.transformer.h[0].attn.c_attn.weight.shape)
     return out
 
@@ -384,7 +388,7 @@ def _checks_world2() -> dict:
             "ledger_sp": _ledger_checks(comm, mesh.ledger, True),
             "activations": _activation_checks(comm),
             "dtensor": _dtensor_checks(comm),
-            "hf": _hf_checks(comm)}
+            "hf": _hf_checks(comm, False), "hf_sp": _hf_checks(comm, True)}
 
 
 def _checks_world4() -> dict:
@@ -395,7 +399,7 @@ def _checks_world4() -> dict:
     return {"operators": _operator_checks(mesh.tp),
             "cross_entropy": _cross_entropy_checks(mesh.tp),
             "gpt": _gpt_checks(mesh.tp, False), "gpt_sp": _gpt_checks(mesh.tp, True),
-            "hf": _hf_checks(mesh.tp),
+            "hf": _hf_checks(mesh.tp, False), "hf_sp": _hf_checks(mesh.tp, True),
             "engine_tp4": _engine_checks(mesh, False),
             "engine_tp2_dp2": _engine_checks(tp_by_dp, False),
             "engine_tp2_dp2_sp_recompute": _engine_checks(tp_by_dp, True, recompute=True)}
@@ -442,13 +446,15 @@ def test_gpt_trains_like_one_process(world, variant):
         assert r["tied"] and r["padding_max"] == 0.0
 
 
-def test_hf_gpt2_trains_like_one_process(world):
+@pytest.mark.parametrize("variant", ["hf", "hf_sp"])
+def test_hf_gpt2_trains_like_one_process(world, variant):
     for rank in world:
-        r = rank["hf"]
+        r = rank[variant]
         assert r["losses"] <= RTOL and r["logits"] <= RTOL, r
         assert r["grads"][0] <= RTOL and r["params"] <= RTOL, r
     T = len(world)
-    assert world[0]["hf"]["conv1d_weight_shape"] == [CONFIG["n_embd"], 3 * CONFIG["n_embd"] // T]
+    assert world[0][variant]["conv1d_weight_shape"] == [CONFIG["n_embd"],
+                                                        3 * CONFIG["n_embd"] // T]
 
 
 def _bsh_bytes(s=CONFIG["n_positions"]):
@@ -527,6 +533,13 @@ def test_clear_errors_for_impossible_splits():
     fake_group = SimpleNamespace(size=3, rank=0)  # the check runs before any communication
     with pytest.raises(ValueError, match="4 attention heads do not split over --tp 3"):
         tp.parallelize_gpt(build_model(GPTConfig(**CONFIG)), fake_group)
+    from transformers import AutoModelForCausalLM
+
+    from hplab.models.gpt import to_hf_config
+    eager = AutoModelForCausalLM.from_config(to_hf_config(GPTConfig(**CONFIG)),
+                                             attn_implementation="eager")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        tp.parallelize_hf_gpt2(eager, SimpleNamespace(size=2, rank=0), sequence_parallel=True)
 
 
 def test_command_line_tp_with_sequence_parallel_matches_one_process(tmp_path):
