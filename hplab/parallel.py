@@ -124,6 +124,23 @@ def mine(p: torch.Tensor, full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return full.clone()
 
 
+@torch.no_grad()
+def load_pairs(pairs, names: dict, model_state: dict, optimizer_state: dict, optimizer,
+               mesh: Mesh) -> None:
+    """Load full single-device tensors into (model parameter p, optimized parameter q) pairs —
+    q is p's fp32 master copy in mixed precision, p itself otherwise: each gets this rank's
+    piece of its value, and q the pieces of its optimizer state."""
+    for p, q in pairs:
+        name = names[id(p)]
+        piece = mine(p, model_state[name].float(), mesh)
+        p.copy_(piece)
+        if q is not p:
+            q.copy_(piece)
+        if optimizer_state.get(name):
+            optimizer.state[q] = {k: mine(p, t, mesh).to(q.device) if t.dim() else t.clone()
+                                  for k, t in optimizer_state[name].items()}
+
+
 def optimizer_state_of(optimizer, param) -> dict[str, torch.Tensor]:
     return dict(optimizer.state.get(param, {}))
 
@@ -246,17 +263,8 @@ class DataParallelEngine(Engine):
 
     @torch.no_grad()
     def load_full_state(self, model_state, optimizer_state):
-        names = self.param_names()
-        for p, q in self.optimized_pairs():
-            name = names[id(p)]
-            piece = mine(p, model_state[name].float(), self.mesh)
-            p.copy_(piece)
-            if q is not p:
-                q.copy_(piece)
-            if optimizer_state.get(name):
-                self.optimizer.state[q] = {
-                    k: mine(p, t, self.mesh).to(q.device) if t.dim() else t.clone()
-                    for k, t in optimizer_state[name].items()}
+        load_pairs(self.optimized_pairs(), self.param_names(), model_state, optimizer_state,
+                   self.optimizer, self.mesh)
 
 
 # --- ZeRO (zero.py): a ZeroEngine goes here -------------------------------------------------
@@ -594,16 +602,8 @@ class PipelineEngine(Engine):
             self.zero.load_full_state(values, states)
             return
         optimized = self.master.params if self.master else self.params
-        for p, q in zip(self.params, optimized):
-            name = names[id(p)]
-            piece = mine(p, model_state[name].float(), self.mesh)
-            p.copy_(piece)
-            if q is not p:
-                q.copy_(piece)
-            if optimizer_state.get(name):
-                self.optimizer.state[q] = {
-                    k: mine(p, t, self.mesh).to(q.device) if t.dim() else t.clone()
-                    for k, t in optimizer_state[name].items()}
+        load_pairs(zip(self.params, optimized), names, model_state, optimizer_state,
+                   self.optimizer, self.mesh)
 
     def pipeline_report(self) -> dict:
         """This rank's trace of the last step and what it held, for the metrics file. Times
