@@ -141,6 +141,27 @@ def load_pairs(pairs, names: dict, model_state: dict, optimizer_state: dict, opt
                                   for k, t in optimizer_state[name].items()}
 
 
+def glue_state(params, names: dict, values: dict, states: dict, mesh: Mesh):
+    """(model_state, optimizer_state) by single-device name from this rank's pieces: `values`
+    and `states` map each parameter to its (dp-gathered) value and optimizer-state tensors,
+    glued back over tp here. `params` in an order every rank shares (tp collectives match)."""
+    model_state = {names[id(p)]: whole(p, values[p], mesh) for p in params}
+    optimizer_state = {names[id(p)]: {k: whole(p, t, mesh) if t.dim() else t.clone()
+                                      for k, t in states[p].items()} for p in params}
+    return model_state, optimizer_state
+
+
+def load_zero(zero, names: dict, model_state: dict, optimizer_state: dict, mesh: Mesh) -> None:
+    """Give a ZeRO instance this rank's tp pieces of every full tensor; it keeps its shards."""
+    values, states = {}, {}
+    for p in zero.unit_of:
+        name = names[id(p)]
+        values[p] = mine(p, model_state[name].float(), mesh).cpu()
+        states[p] = {k: mine(p, t, mesh).cpu() if t.dim() else t
+                     for k, t in optimizer_state.get(name, {}).items()}
+    zero.load_full_state(values, states)
+
+
 def optimizer_state_of(optimizer, param) -> dict[str, torch.Tensor]:
     return dict(optimizer.state.get(param, {}))
 
@@ -252,14 +273,10 @@ class DataParallelEngine(Engine):
         return list(zip(self.ddp.params, self.master.params if self.master else self.ddp.params))
 
     def full_state(self):
-        names = self.param_names()
-        model_state, optimizer_state = {}, {}
-        for p, q in self.optimized_pairs():  # same order on every rank: tp collectives match
-            name = names[id(p)]
-            model_state[name] = whole(p, q.detach().float(), self.mesh)
-            optimizer_state[name] = {k: whole(p, t, self.mesh) if t.dim() else t.clone()
-                                     for k, t in optimizer_state_of(self.optimizer, q).items()}
-        return model_state, optimizer_state
+        pairs = list(self.optimized_pairs())  # same order on every rank: tp collectives match
+        return glue_state([p for p, _ in pairs], self.param_names(),
+                          {p: q.detach().float() for p, q in pairs},
+                          {p: optimizer_state_of(self.optimizer, q) for p, q in pairs}, self.mesh)
 
     @torch.no_grad()
     def load_full_state(self, model_state, optimizer_state):
@@ -329,24 +346,11 @@ class ZeroEngine(Engine):
 
     def full_state(self):
         values, states = self.zero.full_state()  # gathered over dp, still tp slices
-        names = self.param_names()
-        model_state, optimizer_state = {}, {}
-        for p in self.zero.unit_of:  # unit order: the same on every rank
-            name = names[id(p)]
-            model_state[name] = whole(p, values[p], self.mesh)
-            optimizer_state[name] = {k: whole(p, t, self.mesh) if t.dim() else t
-                                     for k, t in states[p].items()}
-        return model_state, optimizer_state
+        return glue_state(list(self.zero.unit_of), self.param_names(), values, states,
+                          self.mesh)  # unit order: the same on every rank
 
     def load_full_state(self, model_state, optimizer_state):
-        names = self.param_names()
-        values, states = {}, {}
-        for p in self.zero.unit_of:
-            name = names[id(p)]
-            values[p] = mine(p, model_state[name].float(), self.mesh).cpu()
-            states[p] = {k: mine(p, t, self.mesh).cpu() if t.dim() else t
-                         for k, t in optimizer_state.get(name, {}).items()}
-        self.zero.load_full_state(values, states)
+        load_zero(self.zero, self.param_names(), model_state, optimizer_state, self.mesh)
 
 
 
@@ -568,10 +572,7 @@ class PipelineEngine(Engine):
             states = {p: optimizer_state_of(self.optimizer, q)
                       for p, q in zip(self.params, optimized)}
             order = self.params
-        model_state = {names[id(p)]: whole(p, values[p], self.mesh) for p in order}
-        optimizer_state = {names[id(p)]: {k: whole(p, t, self.mesh) if t.dim() else t.clone()
-                                          for k, t in states[p].items()} for p in order}
-        return model_state, optimizer_state
+        return glue_state(order, names, values, states, self.mesh)
 
     def full_state(self):
         """Each stage's state (tp and ZeRO pieces glued together first), sent to rank 0 by
@@ -593,13 +594,7 @@ class PipelineEngine(Engine):
     def load_full_state(self, model_state, optimizer_state):
         names = self.param_names()
         if self.zero:
-            values, states = {}, {}
-            for p in self.zero.unit_of:
-                name = names[id(p)]
-                values[p] = mine(p, model_state[name].float(), self.mesh).cpu()
-                states[p] = {k: mine(p, t, self.mesh).cpu() if t.dim() else t
-                             for k, t in optimizer_state.get(name, {}).items()}
-            self.zero.load_full_state(values, states)
+            load_zero(self.zero, names, model_state, optimizer_state, self.mesh)
             return
         optimized = self.master.params if self.master else self.params
         load_pairs(zip(self.params, optimized), names, model_state, optimizer_state,
