@@ -43,16 +43,14 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from hplab.data import TokenDataset, get_batch, global_batch_indices, shard_for_rank
-    from hplab.ddp import DataParallel
-    from hplab.dist import Mesh, init_distributed
+    from hplab.ddp import DDP
+    from hplab.dist import init_distributed
     from hplab.models.gpt import build_model, config_from_preset
-    from hplab.parallel import make_optimizer
 
     device = init_distributed()
-    mesh = Mesh.create(dp=dist.get_world_size(), device=device)
     config = config_from_preset("tiny", **{k: v for k, v in MODELS[model_name].items()})
     ds = TokenDataset("shakespeare", seq_len=config.n_positions)
-    n, rank = mesh.dp_size, mesh.dp_rank
+    n, rank = dist.get_world_size(), dist.get_rank()
     batches = [get_batch(ds, shard_for_rank(global_batch_indices(len(ds), s, batch, 0), rank, n))
                for s in range(steps)]
     batches = [(x.to(device), y.to(device)) for x, y in batches]
@@ -61,18 +59,15 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
         torch.cuda.reset_peak_memory_stats(device)
 
     model = build_model(config, 0).to(device)
-    wrapped = (DataParallel(model, mesh.dp, bucket_bytes=bucket_mb * 2**20) if impl == "hplab"
+    wrapped = (DDP(model, bucket_mb=bucket_mb) if impl == "hplab"
                else TorchDDP(model, bucket_cap_mb=bucket_mb))
-    params = wrapped.params if impl == "hplab" else list(wrapped.parameters())
-    opt = make_optimizer(params, 1e-3, 0.0)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.0)
 
-    def step(x, y):
+    def step(x, y):  # the ordinary loop, the same for both
         _, loss = wrapped(x, y)
         loss.backward()
-        if impl == "hplab":
-            wrapped.finish_gradient_sync()
         opt.step()
-        wrapped.zero_grad() if impl == "hplab" else opt.zero_grad(set_to_none=False)
+        opt.zero_grad()
 
     warmup = 3
     for x, y in batches[:warmup]:
@@ -104,16 +99,15 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
         def backward_alone():
             with wrapped.no_sync():
                 wrapped(x, y)[1].backward()
-            wrapped.zero_grad()
+            opt.zero_grad()
 
         def comm_alone():
             for b in wrapped.buckets:
-                mesh.dp.all_reduce(b.buffer)
+                wrapped.comm.all_reduce(b.buffer)
 
-        def overlapped():
+        def overlapped():  # the sync finishes inside backward()
             wrapped(x, y)[1].backward()
-            wrapped.finish_gradient_sync()
-            wrapped.zero_grad()
+            opt.zero_grad()
 
         b, c, a = timed(backward_alone), timed(comm_alone), timed(overlapped)
         result.update(backward_s=b, allreduce_s=c, overlapped_s=a,
@@ -132,7 +126,9 @@ def launch(nproc, impl, model_name, steps, batch, bucket_mb) -> list[dict]:
     cmd = torchrun_command(nproc, __file__, "--worker", impl, "--model", model_name,
                            "--steps", str(steps), "--batch", str(batch),
                            "--bucket-mb", str(bucket_mb), "--out", str(out))
-    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        sys.exit(f"{impl} on {model_name} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(out.read_text())
     out.unlink()
     return result

@@ -55,13 +55,14 @@ def batches(n):
 def hplab_engine(schedule, v):
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.parallel import build_engine
+    from hplab.compose import ParallelConfig, parallelize
     from hplab.train import build_parser
 
     args = build_parser().parse_args(["--pp", str(WORLD), "--dp", "1", "--schedule", schedule,
                                       "--virtual-stages", str(v),
                                       "--microbatches", str(MICROBATCHES)])
-    return build_engine(build_model(model_config(), seed=0), Mesh.create(pp=WORLD), args)
+    return parallelize(build_model(model_config(), seed=0), Mesh.create(pp=WORLD),
+                       ParallelConfig.from_namespace(args))
 
 
 def torch_1f1b():
@@ -70,7 +71,7 @@ def torch_1f1b():
     from hplab import pp
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.parallel import make_optimizer
+    from hplab.compose import make_optimizer
 
     mesh = Mesh.create(pp=WORLD)
     model = build_model(model_config(), seed=0)
@@ -98,6 +99,8 @@ def torch_1f1b():
 def _worker():
     import torch.distributed as dist
 
+    from hplab.compose import pipeline_report, train_step
+
     data = batches(WARMUP_STEPS + TIMED_STEPS)
     out = {"throughput": {}, "bubble": {}}
 
@@ -109,7 +112,7 @@ def _worker():
         for name in (("hplab", "torch") if i % 2 else ("torch", "hplab")):  # fair: alternate
             mesh.world.barrier()
             start = time.perf_counter()
-            ours.train_step(x, y) if name == "hplab" else theirs(x, y)
+            train_step(ours, x, y) if name == "hplab" else theirs(x, y)
             mesh.world.barrier()
             if i >= WARMUP_STEPS:
                 times[name].append(time.perf_counter() - start)
@@ -121,9 +124,9 @@ def _worker():
     for schedule, v in SCHEDULES:
         engine = hplab_engine(schedule, v)
         for x, y in data[:3]:
-            engine.train_step(x, y)
+            train_step(engine, x, y)
         out["bubble"][f"{schedule}" + (f" v={v}" if v > 1 else "")] = {
-            "schedule": schedule, "virtual_stages": v, **engine.pipeline_report()}
+            "schedule": schedule, "virtual_stages": v, **pipeline_report(engine)}
     dist.barrier()
     return out
 

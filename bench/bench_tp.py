@@ -4,8 +4,8 @@
     python bench/bench_tp.py --quick    # fewer timed steps
 
 1. Throughput: the same MLP (Linear → GeLU → Linear) and the same GPT block, on the same
-   ranks and inputs, forward + backward, cut by hplab (`ColumnParallelLinear` /
-   `RowParallelLinear`, heads split per Q/K/V) and by `parallelize_module` with
+   ranks and inputs, forward + backward, cut by hplab (`tp.parallelize`: `ColumnParallelLinear`
+   / `RowParallelLinear`, heads split per Q/K/V) and by `parallelize_module` with
    `ColwiseParallel` / `RowwiseParallel`. DTensor's colwise split takes contiguous rows, so
    for the block c_attn's rows are first permuted to [q₀ k₀ v₀ | q₁ k₁ v₁] (per rank: its
    heads of Q, K, V) — otherwise it would compute a different function. Both sides' outputs
@@ -74,8 +74,7 @@ def _pair(kind: str, comm):
         h = SHAPES["mlp"]["n_embd"]
         ref = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU("tanh"), nn.Linear(4 * h, h))
         ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-        ours[0] = tp.ColumnParallelLinear.from_full(ours[0], comm)
-        ours[2] = tp.RowParallelLinear.from_full(ours[2], comm)
+        tp.parallelize(ours, comm, {"0": tp.ColumnParallelLinear, "2": tp.RowParallelLinear})
         parallelize_module(theirs, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         return ref, ours, theirs
     config = GPTConfig(**SHAPES["block"], n_layer=1, n_positions=SEQ)
@@ -83,11 +82,9 @@ def _pair(kind: str, comm):
     for p in ref.parameters():  # non-trivial biases and norms, so every piece is checked
         nn.init.normal_(p, 0.0, 0.05 if p.dim() > 1 else 0.2)
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    ours.attn.c_attn = tp.ColumnParallelLinear.from_full(ours.attn.c_attn, comm, fused=3)
-    ours.attn.c_proj = tp.RowParallelLinear.from_full(ours.attn.c_proj, comm)
-    ours.mlp.c_fc = tp.ColumnParallelLinear.from_full(ours.mlp.c_fc, comm)
-    ours.mlp.c_proj = tp.RowParallelLinear.from_full(ours.mlp.c_proj, comm)
-    ours.attn.n_head //= T
+    block_plan = {name.removeprefix("transformer.h.*."): style  # GPT_PLAN's entries for a block
+                  for name, style in tp.GPT_PLAN.items() if name.startswith("transformer.h.")}
+    tp.parallelize(ours, comm, block_plan)
     _permute_qkv_for_contiguous_split(theirs.attn.c_attn, T)
     parallelize_module(theirs, mesh, {"attn.c_attn": ColwiseParallel(),
                                       "attn.c_proj": RowwiseParallel(),
@@ -129,7 +126,7 @@ def _param_bytes(comm) -> list[dict]:
             config = replace(config, vocab_size=2049)
         model = build_model(config, 0)
         full = {n: p.numel() * 4 for n, p in model.named_parameters()}
-        tp.parallelize_gpt(model, comm)
+        tp.parallelize(model, comm, tp.GPT_PLAN)
         split_names = {n for n, p in model.named_parameters() if tp.is_split(p)}
         padded_vocab = -(-config.vocab_size // comm.size) * comm.size
         padding = (padded_vocab - config.vocab_size) * config.n_embd * 4
@@ -152,7 +149,8 @@ def _activations_and_comm(comm, ledger) -> dict:
     for name in ("one process", "tp", "tp + sequence parallel"):
         model = build_model(config, 0)
         if name != "one process":
-            tp.parallelize_gpt(model, comm, sequence_parallel=name.endswith("parallel"))
+            tp.parallelize(model, comm, tp.GPT_PLAN,
+                           sequence_parallel=name.endswith("parallel"))
         s = SEQ // comm.size if name.endswith("parallel") else SEQ
         hidden = torch.randn(BATCH, s, config.n_embd, requires_grad=True)
         memory = MemoryLedger()

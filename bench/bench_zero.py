@@ -6,8 +6,10 @@ DistributedDataParallel + ZeroRedundancyOptimizer. Same model, same data, same r
 
 Each measurement is its own `torchrun` launch of this file (worker mode), alternating hplab and
 PyTorch and repeating, so both see the same machine state; the median of the repeats is kept.
-Both sides use AdamW(foreach=False) and the same per-block sharding (hplab: one unit per
-block + root; FSDP2: `fully_shard` on every block, then on the root). Reported per model:
+Both sides use AdamW(foreach=False). ZeRO-3: the same per-block sharding (hplab: one unit per
+block + root; FSDP2: `fully_shard` on every block, then on the root). ZeRO-1: hplab's
+`ZeroOptimizer(stage=1)` in the plain loop (it averages the gradients itself) against DDP +
+`ZeroRedundancyOptimizer`. `--pairs zero1` runs one comparison only. Reported per model:
 
 * tokens/s ratio hplab / PyTorch (target ≥ 0.9), timed over the steps after 3 warm-up steps;
 * peak memory ratio: CUDA's `max_memory_allocated` on GPU; on CPU, the growth of the process's
@@ -41,24 +43,39 @@ from hplab.memory import peak_rss_bytes  # noqa: E402
 PAIRS = {"zero3": ("hplab-zero3", "torch-fsdp2"), "zero1": ("hplab-zero1", "torch-zero1")}
 
 
+def make_optimizer(params, lr: float, weight_decay: float):
+    """The AdamW every side uses (hplab's training settings)."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
+                             foreach=False)
+
+
 def build(impl: str, model, mesh, lr: float = 1e-3):
     """The model wrapped by `impl` and a `step(x, y)` that trains one step."""
     import torch
 
-    from hplab.parallel import make_optimizer
+    if impl == "hplab-zero1":  # the tutorial loop, no DDP: the optimizer averages the grads
+        from hplab.zero import ZeroOptimizer
 
-    if impl.startswith("hplab"):
-        from hplab.zero import ZeRO
-
-        zero = ZeRO(model, mesh.dp, int(impl[-1]), lambda ps: make_optimizer(ps, lr, 0.0),
-                    layers=list(model.transformer.h))
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, mesh.dp, stage=1, lr=lr,
+                            betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
 
         def step(x, y):
             model(x, y)[1].backward()
-            zero.step()
+            opt.step()
+            opt.zero_grad()
         return step
 
-    if impl == "torch-fsdp2":
+    if impl == "hplab-zero3":  # the same tutorial loop as FSDP2's below
+        from hplab.fsdp import fully_shard as hplab_fully_shard
+
+        for block in model.transformer.h:
+            hplab_fully_shard(block, mesh.dp)
+        hplab_fully_shard(model, mesh.dp)
+        opt = make_optimizer(model.parameters(), lr, 0.0)
+        wrapped = model
+    elif impl == "torch-fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -148,6 +165,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=23)
     p.add_argument("--batch", type=int, default=32, help="global batch in sequences")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--pairs", default=",".join(PAIRS), help="which comparisons, e.g. zero1")
     p.add_argument("--worker"), p.add_argument("--model"), p.add_argument("--out")
     args = p.parse_args()
     if args.worker:
@@ -158,6 +176,8 @@ def main() -> None:
     rows = []
     for model_name in MODELS:
         for pair, (ours, theirs) in PAIRS.items():
+            if pair not in args.pairs.split(","):
+                continue
             runs = {ours: [], theirs: []}
             for _ in range(args.repeats):
                 for impl in runs:  # alternate, so both see the same machine

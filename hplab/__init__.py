@@ -1,1 +1,48 @@
-"""hplab: learn how LLMs are trained on many devices, by building it."""
+"""hplab: the ways large language models are trained on many devices, built from scratch.
+
+The building blocks, used the way PyTorch's own are (in an ordinary training loop):
+
+    hplab.DDP(module, group)                       like torch's DistributedDataParallel
+    hplab.ZeroOptimizer(params, AdamW, stage=1|2)  like torch's ZeroRedundancyOptimizer
+    hplab.fully_shard(block); hplab.fully_shard(model)   ZeRO-3, like torch's FSDP2
+    hplab.full_parameters(model), hplab.finish_gradient_sync(model)
+    hplab.tp.parallelize(model, group, plan)       Megatron-style tensor parallel
+    hplab.pp                                       pipeline stages, schedules, executor
+
+and their composition for a whole layout: `hplab.Mesh`, `hplab.init_distributed`,
+`hplab.parallelize(model, mesh, config)` and `hplab.finalize_grads(model, mesh, optimizer)`.
+Names are imported on first use, so `import hplab` stays cheap (torch loads when needed).
+"""
+
+import importlib
+
+_PUBLIC = {
+    "DDP": "hplab.ddp",
+    "ZeroOptimizer": "hplab.zero",
+    "fully_shard": "hplab.fsdp",
+    "full_parameters": "hplab.fsdp",
+    "finish_gradient_sync": "hplab.compose",
+    "parallelize": "hplab.compose",
+    "finalize_grads": "hplab.compose",
+    "ParallelConfig": "hplab.compose",
+    "train_step": "hplab.compose",
+    "Mesh": "hplab.dist",
+    "init_distributed": "hplab.dist",
+}
+_MODULES = {"tp", "pp", "comm", "dist", "memory", "plan", "formulas", "lab", "viz",
+            "checkpoint", "data", "precision", "ddp", "zero", "fsdp", "models", "check",
+            "compose", "schedule"}
+
+__all__ = sorted(_PUBLIC) + sorted(_MODULES)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    if name in _MODULES:
+        return importlib.import_module(f"hplab.{name}")
+    raise AttributeError(f"module 'hplab' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

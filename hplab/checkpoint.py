@@ -33,9 +33,12 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from hplab import fsdp, tp
 from hplab.models.gpt import GPTConfig, config_dict, from_hf_state_dict, to_hf_state_dict
+from hplab.zero import ZeroOptimizer
 
 FORMAT_VERSION = 1
 
@@ -149,3 +152,81 @@ def check_compatible(saved: GPTConfig, wanted: GPTConfig) -> None:
                  if a != b]
         raise CheckpointError("the checkpoint holds a different model (" + "; ".join(diffs) +
                               "): resume with the same --model and size flags")
+
+
+# --- from a layout's pieces to the single-device state, and back ------------------------------
+# `par` is what hplab.compose.parallelize returned. A parameter's single-device tensor is
+# rebuilt in two steps: its data-parallel shards (ZeroOptimizer, fully_shard) are gathered
+# over dp, then its tensor-parallel slices over tp; pipeline stages are collected on rank 0.
+
+def owned_parameters(par) -> list[tuple[str, torch.nn.Parameter]]:
+    """(single-device name, this rank's parameter) in an order every rank of a stage shares;
+    a pipeline rank's freed layers (requires_grad off) are not its own."""
+    return [(name, p) for name, p in par.gpt.named_parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def gather_full_state(par) -> tuple[dict, dict]:
+    """(model_state, optimizer_state): every parameter's full fp32 value and full optimizer
+    state under its single-device name. A collective; the result is complete on rank 0."""
+    mesh, optimizer, params = par.mesh, par.optimizer, owned_parameters(par)
+    if isinstance(optimizer, ZeroOptimizer):
+        values, states = optimizer.full_state()
+    else:
+        inner, masters = getattr(optimizer, "inner", optimizer), getattr(optimizer, "masters", {})
+        values, states = {}, {}
+        for _, p in params:
+            q = masters.get(p, p)  # the fp32 master where there is one
+            values[p], states[p] = q.detach().float(), dict(inner.state.get(q, {}))
+            if fsdp.is_shard(p):
+                values[p] = fsdp.gather_full(p, values[p])
+                states[p] = {k: fsdp.gather_full(p, t) if t.dim() else t
+                             for k, t in states[p].items()}
+
+    def whole(p, t):
+        if getattr(p, "tp_split", None) is None:
+            return t.detach().cpu().clone()
+        return tp.unshard(t.to(mesh.device), p.tp_split, mesh.tp).cpu()
+
+    model_state = {name: whole(p, values[p]) for name, p in params}
+    optimizer_state = {name: {k: whole(p, t) if t.dim() else t.clone()
+                              for k, t in states[p].items()} for name, p in params}
+    if mesh.pp_size > 1:  # each stage's (dp 0, tp 0) rank hands its stage to rank 0
+        mine = (model_state, optimizer_state) if mesh.dp_rank == mesh.tp_rank == 0 else ({}, {})
+        everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None
+        dist.gather_object(mine, everyone, dst=0)  # in memory, between our own processes
+        model_state, optimizer_state = {}, {}
+        for stage_model, stage_optimizer in everyone or []:
+            model_state.update(stage_model)
+            optimizer_state.update(stage_optimizer)
+    return model_state, optimizer_state
+
+
+@torch.no_grad()
+def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
+    """The reverse: every rank gets the full dicts and keeps the pieces it holds."""
+    mesh, optimizer, params = par.mesh, par.optimizer, owned_parameters(par)
+
+    def mine(p, full):
+        if getattr(p, "tp_split", None) is None:
+            return full.detach().cpu().clone()
+        return tp.shard(full.to(mesh.device), p.tp_split, mesh.tp).cpu()
+
+    values = {p: mine(p, model_state[name].float()) for name, p in params}
+    states = {p: {k: mine(p, t) if t.dim() else t.clone()
+                  for k, t in optimizer_state.get(name, {}).items()} for name, p in params}
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.load_full_state(values, states)
+        return
+    inner, masters = getattr(optimizer, "inner", optimizer), getattr(optimizer, "masters", {})
+    for _, p in params:
+        value, state = values[p], states[p]
+        if fsdp.is_shard(p):
+            value = fsdp.local_shard(p, value)
+            state = {k: fsdp.local_shard(p, t) if t.dim() else t for k, t in state.items()}
+        p.copy_(value)
+        q = masters.get(p, p)
+        if q is not p:
+            q.copy_(value)
+        if state:
+            inner.state[q] = {k: t.to(q.device) if t.dim() else t for k, t in state.items()}

@@ -13,9 +13,9 @@ S is the payload as `hplab.comm` counts it: the tensor for all-reduce and broadc
 gathered output of all-gather, the full input of reduce-scatter, the message of send/recv.
 For send/recv, ranks pair up (0→1, 2→3, ...) and every pair sends at the same time.
 
-The JSON written by rank 0: `world_size`, `backend`, `results` {op: [{bytes, time_s, median_s}]} and
-`ledger` (rank 0's CommLedger totals over the timed calls: calls, bytes, bus bytes) and
-`demo` (per rank, each operation once on a tiny tensor: before and after).
+The JSON written by rank 0: `world_size`, `backend`, `repeats`, `results` {op: [{bytes, time_s,
+median_s}]}, `ledger` (rank 0's CommLedger totals over the timed calls: calls, bytes, bus bytes)
+and `demo` (per rank, each operation once on a tiny tensor: before and after).
 """
 
 from __future__ import annotations
@@ -60,30 +60,17 @@ def one_call(comm, op: str, nbytes: int, buffers: dict):
 
 def demo(comm) -> dict:
     """Each collective once on tiny tensors, to *see* what it does: rank r starts with
-    [10r+1, 10r+2, ..., 10r+n] (send/recv: even ranks send to the next odd rank).
-    Returns {op: (what this rank had before, what it has after)}."""
+    [10r+1, 10r+2, ..., 10r+n] (all-gather: [10r+1]; send/recv: even ranks send to the next
+    odd rank). Returns {op: (what this rank had before, what it has after)}."""
     import torch
 
-    n, r = comm.size, comm.rank
-    start = lambda: torch.arange(1, n + 1, dtype=torch.float32) + 10 * r  # noqa: E731
     shown = {}
-    t = start()
-    comm.all_reduce(t)
-    shown["all_reduce"] = (start().tolist(), t.tolist())
-    out = torch.zeros(1)
-    comm.reduce_scatter(out, start())
-    shown["reduce_scatter"] = (start().tolist(), out.tolist())
-    mine = torch.tensor([10.0 * r + 1])
-    gathered = torch.zeros(n)
-    comm.all_gather(gathered, mine)
-    shown["all_gather"] = (mine.tolist(), gathered.tolist())
-    t = start()
-    comm.broadcast(t, src=0)
-    shown["broadcast"] = (start().tolist(), t.tolist())
-    t, partner = start(), r ^ 1
-    if partner < n:
-        (comm.send if r % 2 == 0 else comm.recv)(t, partner)
-    shown["send_recv"] = (start().tolist(), t.tolist())
+    for op in OPS:
+        start = torch.arange(1, comm.size + 1, dtype=torch.float32, device=comm.device) + 10 * comm.rank
+        big, small = start.clone(), start[:1].clone()  # small: all-gather in, reduce-scatter out
+        one_call(comm, op, big.nbytes, {"big": big, "small": small})
+        shown[op] = ((small if op == "all_gather" else start).tolist(),
+                     (small if op == "reduce_scatter" else big).tolist())
     return shown
 
 
@@ -122,10 +109,7 @@ def main(argv=None) -> int:
                   f"(got {args.min_bytes}, {args.max_bytes})", file=sys.stderr)
         shutdown()
         return 2
-    sizes, s = [], args.min_bytes
-    while s <= args.max_bytes:
-        sizes.append(s)
-        s *= 2
+    sizes = [args.min_bytes << k for k in range((args.max_bytes // args.min_bytes).bit_length())]
     buffers = {"big": torch.ones(args.max_bytes // 4, device=device),
                "small": torch.ones(args.max_bytes // 4 // comm.size, device=device)}
     shown = demo(comm)

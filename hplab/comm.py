@@ -36,20 +36,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hplab.formulas import bus_factor  # the factors above, in one home
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv")
 
 
 class CommTimeout(RuntimeError):
     """A collective did not complete in time: a peer crashed, or ranks disagree on the order."""
-
-
-def bus_factor(op: str, n: int) -> float:
-    """How many payload-sizes cross each rank's link for `op` among n ranks (ring)."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n
-    return 1.0
 
 
 @dataclass
@@ -213,3 +206,26 @@ class Communicator:
         if self.size > 1:
             self._guard("all_reduce", lambda: dist.all_reduce(t, op=op, group=self.group))
         return float(t.item())
+
+
+def copy_markers(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Give `target` — a tensor standing for `source`, such as its shard or fp32 master — the
+    markers other parts read on `source` (`tp_split` and any other `tp_*` / `hplab_*`)."""
+    for name, value in vars(source).items():
+        if name.startswith(("tp_", "hplab_")):
+            setattr(target, name, value)
+
+
+DEFAULT_LEDGER = CommLedger()  # where collectives of groups given without a Mesh are counted
+
+
+def communicator(group=None, name: str = "dp") -> Communicator:
+    """The `Communicator` a building block runs its collectives on, from what its caller gave:
+    an hplab Communicator (used as is, e.g. `mesh.dp`), a torch ProcessGroup, or None for the
+    whole world. The last two are recorded in `DEFAULT_LEDGER` under `name`."""
+    if isinstance(group, Communicator):
+        return group
+    group = dist.group.WORLD if group is None else group
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return Communicator(group, name, DEFAULT_LEDGER, dist.get_process_group_ranks(group), device)

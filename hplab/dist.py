@@ -47,10 +47,6 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -64,13 +60,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     process. `backend` overrides the choice (e.g. "gloo" on a GPU machine).
     """
     if not dist.is_initialized():
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=str(free_port())).items():
+            os.environ.setdefault(key, value)
     device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = backend or pick_backend(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "gloo":
         device = torch.device("cpu")
     if device.type == "cuda":
@@ -159,21 +153,10 @@ class Mesh:
         return cls(dp, tp, pp, rank, device, ledger,
                    comms["world"], comms["dp"], comms["tp"], comms["pp"], all_groups)
 
-    @property
-    def world_size(self) -> int:
-        return self.dp_size * self.tp_size * self.pp_size
-
-    @property
-    def dp_rank(self) -> int:
-        return coordinates(self.rank, self.dp_size, self.tp_size, self.pp_size)[0]
-
-    @property
-    def tp_rank(self) -> int:
-        return coordinates(self.rank, self.dp_size, self.tp_size, self.pp_size)[1]
-
-    @property
-    def pp_rank(self) -> int:
-        return coordinates(self.rank, self.dp_size, self.tp_size, self.pp_size)[2]
+    def __post_init__(self):
+        self.world_size = self.dp_size * self.tp_size * self.pp_size
+        self.dp_rank, self.tp_rank, self.pp_rank = coordinates(
+            self.rank, self.dp_size, self.tp_size, self.pp_size)
 
     def drain(self) -> None:
         """Wait until no collective is in flight in any of this rank's groups: a gloo barrier
@@ -219,24 +202,21 @@ def run_distributed(fn, world_size: int, *args, backend: str | None = "gloo",
              for r in range(world_size)]
     for p in procs:
         p.start()
-    out, errors = {}, []
+    out = {}
     try:
         for _ in range(world_size):
             try:
                 rank, ok, value = results.get(timeout=timeout_s)
             except Exception:  # queue.Empty
                 raise TimeoutError(f"{world_size}-process run did not finish in {timeout_s:.0f}s")
-            (out.__setitem__(rank, value) if ok else errors.append((rank, value)))
-            if errors:
-                break
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
     finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 1)
+        for p in procs:  # after a failure, the others are stopped quickly
+            p.join(timeout=5 if len(out) == world_size else 1)
             if p.is_alive():
                 p.kill()
-    if errors:
-        rank, tb = errors[0]
-        raise RuntimeError(f"rank {rank} failed:\n{tb}")
     return [out[r] for r in range(world_size)]
 
 

@@ -36,6 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
+# in one home, hplab.formulas; lab 00 and tests call them as lab.<name>
+from hplab import viz  # plots; matplotlib itself loads only when one is drawn
+from hplab.formulas import alpha_beta_terms, training_flops_per_token
+
 HPLAB_DIR = Path(__file__).resolve().parent
 REPO_DIR = HPLAB_DIR.parent
 KINDS = ("params", "grads", "optim", "master", "activation")
@@ -217,13 +221,9 @@ class Run:
         return summary_table(self.metrics)
 
     def plot_loss(self, ax=None, label: str | None = None):
-        from hplab import viz
-
         return viz.plot_loss_curves({label or self.label(): self}, ax=ax)
 
     def plot_memory(self, predicted: dict[str, float] | None = None, ax=None):
-        from hplab import viz
-
         return viz.plot_memory_breakdown({f"measured ({self.label()})": self.memory_bytes()},
                                          predicted=predicted, ax=ax)
 
@@ -255,22 +255,6 @@ def load_run(path: str | Path) -> Run:
 
 
 # --- collectives: measured time against message size, and the α-β model ---------------------
-
-def alpha_beta_terms(op: str, n: int) -> tuple[float, float]:
-    """(latency steps, bandwidth factor) of the ring algorithm for `op` among n ranks:
-
-        T(S) = steps · α + factor · S / β
-
-    all-reduce: 2(n-1) steps, factor 2(n-1)/n (reduce-scatter then all-gather);
-    all-gather, reduce-scatter: n-1 steps, factor (n-1)/n; broadcast, send/recv: 1 and 1.
-    The factor is the nccl-tests "bus bytes" factor of `hplab.comm.bus_factor`.
-    """
-    if op == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
-        return n - 1, (n - 1) / n
-    return 1, 1.0
-
 
 @dataclass
 class AlphaBetaFit:
@@ -340,8 +324,6 @@ class Collectives:
         return [factor * s / t for s, t in zip(self.sizes(op), self.times(op))]
 
     def plot(self, ops: list[str] | None = None, ax=None):
-        from hplab import viz
-
         return viz.plot_collective_times(self, ops=ops, ax=ax)
 
 
@@ -387,12 +369,6 @@ def measure_peak_flops(n: int = 512, repeats: int = 10, threads: int | None = 1)
     finally:
         torch.set_num_threads(previous)
     return 2 * n**3 / best
-
-
-def training_flops_per_token(num_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
-    """FLOPs to train on one token: 6Ψ for the matmuls with the weights (2 forward, 4 backward)
-    plus 12·L·h·s for attention's scores and weighted sum (Chinchilla / PaLM appendix)."""
-    return 6 * num_params + 12 * n_layer * n_embd * seq_len
 
 
 def mfu(run: Run, peak_flops_per_process: float) -> float:

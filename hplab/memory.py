@@ -12,15 +12,12 @@ off a device:
 `MemoryLedger` counts **storages**, not tensors: two views of one buffer (a gradient that lives
 in a DDP bucket, a ZeRO shard of a flat parameter, the tied embedding and LM head) are counted
 once, at the size of the buffer actually allocated. A storage freed to zero bytes (ZeRO-3
-between layers) counts zero. Nothing here is a formula: the formulas live in `hplab.plan`, and
-the labs put both side by side.
+between layers) counts zero. Nothing here is a formula: the formulas live in `hplab.formulas`
+and `hplab.plan`, and the labs put both side by side.
 
-Activations are measured with saved-tensor hooks: while `track_activations()` is active, every
-tensor autograd saves for backward passes through a hook that only keeps a reference to it (the
-hook runs for every saved tensor, so it does nothing more); when the forward pass is over, their
-distinct storages are counted once, parameters excluded (a weight saved for backward is not an
-activation). 0-dim optimizer counters (Adam's `step`) are bookkeeping of a few bytes and are
-not counted.
+Activations are what autograd saves for backward inside `track_activations()` (a saved-tensor
+hook sees each one), parameters excluded: a weight saved for backward is not an activation.
+0-dim optimizer counters (Adam's `step`) are bookkeeping of a few bytes and are not counted.
 
 Peak: on CUDA, the caching allocator's `max_memory_allocated`. The CPU allocator keeps no such
 statistics, so on CPU `peak_bytes` is the largest tally this ledger saw (model state plus the
@@ -49,24 +46,16 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set | None = Non
     """Bytes of the distinct storages behind `tensors` (None entries skipped). Storages in
     `seen` are skipped and the new ones added, so a buffer is counted under one kind only."""
     seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        key = _storage_key(t)
-        if key[2] == 0 or key in seen:  # a freed or already-counted storage
-            continue
-        seen.add(key)
-        total += key[3]
-    return total
+    keys = {_storage_key(t) for t in tensors if t is not None}
+    new = {key for key in keys - seen if key[2] != 0}  # not freed, not already counted
+    seen |= new
+    return sum(key[3] for key in new)
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """The per-parameter state tensors of a torch optimizer (exp_avg, exp_avg_sq, ...)."""
-    if optimizer is None:
-        return []
-    return [v for state in optimizer.state.values() for v in state.values()
-            if torch.is_tensor(v) and v.dim() > 0]
+    states = optimizer.state.values() if optimizer is not None else ()
+    return [v for state in states for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
 def model_state_tensors(model: torch.nn.Module, optimizer=None) -> dict[str, list]:
@@ -118,13 +107,11 @@ class MemoryLedger:
         distinct storage counts once; the total is kept as `activation_bytes` if it is the
         largest seen, and added to `activations_in_flight` until `release_activations`.
 
-        The hook only appends the saved tensor to a list: it runs for every saved tensor
-        (dozens per layer), and looking up every parameter's storage there cost about a tenth
-        of a small stage's forward + backward. The parameters' storages are looked up once,
-        at the end of the block. (ZeRO-3 frees a layer's parameters after its forward: a
-        parameter saved by that layer then points at 0 bytes and counts nothing.) Holding the
-        saved tensors until then also keeps a freed tensor's memory from being reused inside
-        the block by another tensor, which would look like the same storage.
+        The hook only keeps a reference: it runs for every saved tensor (dozens per layer; a
+        storage look-up there cost a tenth of a small stage's forward + backward), so the
+        storages are looked up once, at the end of the block (a parameter ZeRO-3 freed
+        after its layer's forward then counts nothing). Holding the tensors until then also
+        keeps a freed tensor's memory from being reused in the block under the same address.
         """
         saved: list[torch.Tensor] = []
         counted = [0]
@@ -152,7 +139,6 @@ class MemoryLedger:
 
     def as_dict(self) -> dict[str, int]:
         """The metrics file's `memory` entry for this rank."""
-        return {"params_bytes": self.bytes["params"], "grads_bytes": self.bytes["grads"],
-                "optim_bytes": self.bytes["optim"], "master_bytes": self.bytes["master"],
+        return {**{f"{kind}_bytes": self.bytes[kind] for kind in KINDS},
                 "activation_bytes": self.activation_bytes, "peak_bytes": self.peak_bytes(),
                 "peak_rss_bytes": peak_rss_bytes()}

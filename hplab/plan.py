@@ -40,10 +40,22 @@ module imports no torch (it must load fast and run on machines without a GPU).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
+
+# The formulas themselves live in hplab.formulas (one home, shared with pp, viz, lab, comm);
+# the planner composes them. Imported by name so `plan.model_state_bytes` & co. keep working.
+from hplab.formulas import (HPLAB_PRESETS, PRECISION_BYTES, SCHEDULES,  # noqa: F401
+                            activation_bytes_per_layer, bubble_ratio, collective_time_s,
+                            flops_per_step, gpt_num_params, in_flight_microbatches,
+                            model_state_bytes)
+
+#: Lab 07's exercise and checker call the *ratio* (p−1)/m "bubble_fraction" (idle / compute);
+#: elsewhere a bubble fraction is of the step. Kept under that name for them.
+bubble_fraction = bubble_ratio
 
 GB = 1e9
 GIB = 2**30
@@ -71,75 +83,40 @@ class ModelShape:
     default_batch_size: int = 8  # global batch in sequences, when the command line gives none
 
     def num_params(self) -> int:
-        """Ψ of GPT-2 (tied embedding / LM head, learned positions, biases everywhere):
-
-            Ψ = V·h + S·h + L·(12h² + 13h) + 2h
-
-        per block: QKV 3h²+3h, attention projection h²+h, MLP 4h²+4h and 4h²+h, two layer
-        norms 4h; then the final layer norm 2h."""
-        h, L = self.n_embd, self.n_layer
-        return self.vocab_size * h + self.seq_len * h + L * (12 * h * h + 13 * h) + 2 * h
-
-
-def _gpt3(name, n_layer, n_embd, n_head, batch):
-    return ModelShape(name, n_layer, n_embd, n_head, 2048, 50257, default_batch_size=batch)
+        """Ψ of GPT-2: V·h + S·h + L·(12h² + 13h) + 2h (`formulas.gpt_num_params`)."""
+        return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.seq_len)
 
 
 #: [GPT-3] Table 2.1 (context 2048, GPT-2 BPE). Batch sizes are the paper's tokens ÷ 2048.
 #: The table is inconsistent in two rows: 1.3B lists 24 heads of 128 for d_model 2048 (16 heads
 #: fit), and 13B lists d_model 5140 (5120 = 40 heads × 128 fits). We use what fits.
-GPT3_PRESETS = {p.name: p for p in [
-    _gpt3("gpt3-125m", 12, 768, 12, 256),
-    _gpt3("gpt3-350m", 24, 1024, 16, 256),
-    _gpt3("gpt3-760m", 24, 1536, 16, 256),
-    _gpt3("gpt3-1.3b", 24, 2048, 16, 512),
-    _gpt3("gpt3-2.7b", 32, 2560, 32, 512),
-    _gpt3("gpt3-6.7b", 32, 4096, 32, 1024),
-    _gpt3("gpt3-13b", 40, 5120, 40, 1024),
-    _gpt3("gpt3-175b", 96, 12288, 96, 1536),
-]}
-
-
-def _megatron(name, n_head, n_embd, n_layer, batch):
-    return ModelShape(name, n_layer, n_embd, n_head, 2048, 51200, default_batch_size=batch)
-
+#: Columns: name, n_layer, n_embd, n_head, global batch.
+GPT3_PRESETS = {name: ModelShape(name, L, h, a, 2048, 50257, default_batch_size=batch)
+                for name, L, h, a, batch in [
+    ("gpt3-125m", 12, 768, 12, 256), ("gpt3-350m", 24, 1024, 16, 256),
+    ("gpt3-760m", 24, 1536, 16, 256), ("gpt3-1.3b", 24, 2048, 16, 512),
+    ("gpt3-2.7b", 32, 2560, 32, 512), ("gpt3-6.7b", 32, 4096, 32, 1024),
+    ("gpt3-13b", 40, 5120, 40, 1024), ("gpt3-175b", 96, 12288, 96, 1536)]}
 
 #: [PTD-P] Table 1 (vocabulary 51,200, sequence 2048), with the paper's global batch sizes.
-MEGATRON_2021_PRESETS = {p.name: p for p in [
-    _megatron("megatron-1.7b", 24, 2304, 24, 512),
-    _megatron("megatron-3.6b", 32, 3072, 30, 512),
-    _megatron("megatron-7.5b", 32, 4096, 36, 512),
-    _megatron("megatron-18b", 48, 6144, 40, 1024),
-    _megatron("megatron-39b", 64, 8192, 48, 1536),
-    _megatron("megatron-76b", 80, 10240, 60, 1792),
-    _megatron("megatron-146b", 96, 12288, 80, 2304),
-    _megatron("megatron-310b", 128, 16384, 96, 2160),
-    _megatron("megatron-530b", 128, 20480, 105, 2520),
-    _megatron("megatron-1t", 160, 25600, 128, 3072),
-]}
-
-
-#: hplab's presets as `hplab.models.gpt` defines them, used only if that module (or torch)
-#: cannot be imported, so the planner also runs alone.
-_HPLAB_FALLBACK = {"tiny": (4, 64, 4, 64, 2048), "gpt2": (12, 768, 12, 1024, 50257),
-                   "gpt2-medium": (24, 1024, 16, 1024, 50257)}
+#: Columns as the paper's: name, n_head, n_embd, n_layer, global batch.
+MEGATRON_2021_PRESETS = {name: ModelShape(name, L, h, a, 2048, 51200, default_batch_size=batch)
+                         for name, a, h, L, batch in [
+    ("megatron-1.7b", 24, 2304, 24, 512), ("megatron-3.6b", 32, 3072, 30, 512),
+    ("megatron-7.5b", 32, 4096, 36, 512), ("megatron-18b", 48, 6144, 40, 1024),
+    ("megatron-39b", 64, 8192, 48, 1536), ("megatron-76b", 80, 10240, 60, 1792),
+    ("megatron-146b", 96, 12288, 80, 2304), ("megatron-310b", 128, 16384, 96, 2160),
+    ("megatron-530b", 128, 20480, 105, 2520), ("megatron-1t", 160, 25600, 128, 3072)]}
 
 
 def model_presets() -> dict[str, ModelShape]:
-    """hplab's own presets (from `hplab.models.gpt`, imported only now: it imports torch) plus
+    """hplab's own presets (`formulas.HPLAB_PRESETS`, as `hplab.models.gpt` builds them) plus
     the GPT-3 and Megatron-2021 sizes above. hplab's GPT has no dropout and computes attention
     with `scaled_dot_product_attention`, which saves no s×s matrices."""
-    try:
-        from hplab.models.gpt import PRESETS
-        shapes = {name: (c.n_layer, c.n_embd, c.n_head, c.n_positions, c.vocab_size)
-                  for name, c in PRESETS.items()}
-    except ImportError:
-        shapes = _HPLAB_FALLBACK
-    presets = {name: ModelShape(name, *shape, dropout=False, flash_attention=True)
-               for name, shape in shapes.items()}
-    presets.update(GPT3_PRESETS)
-    presets.update(MEGATRON_2021_PRESETS)
-    return presets
+    presets = {name: ModelShape(name, c["n_layer"], c["n_embd"], c["n_head"], c["n_positions"],
+                                c["vocab_size"], dropout=False, flash_attention=True)
+               for name, c in HPLAB_PRESETS.items()}
+    return {**presets, **GPT3_PRESETS, **MEGATRON_2021_PRESETS}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,13 +198,7 @@ class Efficiency:
 # 3. The layout
 # ---------------------------------------------------------------------------------------------
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
-PRECISION_BYTES = {  # bytes per element: (param, grad, master, optimizer state, activation)
-    "fp32": (4, 4, 0, 8, 4),
-    "bf16": (2, 2, 4, 8, 2),
-    "fp16": (2, 2, 4, 8, 2),
-}
 
 
 class PlanError(ValueError):
@@ -273,9 +244,12 @@ class Layout:
 
 def check_layout(model: ModelShape, lay: Layout) -> None:
     """Raise PlanError with one clear line if the layout cannot run."""
-    for name in ("dp", "tp", "pp", "microbatches", "virtual_stages", "batch_size"):
-        if getattr(lay, name) < 1:
-            raise PlanError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(lay, name)}")
+    for obj, names in ((model, ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size")),
+                       (lay, ("dp", "tp", "pp", "microbatches", "virtual_stages", "batch_size"))):
+        for name in names:
+            if getattr(obj, name) < 1:
+                raise PlanError(f"--{name.replace('_', '-')} must be at least 1, "
+                                f"got {getattr(obj, name)}")
     if lay.zero not in (0, 1, 2, 3):
         raise PlanError(f"--zero must be 0, 1, 2 or 3, got {lay.zero}")
     if lay.schedule not in SCHEDULES:
@@ -301,47 +275,8 @@ def check_layout(model: ModelShape, lay: Layout) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Model-state memory: parameters, gradients, optimizer state, master weights  [ZeRO]
+# 4. Memory: parameters per stage [ZeRO], activations per GPU [SP] (formulas: hplab.formulas)
 # ---------------------------------------------------------------------------------------------
-
-
-def model_state_bytes(psi: float, dp: int = 1, zero: int = 0, precision: str = "bf16",
-                      offload: bool = False, padded: bool = False) -> dict:
-    """Bytes per GPU of the model states of Ψ parameters, by kind. [ZeRO] Sec. 3.1 and 5.
-
-    Mixed precision with Adam holds 2Ψ (fp16/bf16 params) + 2Ψ (grads) + KΨ with K = 12
-    (fp32 master copy 4Ψ, exp_avg 4Ψ, exp_avg_sq 4Ψ): 16Ψ in all. Pure fp32 holds
-    4Ψ + 4Ψ + 8Ψ and no master copy. With N_d data-parallel ranks, ZeRO shards:
-
-        stage 0 (DDP)   (2 + 2 + K)·Ψ
-        stage 1 (P_os)  2Ψ + 2Ψ + K·Ψ/N_d
-        stage 2 (P_os+g)  2Ψ + (2 + K)·Ψ/N_d
-        stage 3 (P_os+g+p)  (2 + 2 + K)·Ψ/N_d
-
-    `padded`: hplab (like DeepSpeed) shards one flat buffer padded up to a multiple of N_d, so
-    each shard holds ceil(Ψ/N_d) elements. `offload` moves optimizer state and master weights
-    to host memory (ZeRO-Offload); they are reported under `cpu_bytes`.
-    """
-    p_bytes, g_bytes, m_bytes, o_bytes, _ = PRECISION_BYTES[precision]
-
-    def shard(n_elements: float, sharded: bool) -> float:
-        if not sharded or dp == 1:
-            return n_elements
-        return math.ceil(n_elements / dp) if padded else n_elements / dp
-
-    out = {
-        "params_bytes": p_bytes * shard(psi, zero >= 3),
-        "grads_bytes": g_bytes * shard(psi, zero >= 2),
-        "optim_bytes": o_bytes * shard(psi, zero >= 1),
-        "master_bytes": m_bytes * shard(psi, zero >= 1),
-        "cpu_bytes": 0.0,
-    }
-    if offload:
-        out["cpu_bytes"] = out["optim_bytes"] + out["master_bytes"]
-        out["optim_bytes"] = out["master_bytes"] = 0.0
-    out["total_bytes"] = sum(out[k] for k in ("params_bytes", "grads_bytes", "optim_bytes",
-                                               "master_bytes"))
-    return out
 
 
 def params_per_stage(model: ModelShape, tp: int = 1, pp: int = 1) -> dict:
@@ -364,65 +299,6 @@ def params_per_stage(model: ModelShape, tp: int = 1, pp: int = 1) -> dict:
     else:
         first, last = blocks * block + embed, blocks * block + head
     return {"first": first, "last": last, "block": block, "blocks_per_stage": blocks}
-
-
-# ---------------------------------------------------------------------------------------------
-# 5. Activation memory  [SP]
-# ---------------------------------------------------------------------------------------------
-
-
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none",
-                               act_bytes: int = 2, dropout: bool = True,
-                               flash_attention: bool = False) -> float:
-    """Bytes one transformer block saves for backward, for one microbatch. [SP] Sec. 4.
-
-    Counted tensor by tensor (s sequence, b microbatch, h hidden, a heads, t tensor parallel):
-      * outside the tensor-parallel regions, replicated on all t ranks unless sequence
-        parallel splits them: the inputs of both layer norms, of QKV and of the first MLP
-        matrix (4·sbh elements) and two dropout masks (2·sbh bytes);
-      * inside them, split by t: Q, K, V, the attention projection's input, the GeLU input and
-        the second MLP matrix's input (12·sbh elements);
-      * attention scores, split by t: softmax output, its dropout mask and the dropped-out
-        scores (a·s²·b each) — FlashAttention instead keeps only a log-sum-exp per row (fp32).
-    With 2-byte activations and dropout this is the paper's Table 2:
-        no parallelism       sbh·(34 + 5as/h)
-        tensor parallel      sbh·(10 + 24/t + 5as/(ht))
-        + sequence parallel  sbh/t·(34 + 5as/h)
-        selective recompute  drops the 5as/h term (the scores are recomputed)
-        full recompute       keeps only the block input: 2sbh (2sbh/t with sequence parallel)
-    """
-    mask = 1 if dropout else 0
-    sbh = s * b * h
-    if recompute == "full":
-        return act_bytes * sbh / (t if sequence_parallel else 1)
-    outside = 4 * sbh * act_bytes + 2 * sbh * mask
-    inside = 12 * sbh * act_bytes
-    if flash_attention:
-        scores = a * s * b * 4  # logsumexp, fp32
-    elif recompute == "selective":
-        scores = 0
-    else:
-        scores = a * s * s * b * (act_bytes + mask + (act_bytes if dropout else 0))
-    return outside / (t if sequence_parallel else 1) + (inside + scores) / t
-
-
-def in_flight_microbatches(schedule: str, pp: int, microbatches: int,
-                           virtual_stages: int = 1) -> float:
-    """How many microbatches' activations the first pipeline stage holds at its peak.
-
-    GPipe runs all m forwards before any backward: m. 1F1B (PipeDream-Flush, [PTD-P] Sec. 2.2)
-    starts backward after pp warm-up forwards: min(pp, m). Interleaved with v chunks per rank
-    holds (L/pp)·(pp + (pp−1)/v) layers' worth, i.e. pp·(1 + (pp−1)/(pp·v)) ([SP] Sec. 4.2.3).
-    ZB-H1 keeps 1F1B's peak ([ZB] Sec. 3). Without a pipeline microbatches run one by one.
-    """
-    if pp == 1:
-        return 1
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "interleaved":
-        return min(pp + (pp - 1) / virtual_stages, microbatches)
-    return min(pp, microbatches)
 
 
 def activation_memory(model: ModelShape, lay: Layout) -> dict:
@@ -461,49 +337,8 @@ def activation_memory(model: ModelShape, lay: Layout) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. FLOPs  [PTD-P]
+# 5. Which links a process group uses  [Ring]
 # ---------------------------------------------------------------------------------------------
-
-
-def flops_per_step(model: ModelShape, batch_size: int, recompute: str = "none") -> dict:
-    """Floating-point operations of one training step on the whole global batch B.
-
-    [PTD-P] Appendix: a block's forward costs 24·B·s·h² (the four matrix multiplies) plus
-    4·B·s²·h (scores and their product with V); the LM head 2·B·s·h·V. Backward costs twice
-    the forward, so a step is 3× forward (model FLOPs, what MFU counts):
-        F = 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h))
-    Full recompute runs every block's forward once more:
-        F = 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h))
-    Selective recompute redoes only the score part, 4·B·s²·h per block ([SP] Sec. 5).
-    Hardware FLOPs (with recompute) are what [PTD-P] reports as achieved TFLOP/s.
-    """
-    B, s, h, L, V = batch_size, model.seq_len, model.n_embd, model.n_layer, model.vocab_size
-    block_fwd = 24 * B * s * h * h + 4 * B * s * s * h
-    head_fwd = 2 * B * s * h * V
-    model_flops = 3 * (L * block_fwd + head_fwd)
-    extra = {"none": 0, "selective": L * 4 * B * s * s * h, "full": L * block_fwd}[recompute]
-    return {"model_flops": model_flops, "hardware_flops": model_flops + extra,
-            "block_fwd_flops": block_fwd / B, "head_fwd_flops": head_fwd / B}
-
-
-# ---------------------------------------------------------------------------------------------
-# 7. Collectives under the α-β model  [Ring]
-# ---------------------------------------------------------------------------------------------
-
-
-def ring_all_reduce_s(nbytes: float, n: int, bw: float, alpha: float) -> float:
-    """Ring all-reduce of an nbytes buffer over n ranks: 2(n−1)·α + 2(n−1)/n · nbytes/β.
-    (a reduce-scatter then an all-gather; each rank sends and receives 2(n−1)/n of the data)"""
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bw
-
-
-def ring_all_gather_s(nbytes: float, n: int, bw: float, alpha: float) -> float:
-    """Ring all-gather (or reduce-scatter) of a full buffer of nbytes: (n−1)·α + (n−1)/n·nbytes/β."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) * alpha + (n - 1) / n * nbytes / bw
 
 
 def group_link(cluster: Cluster, size: int, stride: int, eff: Efficiency) -> tuple[float, float, bool]:
@@ -523,28 +358,7 @@ def group_link(cluster: Cluster, size: int, stride: int, eff: Efficiency) -> tup
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. The pipeline bubble  [PTD-P], [ZB]
-# ---------------------------------------------------------------------------------------------
-
-
-def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle time of the pipeline relative to its useful time, for equal forward/backward work.
-
-    GPipe and 1F1B: (p−1)/m ([PTD-P] Sec. 2.2.1). Interleaved with v chunks per rank:
-    (p−1)/(v·m) (Sec. 2.2.2). ZB-H1 splits backward into input- and weight-gradient passes and
-    fills the cool-down with the latter: about a third of 1F1B's bubble, (p−1)/(3m) ([ZB]).
-    """
-    if pp == 1:
-        return 0.0
-    if schedule == "interleaved":
-        return (pp - 1) / (virtual_stages * microbatches)
-    if schedule == "zb-h1":
-        return (pp - 1) / (3 * microbatches)
-    return (pp - 1) / microbatches
-
-
-# ---------------------------------------------------------------------------------------------
-# 9. One plan: memory and time of a layout on a cluster
+# 6. One plan: memory and time of a layout on a cluster
 # ---------------------------------------------------------------------------------------------
 
 
@@ -594,15 +408,15 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     tp_msg = b * model.seq_len * model.n_embd * act_bytes
     n_coll = 4 + (2 if lay.recompute == "full" else 0)
     if lay.sequence_parallel:  # all-gather + reduce-scatter: same bytes, twice the latency
-        one = 2 * ring_all_gather_s(tp_msg, tp, tp_bw, tp_alpha)
+        one = 2 * collective_time_s("all_gather", tp_msg, tp, tp_bw, tp_alpha)
     else:
-        one = ring_all_reduce_s(tp_msg, tp, tp_bw, tp_alpha)
+        one = collective_time_s("all_reduce", tp_msg, tp, tp_bw, tp_alpha)
     tp_mb = n_coll * layers * one * (1 - eff.tp_overlap)
 
     # --- pipeline: bubble and point-to-point sends ([PTD-P] Sec. 4.1 scatter/gather: each of
     # the tp ranks sends 1/tp of the activation, then they all-gather over NVLink) ----------
     work_mb = compute_mb + tp_mb
-    bubble = bubble_fraction(lay.schedule, pp, m, v)
+    bubble = bubble_ratio(lay.schedule, pp, m, v)  # idle / compute
     pp_bw, pp_alpha, pp_cross = group_link(cluster, pp, dp * tp, eff)
     p2p_one = (pp_alpha + tp_msg / tp / pp_bw) if pp > 1 else 0.0
     p2p_s = 2 * (m * v + pp - 1) * p2p_one if pp > 1 else 0.0
@@ -611,9 +425,9 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     dp_bw, dp_alpha, dp_cross = group_link(cluster, dp, tp, eff)
     local = max(stage_params["first"], stage_params["last"])
     grad_buf, param_buf = local * g_bytes, local * p_bytes
-    ar = ring_all_reduce_s(grad_buf, dp, dp_bw, dp_alpha)
-    rs = ring_all_gather_s(grad_buf, dp, dp_bw, dp_alpha)
-    ag = ring_all_gather_s(param_buf, dp, dp_bw, dp_alpha)
+    ar = collective_time_s("all_reduce", grad_buf, dp, dp_bw, dp_alpha)
+    rs = collective_time_s("reduce_scatter", grad_buf, dp, dp_bw, dp_alpha)
+    ag = collective_time_s("all_gather", param_buf, dp, dp_bw, dp_alpha)
     if lay.zero <= 1:  # one all-reduce (ZeRO-1: reduce-scatter + all-gather, same volume)
         dp_s = ar if lay.zero == 0 else rs + ag
     elif lay.zero == 2:  # no full gradient kept: reduce-scatter after every microbatch
@@ -640,8 +454,7 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
         **{k: v2 for k, v2 in asdict(lay).items()}, "micro_batch_size": b, "gpus": gpus,
         "gpu": cluster.gpu.name, "gpus_per_node": cluster.gpus_per_node,
         # memory
-        "params_bytes": state["params_bytes"], "grads_bytes": state["grads_bytes"],
-        "optim_bytes": state["optim_bytes"], "master_bytes": state["master_bytes"],
+        **{k: state[k] for k in ("params_bytes", "grads_bytes", "optim_bytes", "master_bytes")},
         "cpu_offload_bytes": state["cpu_bytes"],
         "model_state_bytes_per_gpu": state["total_bytes"],
         "activation_bytes_per_gpu": acts[f"{worst}_stage_bytes"],
@@ -655,7 +468,8 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
         # time
         "step_time_s": step,
         "compute_s": m * compute_mb, "gemm_s": m * gemm_s, "elementwise_s": m * elementwise_s,
-        "tp_comm_s": m * tp_mb, "bubble_s": bubble * m * work_mb, "bubble_fraction": bubble,
+        "tp_comm_s": m * tp_mb, "bubble_s": bubble * m * work_mb,
+        "bubble_ratio": bubble, "bubble_fraction": bubble / (1 + bubble),  # of the pipeline
         "pp_comm_s": p2p_s, "dp_comm_s": dp_s, "dp_comm_exposed_s": dp_exposed,
         "offload_s": offload_s,
         "tp_crosses_nodes": tp_cross, "dp_crosses_nodes": dp_cross, "pp_crosses_nodes": pp_cross,
@@ -669,7 +483,7 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. Search: every feasible layout, ranked, and why the winner wins
+# 7. Search: every feasible layout, ranked, and why the winner wins
 # ---------------------------------------------------------------------------------------------
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -689,32 +503,25 @@ def candidate_layouts(model: ModelShape, gpus: int, batch_size: int, precision: 
     to a value or a tuple of allowed values (e.g. {"tp": 8, "schedule": ("1f1b", "gpipe")})."""
     fixed = fixed or {}
     for tp in _divisors(gpus):
-        if model.n_head % tp:
-            continue
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            if pp > model.n_layer or batch_size % dp:
+            if model.n_head % tp or pp > model.n_layer or batch_size % dp:
                 continue
-            per_rank = batch_size // dp
             for b in micro_batch_sizes:
-                if per_rank % b:
+                m = batch_size // dp // b
+                if (batch_size // dp) % b:
                     continue
-                m = per_rank // b
-                scheds = [("1f1b", 1)]
-                if pp > 1:
-                    scheds += [("gpipe", 1), ("zb-h1", 1)]
-                    scheds += [("interleaved", v) for v in VIRTUAL_STAGES
-                               if model.n_layer % (pp * v) == 0 and m % pp == 0]
-                for schedule, v in scheds:
-                    for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
-                        for rc in RECOMPUTE:
-                            for sp in ((False, True) if tp > 1 else (False,)):
-                                for off in ((False, True) if allow_offload else (False,)):
-                                    lay = Layout(dp, tp, pp, zero, schedule, v, m, batch_size,
-                                                 precision, rc, sp, off)
-                                    if all(_allowed(getattr(lay, k), val)
-                                           for k, val in fixed.items()):
-                                        yield lay
+                scheds = [("1f1b", 1)] + ([("gpipe", 1), ("zb-h1", 1)] if pp > 1 else [])
+                scheds += [("interleaved", v) for v in VIRTUAL_STAGES if pp > 1
+                           and model.n_layer % (pp * v) == 0 and m % pp == 0]
+                for (schedule, v), zero, rc, sp, off in itertools.product(
+                        scheds, (0, 1, 2, 3) if dp > 1 else (0,), RECOMPUTE,
+                        (False, True) if tp > 1 else (False,),
+                        (False, True) if allow_offload else (False,)):
+                    lay = Layout(dp, tp, pp, zero, schedule, v, m, batch_size, precision, rc, sp,
+                                 off)
+                    if all(_allowed(getattr(lay, k), val) for k, val in fixed.items()):
+                        yield lay
 
 
 def _allowed(value, wanted) -> bool:
@@ -874,7 +681,7 @@ def explain_infeasible(plans: list[dict]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# 11. Reports for humans
+# 8. Reports for humans
 # ---------------------------------------------------------------------------------------------
 
 
@@ -942,7 +749,7 @@ def format_search(res: dict, top: int = 10) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# 12. Command line
+# 9. Command line
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1004,21 +811,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_from_args(args) -> ModelShape:
-    ours = {**GPT3_PRESETS, **MEGATRON_2021_PRESETS}
-    presets = ours if args.model in ours else model_presets()  # torch only for hplab's own
+    presets = model_presets()
     if args.model not in presets:
         raise PlanError(f"unknown model preset {args.model!r}: choose one of {', '.join(presets)}")
-    model = presets[args.model]
-    over = {k: v for k, v in dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                                  seq_len=args.seq_len, vocab_size=args.vocab_size,
-                                  dropout=args.dropout,
-                                  flash_attention=args.flash_attention).items() if v is not None}
-    model = replace(model, **over)
-    for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
-        if getattr(model, name) < 1:
-            raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
-    if model.n_embd % model.n_head:
-        raise PlanError(f"n_embd={model.n_embd} is not divisible by n_head={model.n_head}")
+    names = ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "dropout", "flash_attention")
+    model = replace(presets[args.model], **{k: getattr(args, k) for k in names
+                                            if getattr(args, k) is not None})
+    check_layout(model, Layout())  # the model's own sizes, before any search
     return model
 
 

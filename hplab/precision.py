@@ -25,7 +25,7 @@ underflow to zero. Multiplying the loss by a large factor S shifts every gradien
 then the step is skipped and S halved; after a run of good steps S is doubled again. That is
 the *dynamic* loss scaler below. bf16 has fp32's 8 exponent bits: no scaler needed.
 
-`MixedPrecision` holds the choice and the scaler; `MasterWeights` is the fp32 copy for a
+`MixedPrecision` holds the choice and the scaler; `MasterWeightOptimizer` steps fp32 copies for a
 strategy that keeps whole parameters (data parallel). ZeRO keeps its master weights sharded
 (see `hplab.zero`) and only uses the scaler from here.
 """
@@ -36,6 +36,8 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
+
+from hplab.comm import copy_markers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -88,6 +90,7 @@ class MixedPrecision:
         self.name = name
         self.param_dtype = DTYPES[name]
         self.mixed = name != "fp32"  # master weights needed
+        self.compute_dtype = self.param_dtype if self.mixed else None  # for fully_shard
         self.scaler = DynamicLossScaler(init_scale, growth_interval=growth_interval) \
             if name == "fp16" else None
 
@@ -112,32 +115,55 @@ class MixedPrecision:
             self.scaler.update(found_inf)
 
 
-class MasterWeights:
-    """fp32 copies of a model's parameters, for the optimizer. Make them while the model is
-    still in fp32 (so no precision is lost), then cast the model to half precision.
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """Any torch optimizer, stepping fp32 master copies of half-precision parameters.
 
-    Each step: `take_grads(params, 1/S)` sets every master's `.grad` to the fp32, unscaled
-    gradient of its parameter; the optimizer steps the masters; `copy_to(params)` rounds the
-    new values into the half-precision parameters. The fp32 gradients exist only during the
-    step (they are dropped by `zero_grad`).
+    `MasterWeightOptimizer(params, torch.optim.AdamW, lr=...)` is used like the optimizer it
+    wraps. It copies the (half-precision) parameters into fp32 masters once; each step moves
+    the gradients onto the masters in fp32 (`reduce_gradients`, called by `step` unless the
+    caller did it first, e.g. to unscale or clip them there), steps the masters with the inner
+    optimizer (`self.inner`, whose param groups mirror these, extra keys included) and rounds
+    the new values into the parameters. The fp32 gradients exist only during the step.
     """
 
-    def __init__(self, params: Iterable[nn.Parameter]):
-        self.params = [nn.Parameter(p.detach().clone().float()) for p in params]
+    def __init__(self, params, optimizer_class, **optimizer_kwargs):
+        super().__init__(params, optimizer_kwargs)
+        self.masters = {}
+        inner_groups = []
+        for group in self.param_groups:
+            masters = []
+            for p in group["params"]:
+                master = nn.Parameter(p.detach().float().clone())
+                copy_markers(p, master)
+                self.masters[p] = master
+                masters.append(master)
+            inner_groups.append({**group, "params": masters})
+        self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
+        self.reduced = False
 
     @torch.no_grad()
-    def take_grads(self, params: list[nn.Parameter], unscale: float = 1.0) -> list[torch.Tensor]:
-        for master, p in zip(self.params, params, strict=True):
-            g = torch.zeros_like(master) if p.grad is None else p.grad.float()
-            master.grad = g.mul_(unscale) if unscale != 1.0 else g
-        return [m.grad for m in self.params]
+    def reduce_gradients(self) -> None:
+        """Every master's `.grad` := its parameter's gradient in fp32 (zeros if it got none)."""
+        if self.reduced:
+            return
+        for p, master in self.masters.items():
+            master.grad = torch.zeros_like(master) if p.grad is None else p.grad.float()
+        self.reduced = True
 
     @torch.no_grad()
-    def copy_to(self, params: list[nn.Parameter]) -> None:
-        for master, p in zip(self.params, params, strict=True):
+    def step(self, closure=None):
+        self.reduce_gradients()
+        for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
+            inner.update({k: v for k, v in group.items() if k != "params"})  # e.g. an lr schedule
+        self.inner.step()
+        for p, master in self.masters.items():
             p.copy_(master)
 
-    def zero_grad(self) -> None:
-        for master in self.params:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for master in self.masters.values():
             master.grad = None
+        self.reduced = False
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"master": list(self.masters.values())}

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from hplab.formulas import SCHEDULES
+
 METRICS_VERSION = 1
 
 
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                         help="ZeRO stage over the data-parallel group")
     layout.add_argument("--schedule", default="1f1b",
-                        choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
+                        choices=SCHEDULES,
                         help="pipeline schedule")
     layout.add_argument("--virtual-stages", type=int, default=1,
                         help="model chunks per pipeline rank (interleaved schedule)")
@@ -157,13 +159,12 @@ def preflight(args, world_size: int):
     line (LayoutError / ValueError) instead of after N processes have started."""
     from hplab.data import TokenDataset
     from hplab.models.gpt import config_from_preset
-    from hplab.parallel import check_pipeline, refuse_unavailable
+    from hplab.compose import ParallelConfig, check_config
 
     resolve_layout(args, world_size)
     check_batch(args)
-    refuse_unavailable(args)
     config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
-    check_pipeline(args, config.n_layer)
+    check_config(ParallelConfig.from_namespace(args), config.n_layer)
     if args.resume:
         from hplab import checkpoint
 
@@ -223,35 +224,35 @@ def summary_table(metrics: dict) -> str:
     return "\n".join(lines)
 
 
-def resume(engine, args, config) -> int:
+def resume(par, args, config) -> int:
     """Load a unified checkpoint into this layout; return the step to continue from."""
     from hplab import checkpoint
 
     saved = checkpoint.load(args.resume)  # every rank reads it: the files are local
     checkpoint.check_compatible(saved["config"], config)
     state = saved["trainer_state"]
-    engine.load_full_state(saved["model"], saved["optimizer"])
+    checkpoint.load_full_state(par, saved["model"], saved["optimizer"])
     checkpoint.restore_rng(saved["rng"])
-    scaler = getattr(getattr(engine, "precision", None), "scaler", None)
+    scaler = par.precision.scaler
     if scaler is not None and "loss_scale" in state:
         scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
     return state["step"]
 
 
-def save(engine, args, config, step: int, steps: list) -> None:
+def save(par, args, config, step: int, steps: list) -> None:
     """Gather the single-device state (a collective), rank 0 writes it atomically, then
     everyone waits so no rank runs ahead of a checkpoint still being written."""
     import torch.distributed as dist
 
     from hplab import checkpoint
 
-    ledger = engine.mesh.ledger  # the gathers are checkpoint traffic, not training: unrecorded
+    ledger = par.mesh.ledger  # the gathers are checkpoint traffic, not training: unrecorded
     training_traffic = ledger.by_group
     ledger.reset()
-    model_state, optimizer_state = engine.full_state()
+    model_state, optimizer_state = checkpoint.gather_full_state(par)
     ledger.by_group = training_traffic
     if dist.get_rank() == 0:
-        scaler = getattr(getattr(engine, "precision", None), "scaler", None)
+        scaler = par.precision.scaler
         trainer_state = {"step": step, "config": vars(args),
                          "losses": [s["loss"] for s in steps]}
         if scaler is not None:
@@ -268,14 +269,14 @@ def run(args) -> dict | None:
     from hplab.data import get_batch, global_batch_indices, shard_for_rank
     from hplab.dist import Mesh, init_distributed
     from hplab.models.gpt import build_model
-    from hplab.parallel import build_engine
+    from hplab.compose import ParallelConfig, parallelize, pipeline_report, train_step
 
     config, dataset = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
     device = init_distributed(None if args.backend == "auto" else args.backend)
     mesh = Mesh.create(args.dp, args.tp, args.pp, device)
     model = build_model(config, args.seed).to(device)
-    engine = build_engine(model, mesh, args)
-    first_step = resume(engine, args, config) if args.resume else 0
+    par = parallelize(model, mesh, ParallelConfig.from_namespace(args))
+    first_step = resume(par, args, config) if args.resume else 0
 
     is_rank0 = mesh.rank == 0
     bar = tqdm(range(first_step, args.steps), disable=not is_rank0 or args.no_progress,
@@ -285,20 +286,21 @@ def run(args) -> dict | None:
         indices = global_batch_indices(len(dataset), step, args.batch_size, args.seed)
         x, y = get_batch(dataset, shard_for_rank(indices, mesh.dp_rank, mesh.dp_size))
         start = time.perf_counter()
-        loss = engine.train_step(x.to(device), y.to(device))
+        loss = train_step(par, x.to(device), y.to(device))
         elapsed = time.perf_counter() - start
         steps.append({"step": step, "loss": loss, "time_s": elapsed, "tokens": tokens_per_step})
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
         if args.save and (step + 1 == args.steps or
                           (args.save_every and (step + 1) % args.save_every == 0)):
-            save(engine, args, config, step + 1, steps)
+            save(par, args, config, step + 1, steps)
     bar.close()
 
     # First step excluded from throughput: it pays one-time costs (allocations, warm-up).
     timed = steps[1:] or steps
-    per_rank = {"memory": engine.memory.as_dict(), "comm": mesh.ledger.as_dict(),
+    per_rank = {"memory": par.memory.as_dict(), "comm": mesh.ledger.as_dict(),
                 "comm_by_group": mesh.ledger.by_group_dict(), "mesh": mesh.describe(),
-                "pipeline": engine.pipeline_report() if args.pp > 1 else None}  # the last step's timeline of every F, B, W, send, recv (--pp > 1)
+                # the last step's timeline of every F, B, W, send, recv (--pp > 1)
+                "pipeline": pipeline_report(par) if args.pp > 1 else None}
     gathered = [None] * dist.get_world_size() if is_rank0 else None
     dist.gather_object(per_rank, gathered, dst=0)
     # every rank's collectives, in every group, are finished before any process tears gloo
@@ -326,6 +328,24 @@ def run(args) -> dict | None:
     }
 
 
+def with_flags(err: Exception, argv: list[str]) -> Exception:
+    """A refusal from the library names its settings (config fields); say them as the flags
+    the user gave, e.g. `--zero 3 --pp 2: not supported: ZeRO-3 with a pipeline ...`."""
+    settings = getattr(err, "settings", ())
+    if not settings:
+        return err
+    try:
+        args = parse_args(argv)
+    except ValueError:
+        return err
+    defaults, shown = build_parser(), []
+    for name in settings:
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if value != defaults.get_default(name):
+            shown.append(flag if value is True else f"{flag} {value}")
+    return ValueError(f"{' '.join(shown)}: {err}" if shown else str(err))
+
+
 def main(argv: list[str] | None = None) -> int:
     from hplab.dist import shutdown
 
@@ -339,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             return launch(args, argv)
         metrics = run(args)
     except (ValueError, RuntimeError) as err:  # includes LayoutError, CommTimeout
+        err = with_flags(err, argv)
         if is_rank0 or "timed out" in str(err):
             print(f"hplab: error: {err}", file=sys.stderr)
         shutdown()

@@ -8,6 +8,8 @@ axes. matplotlib is imported inside the functions, so `import hplab.viz` costs n
 
 from __future__ import annotations
 
+from hplab.formulas import bubble_formula, bubble_fraction, model_state_bytes
+
 MiB = 2**20
 KIND_LABELS = {"params": "parameters", "grads": "gradients", "optim": "optimizer state",
                "master": "master weights", "activation": "activations"}
@@ -21,9 +23,9 @@ def _axes(ax, figsize=(6.4, 4.0)):
     return ax
 
 
-def _losses(run_or_metrics) -> list[float]:
-    metrics = getattr(run_or_metrics, "metrics", run_or_metrics)
-    return [s["loss"] for s in metrics["steps"]]
+def _metrics(run_or_metrics) -> dict:
+    """A metrics dict, from itself or from a `lab.Run`."""
+    return getattr(run_or_metrics, "metrics", run_or_metrics)
 
 
 # --- training runs ------------------------------------------------------------------------
@@ -35,7 +37,7 @@ def plot_loss_curves(runs: dict, ax=None, title: str = "Training loss"):
     styles = [dict(lw=3.5, alpha=0.5), dict(lw=1.8, ls="--"), dict(lw=1.2, ls=":"),
               dict(lw=1.0, ls="-.")]
     for i, (label, run) in enumerate(runs.items()):
-        losses = _losses(run)
+        losses = [s["loss"] for s in _metrics(run)["steps"]]
         ax.plot(range(len(losses)), losses, label=label, **styles[i % len(styles)])
     ax.set(xlabel="step", ylabel="loss (cross-entropy, nats)", title=title)
     ax.grid(alpha=0.3)
@@ -125,8 +127,6 @@ def plot_zero_memory(num_params: float, world_sizes=(1, 2, 4, 8, 16, 32, 64),
     """Model-state memory per device (formula: `hplab.plan.model_state_bytes`, [ZeRO] Sec. 5)
     against data-parallel size, one line per ZeRO stage. `highlight=(stage, world_size)` marks
     one point; `device_bytes` draws a device's capacity."""
-    from hplab.plan import model_state_bytes
-
     ax = _axes(ax)
     GiB = 2**30
     names = {0: "DDP (stage 0)", 1: "ZeRO-1: optimizer state", 2: "ZeRO-2: + gradients",
@@ -154,14 +154,14 @@ def plot_zero_memory(num_params: float, world_sizes=(1, 2, 4, 8, 16, 32, 64),
 def plot_bubble_fraction(pp: int, max_microbatches: int = 32, schedule: str = "1f1b",
                          highlight: int | None = None, ax=None):
     """Pipeline bubble (p−1)/(m+p−1) of the step time against microbatches m (formula,
-    [PTD-P] Sec. 2.2: idle (p−1) slots out of m+p−1)."""
+    [PTD-P] Sec. 2.2: idle (p−1) slots out of m+p−1; `formulas.bubble_fraction`)."""
     ax = _axes(ax)
     ms = list(range(1, max_microbatches + 1))
     for p in sorted({2, 4, 8, pp}):
-        ys = [(p - 1) / (m + p - 1) for m in ms]
+        ys = [bubble_fraction("1f1b", p, m) for m in ms]
         ax.plot(ms, ys, lw=2.5 if p == pp else 1, label=f"pp = {p}")
     if highlight:
-        y = (pp - 1) / (highlight + pp - 1)
+        y = bubble_fraction("1f1b", pp, highlight)
         ax.plot([highlight], [y], "k*", ms=14, label=f"pp={pp}, m={highlight}: {y:.0%} idle")
     ax.set(xlabel="microbatches per step m", ylabel="idle fraction of the step",
            title=f"Pipeline bubble ({schedule}), formula (p−1)/(m+p−1)", ylim=(0, 1))
@@ -179,10 +179,9 @@ PIPELINE_COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "recv": "#BBB
 
 
 def _pipeline(run_or_metrics) -> dict:
-    metrics = getattr(run_or_metrics, "metrics", run_or_metrics)
-    if not metrics.get("pipeline"):
+    if not _metrics(run_or_metrics).get("pipeline"):
         raise ValueError("this run has no pipeline trace: run train.py with --pp > 1")
-    return metrics["pipeline"]
+    return _metrics(run_or_metrics)["pipeline"]
 
 
 def _draw_gantt(ax, rows: list[list[tuple]], unit: str, show_waits: bool = True):
@@ -244,7 +243,7 @@ def plot_simulated_pipeline(schedule: str, pp: int, microbatches: int, virtual_s
     rows = [[(a.kind, a.microbatch, a.chunk // pp, s, e) for a, s, e in lane if a.kind in "FBW"]
             for lane in sim.timeline]
     _draw_gantt(ax, rows, unit, show_waits=False)
-    formula = pipeline.bubble_formula(schedule, pp, microbatches, virtual_stages, f, b, w)
+    formula = bubble_formula(schedule, pp, microbatches, virtual_stages, f, b, w)
     ax.set_title(f"{schedule}, p={pp}, m={microbatches}"
                  + (f", v={virtual_stages}" if virtual_stages > 1 else "")
                  + f" — simulated bubble {sim.bubble_fraction(0):.1%} of the step; "
@@ -296,8 +295,6 @@ def plot_pipeline_gantt(run_or_metrics, axes=None):
 def plot_pipeline_bubbles(runs: dict, ax=None):
     """Measured bubble per run (bars: mean over ranks, whiskers: min and max rank) next to
     the formula (hatched), for runs {label: Run or metrics dict} with a pipeline trace."""
-    from hplab import pp as pipeline
-
     ax = _axes(ax, figsize=(max(6.4, 1.1 * len(runs) + 2), 4.0))
     labels = list(runs)
     for i, label in enumerate(labels):
@@ -306,9 +303,8 @@ def plot_pipeline_bubbles(runs: dict, ax=None):
         mean = sum(measured) / len(measured)
         ax.bar(i - 0.2, mean, 0.4, color="#4C72B0", label="measured" if i == 0 else None,
                yerr=[[mean - min(measured)], [max(measured) - mean]], capsize=3)
-        formula = pipeline.bubble_formula(p["schedule"], p.get("stages", len(p["trace"])),
-                                          p["microbatches"],
-                                          p.get("virtual_stages", 1))["of_step"]
+        formula = bubble_fraction(p["schedule"], p.get("stages", len(p["trace"])),
+                                  p["microbatches"], p.get("virtual_stages", 1))
         ax.bar(i + 0.2, formula, 0.4, color="white", edgecolor="#4C72B0", hatch="//",
                label="formula (F = B = W)" if i == 0 else None)
     ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)

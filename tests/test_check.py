@@ -283,3 +283,30 @@ def test_planning_tells_the_two_bubble_definitions_apart(outcomes):
     assert results["model_state_bytes_per_gpu(zero=3, bf16)"].passed
     assert not results["bubble_fraction"].passed
     assert "pp=2, m=1: you say 0.5, the planner 1" in results["bubble_fraction"].message
+
+
+def test_a_file_that_exits_fails_with_one_line(tmp_path, capsys):
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(0)\n")
+    assert main(["memory", str(exits)]) == 1  # it checked nothing: it must not pass
+    out = capsys.readouterr().out
+    assert "✗ import: your file called sys.exit(0)" in out and "FAIL: 1 of 1" in out
+    assert "Traceback" not in out
+
+
+def test_an_endless_loop_fails_within_the_time_limit(tmp_path):
+    loops = tmp_path / "loops.py"
+    loops.write_text("def bubble_fraction(pp, m):\n    while True:\n        pass\n")
+    results = run_check("planning", [loops], limit_s=2)[0]
+    assert not any(r.passed for r in results)
+    assert results[-1].name == "bubble_fraction" and "did not finish in 2 s" in results[-1].message
+
+
+def test_distributed_checks_report_an_exit_and_an_endless_loop(tmp_path):
+    exits, loops = tmp_path / "exits.py", tmp_path / "loops.py"
+    exits.write_text("import sys\nsys.exit(3)\n")
+    loops.write_text("class ColumnParallelLinear:\n    def __init__(self, full, comm):\n"
+                     "        while True:\n            pass\n")
+    exited, looped = run_check("tp_linear", [exits, loops], limit_s=5)
+    assert [r.passed for r in exited] == [False] and "sys.exit(3)" in exited[0].message
+    assert [r.passed for r in looped] == [False] and "did not finish in 5 s" in looped[0].message

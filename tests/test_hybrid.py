@@ -1,4 +1,4 @@
-"""Hybrid dp × tp × pp × ZeRO layouts and unified checkpoints that reshard (hplab/parallel.py).
+"""Hybrid dp × tp × pp × ZeRO layouts and unified checkpoints that reshard (hplab/compose.py).
 
 Every layout must train exactly the model one process trains: the same losses and the same
 parameters after 3 AdamW steps (fp32, relative error at most 1e-5), with gradient clipping
@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hplab.checkpoint import gather_full_state
 from hplab.dist import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +56,7 @@ def batches(n_steps: int, start: int = 0):
 def reference(n_steps: int) -> tuple[list[float], list[dict]]:
     """One process, the whole global batch: losses and the parameters after every step."""
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel import make_optimizer
+    from hplab.compose import make_optimizer
 
     model = build_model(GPTConfig(**CONFIG), 0)
     optimizer = make_optimizer(model.parameters(), TRAINING["lr"], TRAINING["weight_decay"])
@@ -75,14 +76,16 @@ def train(mesh, args, steps: int = STEPS, start: int = 0, state=None):
     """Build the engine for `args` on `mesh`, optionally load a full state, train `steps`
     steps on this rank's share; return the losses and the engine."""
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel import build_engine
+    from hplab.checkpoint import load_full_state
+    from hplab.compose import ParallelConfig, parallelize, train_step
 
-    engine = build_engine(build_model(GPTConfig(**CONFIG), 0), mesh, args)
+    engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh,
+                         ParallelConfig.from_namespace(args))
     if state is not None:
-        engine.load_full_state(*state)
+        load_full_state(engine, *state)
     share = GLOBAL_BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
-    losses = [engine.train_step(x[mine], y[mine]) for x, y in batches(steps, start)]
+    losses = [train_step(engine, x[mine], y[mine]) for x, y in batches(steps, start)]
     return losses, engine
 
 
@@ -97,7 +100,7 @@ def run_layouts(layouts: dict[str, dict]) -> dict:
         if key not in meshes:
             meshes[key] = Mesh.create(*key)
         losses, engine = train(meshes[key], make_args(**layout))
-        model_state, _ = engine.full_state()  # also checks full_state of every engine
+        model_state, _ = gather_full_state(engine)  # also checks every layout's gather
         out[name] = (losses, {n: t.numpy().copy() for n, t in model_state.items()})  # numpy:
         # tensors do not cross the result queue of a finished process
     return out
@@ -118,8 +121,7 @@ INF_AT_STEP = 1
 
 
 def local_parameters(engine) -> list:
-    modules = engine.stages if hasattr(engine, "stages") else [engine.model]
-    return [p for m in modules for p in m.parameters() if p.requires_grad]
+    return [p for p in engine.gpt.parameters() if p.requires_grad]
 
 
 def train_half(mesh, args, inject_inf: bool) -> dict:
@@ -129,29 +131,30 @@ def train_half(mesh, args, inject_inf: bool) -> dict:
     import math
 
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel import build_engine
+    from hplab.compose import ParallelConfig, parallelize, train_step
 
-    engine = build_engine(build_model(GPTConfig(**CONFIG), 0), mesh, args)
+    engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh,
+                         ParallelConfig.from_namespace(args))
     share = GLOBAL_BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
     losses, scales, moved = [], [], None
     for step, (x, y) in enumerate(batches(STEPS)):
         hook = None
         if inject_inf and step == INF_AT_STEP:
-            before = engine.full_state()[0]
+            before = gather_full_state(engine)[0]
             if mesh.rank == mesh.world_size - 1:
                 hook = local_parameters(engine)[0].register_hook(
                     lambda g: torch.full_like(g, math.inf))
         scales.append(engine.precision.loss_scale)
-        losses.append(engine.train_step(x[mine], y[mine]))
+        losses.append(train_step(engine, x[mine], y[mine]))
         if hook is not None:
             hook.remove()
         if inject_inf and step == INF_AT_STEP:
-            after = engine.full_state()[0]
+            after = gather_full_state(engine)[0]
             if mesh.rank == 0:  # where the gathered state is complete
                 moved = max(float((after[n] - before[n]).abs().max()) for n in after)
     scales.append(engine.precision.loss_scale)
-    final = {n: t.numpy().copy() for n, t in engine.full_state()[0].items()}
+    final = {n: t.numpy().copy() for n, t in gather_full_state(engine)[0].items()}
     return {"losses": losses, "params": final, "scales": scales, "moved_at_inf": moved,
             "skipped": engine.precision.scaler.skipped_steps if engine.precision.scaler else 0}
 
@@ -213,7 +216,7 @@ def _world4(directory: str) -> dict:
     results = run_layouts(LAYOUTS_4)
     results["half"] = run_half_layouts(HALF_LAYOUTS_4)
     _, engine = train(Mesh.create(tp=2, pp=2), make_args(tp=2, pp=2))
-    model_state, optimizer_state = engine.full_state()
+    model_state, optimizer_state = gather_full_state(engine)
     if dist.get_rank() == 0:
         checkpoint.save(directory, GPTConfig(**CONFIG), model_state, optimizer_state,
                         {"step": STEPS})
@@ -392,18 +395,27 @@ def test_saved_directory_is_a_hugging_face_model(world4, ref, saved_dir):
     assert float((ours - theirs).abs().max() / theirs.abs().max()) < RTOL
 
 
-@pytest.mark.parametrize("flags, reason", [
-    (dict(pp=2, zero=3), "--zero 3 with --pp"),
-    (dict(pp=2, tp=2, sequence_parallel=True), "--sequence-parallel with --pp"),
-    (dict(dp=2, tp=2, zero=1, sequence_parallel=True), "--sequence-parallel with --pp or --zero"),
-    (dict(pp=2, zero=2, schedule="zb-h1"), "--zero 2 with --schedule zb-h1"),
-    (dict(offload=True), "use it with --zero 1, 2 or 3"),
+@pytest.mark.parametrize("flags, reason, command_line", [
+    (dict(pp=2, zero=3), "ZeRO-3 with a pipeline", "--zero 3 --pp 2"),
+    (dict(pp=2, tp=2, sequence_parallel=True), "sequence parallel runs with tensor and data",
+     "--sequence-parallel --pp 2"),
+    (dict(dp=2, tp=2, zero=1, sequence_parallel=True), "no pipeline, no ZeRO",
+     "--sequence-parallel --zero 1"),
+    (dict(pp=2, zero=2, schedule="zb-h1"), "ZB-H1 defers weight gradients",
+     "--zero 2 --schedule zb-h1"),
+    (dict(offload=True), "needs ZeRO 1, 2 or 3", "--offload"),
 ])
-def test_refused_combinations_say_why(flags, reason):
-    from hplab.parallel import refuse_unavailable
+def test_refused_combinations_say_why(flags, reason, command_line):
+    """The library refuses in a plain sentence; train.py names the flags the user gave."""
+    from hplab.compose import NotSupported, ParallelConfig, check_config
+    from hplab.train import with_flags
 
-    with pytest.raises(ValueError, match=reason.replace("-", r"\-")):
-        refuse_unavailable(make_args(**flags))
+    with pytest.raises(NotSupported, match=reason) as refused:
+        check_config(ParallelConfig.from_namespace(make_args(**flags)), CONFIG["n_layer"])
+    argv = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
+            for k, v in flags.items()]
+    shown = str(with_flags(refused.value, argv))
+    assert shown.startswith(command_line + ": not supported: "), shown
 
 
 # --- train.py: --save / --save-every / --resume -------------------------------------------------

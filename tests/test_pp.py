@@ -139,6 +139,179 @@ def test_schedule_errors_are_clear():
 
 
 # =========================================================================================
+# The executor on its own (no hplab.parallel): split backward for any layer, grads None or
+# accumulated — one launch on 4 processes (pp 2 × dp 2, then pp 2 × tp 2)
+# =========================================================================================
+
+EXEC_LAYERS, EXEC_M = 4, 4
+
+
+class _HandWrittenLinear(torch.autograd.Function):
+    """y = x Wᵀ + b with a hand-written backward: a custom autograd layer, as tensor
+    parallel's are — nothing the old nn.Linear patch would have recognised."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        return dy @ weight, dy2.t() @ x2, dy2.sum(0)
+
+
+class _NotALinear(torch.nn.Module):
+    """The same weight and bias (same names), applied through F.linear (like tp's
+    Column/RowParallelLinear) or through `_HandWrittenLinear`."""
+
+    def __init__(self, linear, how):
+        super().__init__()
+        self.weight, self.bias, self.how = linear.weight, linear.bias, how
+
+    def forward(self, x):
+        if self.how == "function":
+            return _HandWrittenLinear.apply(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def exec_model(layers):
+    """hplab's GPT whose blocks' Linear layers are replaced as `layers` says ("nn.Linear",
+    "F.linear", "function"); "+recompute" adds activation recomputation."""
+    from hplab.models.gpt import build_model
+
+    model = build_model(config(EXEC_LAYERS), seed=0)
+    how = layers.split("+")[0]
+    if how != "nn.Linear":
+        for name, module in list(model.transformer.h.named_modules()):
+            if isinstance(module, torch.nn.Linear):
+                parent, _, child = name.rpartition(".")
+                setattr(model.transformer.h.get_submodule(parent), child,
+                        _NotALinear(module, "function" if how == "function" else "F.linear"))
+    model.recompute = layers.endswith("+recompute")
+    return model
+
+
+def exec_batch():
+    x, y = global_batches(PER_MICROBATCH * EXEC_M)[0]
+    return list(x.chunk(EXEC_M)), list(y.chunk(EXEC_M))
+
+
+@functools.lru_cache(maxsize=None)
+def exec_reference(layers):
+    """One process: the same microbatches, loss / m each, gradients accumulated."""
+    model = exec_model(layers)
+    for x, y in zip(*exec_batch(), strict=True):
+        (model(x, y)[1] / EXEC_M).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def exec_run(mesh, schedule, layers, tp_plan=False):
+    """Run one step with the executor alone (grads None before), record during which kind of
+    action (F, B, W) each weight gradient was accumulated, then a second step on top (grads
+    must double: the executor accumulates, it never zeroes)."""
+    from hplab import tp
+
+    model = exec_model(layers)
+    if tp_plan:
+        tp.parallelize(model, mesh.tp, tp.GPT_PLAN)
+    stages = pp.build_stages(model, mesh.pp_rank, mesh.pp_size)
+    pp.free_unowned_parameters(model, stages)
+    params = {n: p for n, p in model.named_parameters() if p.numel() > 0}
+    assert all(p.grad is None for p in params.values())
+    plan = pp.build_schedule(schedule, mesh.pp_size, EXEC_M)[mesh.pp_rank]
+    executor = pp.PipelineExecutor(stages, plan, mesh.pp)
+    compute = [a.kind for a in plan if a.kind in pp.COMPUTE]
+    during = {}
+
+    def now():  # the compute action running: the next one the trace has not finished
+        return compute[sum(e.kind in pp.COMPUTE for e in executor.trace)]
+
+    hooks = [p.register_post_accumulate_grad_hook(
+        lambda p, n=n: during.setdefault(n, set()).add(now())) for n, p in params.items()]
+    executor.run(*exec_batch())
+    for h in hooks:
+        h.remove()
+    once = {n: p.grad.clone() for n, p in params.items()}
+    executor.run(*exec_batch())
+    twice = max(rel(p.grad, 2 * once[n]) for n, p in params.items())
+    return {"grads": {n: g.numpy() for n, g in once.items()}, "during": during,
+            "twice": twice, "first": mesh.pp_rank == 0}
+
+
+def _executor_worker():
+    import torch.distributed as dist
+
+    from hplab.dist import Mesh
+
+    torch.set_num_threads(1)
+    out = {}
+    mesh = Mesh.create(dp=2, pp=2)  # the two dp replicas run the same data: twice the check
+    for layers in ("nn.Linear", "F.linear", "function", "function+recompute"):
+        for schedule in ("1f1b", "zb-h1"):
+            out[(schedule, layers)] = exec_run(mesh, schedule, layers)
+    mesh = Mesh.create(tp=2, pp=2)
+    for schedule in ("1f1b", "zb-h1"):
+        out[(schedule, "tp")] = exec_run(mesh, schedule, "nn.Linear", tp_plan=True)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def executor_runs():
+    return run_distributed(_executor_worker, 4)
+
+
+EXEC_LAYER_KINDS = ("nn.Linear", "F.linear", "function", "function+recompute", "tp")
+
+
+def test_zb_h1_defers_every_weight_gradient_to_w(executor_runs):
+    """ZB-H1's B computes only the input gradient, for any layer — nn.Linear, F.linear in
+    another module, a hand-written autograd.Function, under recomputation, and tensor
+    parallel's column/row layers: every weight gradient is accumulated during a W (on the
+    first stage, whose B has no input gradient to compute, W runs the whole backward). 1F1B
+    accumulates them during B."""
+    for layers in EXEC_LAYER_KINDS:
+        for r, res in enumerate(executor_runs):
+            zb, f1b = res[("zb-h1", layers)], res[("1f1b", layers)]
+            assert zb["during"] and all(k == {"W"} for k in zb["during"].values()), \
+                (layers, r, zb["during"])
+            assert all(k == {"B"} for k in f1b["during"].values()), (layers, r)
+            assert zb["during"].keys() == f1b["during"].keys()
+
+
+def test_executor_gradients_equal_one_process(executor_runs):
+    """After one step (grads None before), each rank's gradients are one process's: the
+    tied embedding's two copies (first and last stage) sum to the true gradient. ZB-H1 equals
+    1F1B; under tensor parallel (slices: compared with 1F1B on the same rank) too."""
+    for layers in EXEC_LAYER_KINDS:
+        for res in executor_runs:
+            zb, f1b = res[("zb-h1", layers)]["grads"], res[("1f1b", layers)]["grads"]
+            assert zb.keys() == f1b.keys()
+            for n in zb:
+                assert rel(zb[n], f1b[n]) < TOL, (layers, n)
+        if layers == "tp":
+            continue
+        ref = exec_reference(layers)
+        for schedule in ("1f1b", "zb-h1"):
+            for stage0, stage1 in ((0, 2), (1, 3)):  # ranks of one pipeline (dp 0, dp 1)
+                first = executor_runs[stage0][(schedule, layers)]["grads"]
+                last = executor_runs[stage1][(schedule, layers)]["grads"]
+                for n, g in ref.items():
+                    got = (torch.as_tensor(first[n]) + torch.as_tensor(last[n])
+                           if n in first and n in last
+                           else torch.as_tensor(first[n] if n in first else last[n]))
+                    assert rel(got, g) < TOL, (schedule, layers, n)
+
+
+def test_executor_accumulates_into_existing_gradients(executor_runs):
+    for res in executor_runs:
+        for key, run in res.items():
+            assert run["twice"] < TOL, key
+
+
+# =========================================================================================
 # Real runs on 2 and 4 processes
 # =========================================================================================
 
@@ -166,7 +339,7 @@ def reference_run(n_layer, batch, microbatches=1, clip=0.0):
     (gradient accumulation of loss / microbatches); also checked against one backward on the
     whole batch (`whole_batch_loss`)."""
     from hplab.models.gpt import build_model
-    from hplab.parallel import clip_grad_norm, make_optimizer
+    from hplab.compose import make_optimizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: threads only fight the busy machine
@@ -180,7 +353,7 @@ def reference_run(n_layer, batch, microbatches=1, clip=0.0):
             (loss / microbatches).backward()
             total += float(loss.detach()) / microbatches
         if clip > 0:
-            clip_grad_norm([p.grad for p in model.parameters()], clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -230,19 +403,19 @@ def own_params(model):
 def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.parallel import build_engine
+    from hplab.compose import ParallelConfig, parallelize, pipeline_report, train_step
 
     mesh = Mesh.create(dp=dp, pp=pp_size)
     args = make_args("--pp", str(pp_size), "--dp", str(dp), "--schedule", schedule,
                      "--microbatches", str(m), "--virtual-stages", str(v), *extra)
     model = build_model(config(n_layer), seed=0)
-    engine = build_engine(model, mesh, args)
+    engine = parallelize(model, mesh, ParallelConfig.from_namespace(args))
     losses = []
     for x, y in global_batches(PER_MICROBATCH * m * dp):
         share = x.shape[0] // dp
         sl = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
-        losses.append(engine.train_step(x[sl], y[sl]))
-    report = engine.pipeline_report()
+        losses.append(train_step(engine, x[sl], y[sl]))
+    report = pipeline_report(engine)
     return {"losses": losses, "params": own_params(model), "report": report,
             "memory": engine.memory.as_dict()}
 
@@ -254,7 +427,7 @@ def run_torch_pipelining(n_layer, p, schedule, m):
 
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.parallel import make_optimizer
+    from hplab.compose import make_optimizer
 
     mesh = Mesh.create(pp=p)
     model = build_model(config(n_layer), seed=0)

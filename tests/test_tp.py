@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,13 +50,69 @@ def model_rel_err(ours: dict, ref: dict) -> float:
     whatever the size of g: an element whose gradient is rounding noise moves in a direction
     no two summation orders agree on. Measured here: the key bias (true gradient exactly 0,
     computed ~1e-12) ends 1.5e-6 apart, 5e-4 of its zero-initialised tensor's scale; and in
-    the tp2 × dp2 engine one c_fc weight element whose first gradient is −3e-9 (its tensor's
+    the tp2 × dp2 layout one c_fc weight element whose first gradient is −3e-9 (its tensor's
     largest: 3e-3) ends 8.6e-6 apart — the largest error of all these checks, from the
     optimizer, not from tensor parallel. Gradients, which Adam has not yet normalised, are
     compared tensor by tensor."""
     assert set(ours) == set(ref), set(ours) ^ set(ref)
     worst = max(float((ours[n].double() - ref[n].double()).abs().max()) for n in ref)
     return worst / max(float(t.abs().max()) for t in ref.values())
+
+
+def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW as train.py builds it; foreach=False keeps the update element-wise identical."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
+                             foreach=False)
+
+
+def sum_partial_grads(model, comm) -> None:
+    """What the composition does after backward under sequence parallel: parameters marked
+    `sequence_parallel_partial` hold partial sums; add them over the tp group (one message)."""
+    grads = [p.grad for p in model.parameters()
+             if getattr(p, "sequence_parallel_partial", False) and p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat)
+    torch._foreach_copy_(grads, [t.view_as(g) for t, g in
+                                 zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+@torch.no_grad()
+def full_grads(model, comm) -> dict:
+    """Every parameter's full gradient, by name (tp pieces glued back)."""
+    from hplab import tp
+    return {name: tp.unshard(p.grad, p.tp_split, comm) if tp.is_split(p) else p.grad.clone()
+            for name, p in model.named_parameters() if p.grad is not None}
+
+
+@torch.no_grad()
+def full_state_dict(model, comm) -> dict:
+    """The single-device state dict (same names, full shapes), rebuilt on every rank."""
+    from hplab import tp
+    return {name: tp.unshard(p, p.tp_split, comm) if tp.is_split(p) else p.detach().clone()
+            for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+@torch.no_grad()
+def load_full_state_dict(model, state_dict: dict, comm) -> None:
+    """A single-device checkpoint into a tensor-parallel model: each rank keeps its pieces."""
+    from hplab import tp
+    for name, p in model.named_parameters():
+        p.copy_(tp.shard(state_dict[name], p.tp_split, comm) if tp.is_split(p)
+                else state_dict[name])
+
+
+def gather_vocab(logits, comm, vocab_size: int):
+    """All the logits [..., V] from every rank's slice, padding removed."""
+    from hplab import tp
+    return tp._all_gather(logits.detach(), comm, -1)[..., :vocab_size]
+
+
+def fake_comm(size: int, rank: int = 0):
+    """A Communicator that only knows its size and rank: cutting a model needs no messages."""
+    from hplab.comm import Communicator
+    comm = object.__new__(Communicator)
+    comm.size, comm.rank = size, rank
+    return comm
 
 
 def _batch(vocab: int, batch: int = BATCH, seq: int = CONFIG["n_positions"], seed: int = 1):
@@ -86,13 +141,6 @@ def _operator_checks(comm) -> dict:
     y = tp.ReduceFromTensorParallel.apply(x, comm)
     (y * ws[0]).sum().backward()
     out["g"] = max(rel_err(y, sum(xs)), rel_err(x.grad, ws[0]))
-
-    x = xs[0].clone().requires_grad_()  # split then gather the last dim: identity both ways
-    y = tp.SplitLastDim.apply(x, comm)
-    z = tp.GatherLastDim.apply(y, comm)
-    (z * ws[0]).sum().backward()
-    out["split_gather"] = max(rel_err(y, xs[0].chunk(T, -1)[r]), rel_err(z, xs[0]),
-                              rel_err(x.grad, ws[0]))
 
     x = xs[r].clone().requires_grad_()  # all-gather along the sequence; backward reduce-scatter
     y = tp.GatherSequence.apply(x, comm)
@@ -129,8 +177,8 @@ def _cross_entropy_checks(comm) -> dict:
         mine = padded.chunk(comm.size, -1)[comm.rank].clone().requires_grad_()
         loss = tp.vocab_parallel_cross_entropy(mine, targets, comm, vocab)
         loss.backward()
-        grad = tp.gather_vocab(mine.grad, comm, vocab)
-        pad_grad = tp._all_gather(mine.grad, -1, comm)[..., vocab:]
+        grad = gather_vocab(mine.grad, comm, vocab)
+        pad_grad = tp._all_gather(mine.grad, comm, -1)[..., vocab:]
         out[vocab] = {"loss": rel_err(loss, ref), "grad": rel_err(grad, ref_logits.grad),
                       "padding_grad": float(pad_grad.abs().max()) if pad_grad.numel() else 0.0}
     return out
@@ -138,8 +186,6 @@ def _cross_entropy_checks(comm) -> dict:
 
 def _train_reference(model, steps, batches, forward):
     """Single process: `steps` AdamW steps; returns losses, first logits, first grads, params."""
-    from hplab.parallel import make_optimizer
-
     optimizer = make_optimizer(model.parameters(), lr=LR, weight_decay=0.1)
     losses, logits, grads = [], None, None
     for x, y in batches[:steps]:
@@ -156,7 +202,6 @@ def _train_reference(model, steps, batches, forward):
 
 def _train_tensor_parallel(model, comm, steps, batches, forward, sequence_parallel):
     from hplab import tp
-    from hplab.parallel import make_optimizer
 
     optimizer = make_optimizer(model.parameters(), lr=LR, weight_decay=0.1)
     losses, logits, grads = [], None, None
@@ -164,14 +209,14 @@ def _train_tensor_parallel(model, comm, steps, batches, forward, sequence_parall
         out_logits, loss = forward(model, x, y)
         loss.backward()
         if sequence_parallel:
-            tp.sync_sequence_parallel_grads(model, comm)
+            sum_partial_grads(model, comm)
         if logits is None:
-            logits = tp.gather_vocab(out_logits, comm, model.config.vocab_size)
-            grads = tp.full_grads(model, comm)
+            logits = gather_vocab(out_logits, comm, model.config.vocab_size)
+            grads = full_grads(model, comm)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, logits, grads, tp.full_state_dict(model, comm)
+    return losses, logits, grads, full_state_dict(model, comm)
 
 
 def _hplab_forward(model, x, y):
@@ -197,8 +242,8 @@ def _gpt_checks(comm, sequence_parallel: bool) -> dict:
     config = GPTConfig(**CONFIG)
     batches = [_batch(config.vocab_size, seed=s) for s in range(STEPS)]
     reference = _train_reference(build_model(config, 0), STEPS, batches, _hplab_forward)
-    model = tp.parallelize_gpt(build_model(config, 0), comm, sequence_parallel)
-    start = tp.full_state_dict(model, comm)
+    model = tp.parallelize(build_model(config, 0), comm, tp.GPT_PLAN, sequence_parallel)
+    start = full_state_dict(model, comm)
     out = _equivalence(reference,
                        _train_tensor_parallel(model, comm, STEPS, batches, _hplab_forward,
                                               sequence_parallel))
@@ -209,8 +254,8 @@ def _gpt_checks(comm, sequence_parallel: bool) -> dict:
     padding = model.transformer.wte.weight[max(0, config.vocab_size - comm.rank * rows):]
     out["padding_max"] = float(padding.abs().max()) if padding.numel() else 0.0
     # and back: load a single-device checkpoint into the TP model
-    tp.load_full_state_dict(model, initial, comm)
-    out["reload"] = max(rel_err(t, initial[n]) for n, t in tp.full_state_dict(model, comm).items())
+    load_full_state_dict(model, initial, comm)
+    out["reload"] = max(rel_err(t, initial[n]) for n, t in full_state_dict(model, comm).items())
     return out
 
 
@@ -241,7 +286,7 @@ def _hf_checks(comm, sequence_parallel: bool) -> dict:
     reference_model = copy.deepcopy(hf)
     batches = [_batch(config.vocab_size, seed=s) for s in range(STEPS)]
     reference = _train_reference(reference_model, STEPS, batches, _hf_forward)
-    tp.parallelize_hf_gpt2(hf, comm, sequence_parallel)
+    tp.parallelize(hf, comm, tp.HF_GPT2_PLAN, sequence_parallel)
     hf.tp_comm, hf.sequence_parallel = comm, sequence_parallel
     out = _equivalence(reference, _train_tensor_parallel(hf, comm, STEPS, batches, _hf_forward,
                                                          sequence_parallel))
@@ -256,7 +301,7 @@ def _ledger_checks(comm, ledger, sequence_parallel: bool) -> dict:
     from hplab.models.gpt import GPTConfig, build_model
 
     config = GPTConfig(**CONFIG)
-    model = tp.parallelize_gpt(build_model(config, 0), comm, sequence_parallel)
+    model = tp.parallelize(build_model(config, 0), comm, tp.GPT_PLAN, sequence_parallel)
     x, y = _batch(config.vocab_size)
     s = x.shape[1] // comm.size if sequence_parallel else x.shape[1]
     hidden = torch.randn(BATCH, s, config.n_embd, requires_grad=True)
@@ -272,7 +317,7 @@ def _ledger_checks(comm, ledger, sequence_parallel: bool) -> dict:
     _, loss = model(x, y)
     loss.backward()
     if sequence_parallel:
-        tp.sync_sequence_parallel_grads(model, comm)
+        sum_partial_grads(model, comm)
     return {"block_forward": block_forward, "block_backward": block_backward,
             "model": read()}
 
@@ -288,7 +333,7 @@ def _activation_checks(comm) -> dict:
     for name in ("single", "tp", "tp_sp"):
         model = build_model(config, 0)
         if name != "single":
-            tp.parallelize_gpt(model, comm, sequence_parallel=name == "tp_sp")
+            tp.parallelize(model, comm, tp.GPT_PLAN, sequence_parallel=name == "tp_sp")
         s = 64 // comm.size if name == "tp_sp" else 64
         hidden = torch.randn(8, s, config.n_embd, requires_grad=True)
         memory = MemoryLedger()
@@ -314,8 +359,8 @@ def _dtensor_checks(comm) -> dict:
     theirs, ours = copy.deepcopy(reference), copy.deepcopy(reference)
     parallelize_module(theirs, init_device_mesh("cpu", (comm.size,)),
                        {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    ours[0] = tp.ColumnParallelLinear.from_full(ours[0], comm)
-    ours[2] = tp.RowParallelLinear.from_full(ours[2], comm)
+    ours[0] = tp.ColumnParallelLinear(ours[0], comm)
+    ours[2] = tp.RowParallelLinear(ours[2], comm)
     x = torch.randn(4, 8, h, generator=torch.Generator().manual_seed(4))
     results = {}
     for name, model in (("reference", reference), ("dtensor", theirs), ("hplab", ours)):
@@ -337,43 +382,57 @@ def _dtensor_checks(comm) -> dict:
             "dtensor_vs_reference": max(rel_err(dt_y, ref_y), rel_err(dt_dx, ref_dx))}
 
 
-def _engine_checks(mesh, sequence_parallel: bool, recompute: bool = False) -> dict:
-    """TensorParallelEngine on a tp × dp mesh, with gradient clipping and 2 microbatches
-    (and recompute: backward re-runs each block's forward, collectives included), against
-    one process training on the whole global batch (torch's own clip_grad_norm_)."""
+def _layout_checks(mesh, sequence_parallel: bool, recompute: bool = False) -> dict:
+    """tp × dp in a plain loop built from the markers tp.parallelize leaves: 2 microbatches,
+    gradients averaged over dp, sequence-parallel partial sums added over tp, clipping by the
+    global norm (tp pieces summed over tp, replicated parameters counted once), AdamW — and
+    recompute (backward re-runs each block's forward, collectives included). Against one
+    process training on the whole global batch with torch's own clip_grad_norm_."""
     from hplab import tp
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel import TensorParallelEngine, make_optimizer
 
-    config = GPTConfig(**CONFIG)
-    args = SimpleNamespace(lr=LR, weight_decay=0.1, bucket_mb=0.01, microbatches=2,
-                           grad_clip=0.5, sequence_parallel=sequence_parallel, zero=0,
-                           precision="fp32")
+    config, micro, clip = GPTConfig(**CONFIG), 2, 0.5
     global_batch = 4 * mesh.dp_size
     batches = [_batch(config.vocab_size, batch=global_batch, seed=10 + s) for s in range(STEPS)]
     reference = build_model(config, 0)
-    optimizer = make_optimizer(reference.parameters(), args.lr, args.weight_decay)
+    optimizer = make_optimizer(reference.parameters(), LR, 0.1)
     ref_losses, ref_norms = [], []
     for x, y in batches:
         _, loss = reference(x, y)
         loss.backward()
-        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)))
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)))
         optimizer.step()
         optimizer.zero_grad()
         ref_losses.append(float(loss.detach()))
-    model = build_model(config, 0)
-    model.recompute = recompute  # as build_engine sets it
-    engine = TensorParallelEngine(model, mesh, args)
+    model = tp.parallelize(build_model(config, 0), mesh.tp, tp.GPT_PLAN, sequence_parallel)
+    model.recompute = recompute
+    optimizer = make_optimizer(model.parameters(), LR, 0.1)
     losses = []
     for x, y in batches:
         mine = slice(mesh.dp_rank * 4, (mesh.dp_rank + 1) * 4)
-        losses.append(engine.train_step(x[mine], y[mine]))
-    params = tp.full_state_dict(engine.model, mesh.tp)
+        step_loss = 0.0
+        for xm, ym in zip(x[mine].chunk(micro), y[mine].chunk(micro)):
+            _, loss = model(xm, ym)
+            (loss / micro).backward()
+            step_loss += float(loss.detach()) / micro
+        for p in model.parameters():
+            mesh.dp.all_reduce(p.grad)
+            p.grad /= mesh.dp_size
+        if sequence_parallel:
+            sum_partial_grads(model, mesh.tp)
+        pieces = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if tp.is_split(p))
+        whole = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if not tp.is_split(p))
+        norm = mesh.tp.all_reduce_scalar(pieces + (whole if mesh.tp.rank == 0 else 0.0)) ** 0.5
+        for p in model.parameters():
+            p.grad *= min(1.0, clip / (norm + 1e-6))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(mesh.dp.all_reduce_scalar(step_loss) / mesh.dp_size)
+    params = full_state_dict(model, mesh.tp)
     ref_params = {n: p.detach() for n, p in reference.named_parameters()}
     return {"losses": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "params": model_rel_err({n: params[n] for n in ref_params}, ref_params),
-            "clipped": min(ref_norms) > 0.5,
-            "params_bytes": engine.memory.bytes["params"]}
+            "clipped": min(ref_norms) > clip}
 
 
 def _checks_world2() -> dict:
@@ -400,9 +459,9 @@ def _checks_world4() -> dict:
             "cross_entropy": _cross_entropy_checks(mesh.tp),
             "gpt": _gpt_checks(mesh.tp, False), "gpt_sp": _gpt_checks(mesh.tp, True),
             "hf": _hf_checks(mesh.tp, False), "hf_sp": _hf_checks(mesh.tp, True),
-            "engine_tp4": _engine_checks(mesh, False),
-            "engine_tp2_dp2": _engine_checks(tp_by_dp, False),
-            "engine_tp2_dp2_sp_recompute": _engine_checks(tp_by_dp, True, recompute=True)}
+            "layout_tp4": _layout_checks(mesh, False),
+            "layout_tp2_dp2": _layout_checks(tp_by_dp, False),
+            "layout_tp2_dp2_sp_recompute": _layout_checks(tp_by_dp, True, recompute=True)}
 
 
 # --- the tests ---------------------------------------------------------------------------------
@@ -510,9 +569,9 @@ def test_matches_pytorch_dtensor_tensor_parallel(world2):
         assert d["vs_dtensor"] <= RTOL and d["vs_reference"] <= RTOL, d
 
 
-def test_engine_tp_and_dp_layouts_train_like_one_process(world4):
+def test_tp_and_dp_layouts_train_like_one_process(world4):
     for rank in world4:
-        for layout in ("engine_tp4", "engine_tp2_dp2", "engine_tp2_dp2_sp_recompute"):
+        for layout in ("layout_tp4", "layout_tp2_dp2", "layout_tp2_dp2_sp_recompute"):
             r = rank[layout]
             assert r["clipped"], "the test must really exercise clipping"
             assert r["losses"] <= RTOL and r["params"] <= RTOL, (layout, r)
@@ -520,26 +579,73 @@ def test_engine_tp_and_dp_layouts_train_like_one_process(world4):
 
 def test_clear_errors_for_impossible_splits():
     from hplab import tp
-
-    with pytest.raises(ValueError, match="larger than the model's 4 attention heads"):
-        tp.check_divisible(n_head=4, n_embd=64, tp=8)
-    with pytest.raises(ValueError, match="12 attention heads do not split over --tp 8"):
-        tp.check_divisible(n_head=12, n_embd=96, tp=8)
-    with pytest.raises(ValueError, match="n_embd=30 does not split over --tp 4"):
-        tp.check_divisible(n_head=4, n_embd=30, tp=4)
-    with pytest.raises(ValueError, match="make --seq-len a multiple of --tp"):
-        tp.check_divisible(n_head=4, n_embd=64, tp=4, seq_len=30)
     from hplab.models.gpt import GPTConfig, build_model
-    fake_group = SimpleNamespace(size=3, rank=0)  # the check runs before any communication
-    with pytest.raises(ValueError, match="4 attention heads do not split over --tp 3"):
-        tp.parallelize_gpt(build_model(GPTConfig(**CONFIG)), fake_group)
+
+    with pytest.raises(ValueError, match="^4 attention heads do not split over 8 tensor-parallel "
+                                         "ranks: use a tensor-parallel size that divides 4$"):
+        tp.check_divisible(n_head=4, n_embd=64, tp=8)
+    with pytest.raises(ValueError, match="12 attention heads do not split over 8 tensor-par"):
+        tp.check_divisible(n_head=12, n_embd=96, tp=8)
+    with pytest.raises(ValueError, match="hidden size of 30 does not split over 4 tensor-par"):
+        tp.check_divisible(n_head=4, n_embd=30, tp=4)
+    with pytest.raises(ValueError, match="30-token sequence over 4 tensor-parallel ranks: make "
+                                         "the sequence length a multiple of 4"):
+        tp.check_divisible(n_head=4, n_embd=64, tp=4, seq_len=30)
+    # the check runs before any communication
+    with pytest.raises(tp.TensorParallelError, match="4 attention heads do not split over 3"):
+        tp.parallelize(build_model(GPTConfig(**CONFIG)), fake_comm(3), tp.GPT_PLAN)
     from transformers import AutoModelForCausalLM
 
     from hplab.models.gpt import to_hf_config
     eager = AutoModelForCausalLM.from_config(to_hf_config(GPTConfig(**CONFIG)),
                                              attn_implementation="eager")
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
-        tp.parallelize_hf_gpt2(eager, SimpleNamespace(size=2, rank=0), sequence_parallel=True)
+        tp.parallelize(eager, fake_comm(2), tp.HF_GPT2_PLAN, sequence_parallel=True)
+
+
+def test_plan_naming_a_missing_module_is_an_error():
+    from hplab import tp
+    from hplab.models.gpt import GPTConfig, build_model
+
+    plan = {**tp.GPT_PLAN, "transformer.h.*.attn.q_proj": tp.ColumnParallelLinear}
+    with pytest.raises(tp.TensorParallelError,
+                       match=r"the plan names 'transformer\.h\.\*\.attn\.q_proj', but GPT has "
+                             "no module matching it"):
+        tp.parallelize(build_model(GPTConfig(**CONFIG)), fake_comm(2), plan)
+
+
+def _hf_gpt2():
+    from transformers import GPT2LMHeadModel
+
+    from hplab.models.gpt import GPTConfig, to_hf_config
+    return GPT2LMHeadModel(to_hf_config(GPTConfig(**CONFIG)))
+
+
+@pytest.mark.parametrize("model_plan", ["gpt", "hf_gpt2"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_plans_cut_every_layer(model_plan, sequence_parallel):
+    """After parallelize (cutting needs no messages: rank 0 of 2, in this process), no
+    Linear, Conv1D or Embedding is left whole, every matrix is a piece except the position
+    table (replicated by design), the head stays tied, and under sequence parallel every
+    whole parameter is marked as a partial sum."""
+    from hplab import tp
+    from hplab.models.gpt import GPTConfig, build_model
+
+    model, plan = ((build_model(GPTConfig(**CONFIG)), tp.GPT_PLAN) if model_plan == "gpt"
+                   else (_hf_gpt2(), tp.HF_GPT2_PLAN))
+    full = {n: p.shape for n, p in model.named_parameters()}
+    tp.parallelize(model, fake_comm(2), plan, sequence_parallel)
+    left = [n for n, m in model.named_modules()
+            if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == "Conv1D"]
+    assert left == [], left
+    params = dict(model.named_parameters())
+    assert set(params) == set(full)  # names unchanged
+    unsplit = [n for n, p in params.items() if p.dim() >= 2 and not tp.is_split(p)]
+    assert unsplit == ["transformer.wpe.weight"], unsplit
+    assert model.lm_head.weight is model.transformer.wte.weight
+    for n, p in params.items():
+        assert p.sequence_parallel_partial == (sequence_parallel and not tp.is_split(p)), n
+    assert model.transformer.wte.weight.shape[0] == -(-CONFIG["vocab_size"] // 2)
 
 
 def test_command_line_tp_with_sequence_parallel_matches_one_process(tmp_path):

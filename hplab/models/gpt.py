@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from hplab.formulas import HPLAB_PRESETS, gpt_num_params
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -52,19 +54,12 @@ class GPTConfig:
 
     def num_params(self) -> int:
         """Ψ, counted once for the tied embedding: V·h + S·h + L·(12h² + 13h) + 2h."""
-        h, L = self.n_embd, self.n_layer
-        return self.vocab_size * h + self.n_positions * h + L * (12 * h * h + 13 * h) + 2 * h
+        return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.n_positions)
 
 
-PRESETS: dict[str, GPTConfig] = {
-    # trains in seconds on a laptop CPU, on the small BPE shipped in data/hplab-bpe
-    "tiny": GPTConfig(vocab_size=2048, n_positions=64, n_embd=64, n_layer=4, n_head=4),
-    # the real GPT-2 sizes, on the genuine GPT-2 BPE shipped in data/gpt2-tokenizer
-    "gpt2": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                      tokenizer="gpt2"),
-    "gpt2-medium": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=1024, n_layer=24,
-                             n_head=16, tokenizer="gpt2"),
-}
+#: tiny (seconds on a laptop CPU, hplab's small BPE), gpt2 and gpt2-medium (the real sizes,
+#: GPT-2's BPE); the sizes live in `hplab.formulas.HPLAB_PRESETS`, shared with the planner.
+PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**size) for name, size in HPLAB_PRESETS.items()}
 
 
 def config_from_preset(name: str, n_layer=None, n_embd=None, n_head=None, seq_len=None) -> GPTConfig:

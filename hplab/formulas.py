@@ -1,0 +1,258 @@
+"""The formulas of distributed training, each in one place, with no torch.
+
+Everything hplab measures in a run has a formula from the papers next to it: the pipeline
+bubble, what a collective costs, how many parameters and FLOPs a GPT has, how many bytes its
+model states and activations take. They live here, once, and every other module imports them:
+`pp` and `viz` (the bubble), `comm` and `lab` (bus factors, the α-β model), `models.gpt` (Ψ
+and the presets), `plan` (all of them), `train` (the schedule names). This module imports only
+the standard library, so it loads in milliseconds on a machine without a GPU or torch.
+
+Sources: [ZeRO] Rajbhandari et al. 2020; [PTD-P] Narayanan et al. 2021 (Megatron-LM);
+[SP] Korthikanti et al. 2022; [ZB] Qi et al. 2024; [Ring] Thakur et al. 2005. See plan.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+# ---------------------------------------------------------------------------------------------
+# 1. Pipeline schedules and the bubble  [PTD-P] Sec. 2.2, [ZB]
+# ---------------------------------------------------------------------------------------------
+
+#: The pipeline schedules hplab runs (pp.py), plans (plan.py) and accepts (--schedule).
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def bubble_formula(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0,
+                   w: float = 1.0) -> dict:
+    """The textbook bubble of `schedule` with p stages, m microbatches, v chunks per rank
+    (interleaved) and F, B, W costs f, b, w, in two forms:
+
+    `relative` (the **bubble ratio**): idle time / compute time of a rank.
+    `of_step` (the **bubble fraction**, what the plots and the measured traces show): idle
+    time / step time = relative / (1 + relative).
+
+        GPipe, 1F1B   (p-1)/m                    of the step: (p-1)/(m+p-1)
+        interleaved   (p-1)/(v·m)
+        ZB-H1         (p-1)(f+b-w) / (m(f+b+w))  (f=b=w: (p-1)/(3m), a third of 1F1B's)
+    """
+    if schedule in ("gpipe", "1f1b"):
+        relative, text = (p - 1) / m, "(p-1)/m"
+    elif schedule == "interleaved":
+        relative, text = (p - 1) / (v * m), "(p-1)/(v·m)"
+    elif schedule == "zb-h1":
+        relative = (p - 1) * (f + b - w) / (m * (f + b + w))
+        text = "(p-1)(F+B-W)/(m(F+B+W))"
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    return {"relative": relative, "of_step": relative / (1 + relative), "formula": text}
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, **costs) -> float:
+    """Idle share of the step, (p−1)/(m+p−1) for GPipe and 1F1B: the bubble as the plots,
+    `pp.Simulation.bubble_fraction` and the metrics file's measured `bubble_fraction` give it."""
+    return bubble_formula(schedule, p, m, v, **costs)["of_step"]
+
+
+def bubble_ratio(schedule: str, p: int, m: int, v: int = 1, **costs) -> float:
+    """Idle time relative to compute time, (p−1)/m for GPipe and 1F1B: the form the papers
+    write and the planner multiplies by the compute time to get the bubble's seconds."""
+    return bubble_formula(schedule, p, m, v, **costs)["relative"]
+
+
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int,
+                           virtual_stages: int = 1) -> float:
+    """How many microbatches' activations the first pipeline stage holds at its peak.
+
+    GPipe runs all m forwards before any backward: m. 1F1B (PipeDream-Flush, [PTD-P] Sec. 2.2)
+    starts backward after pp warm-up forwards: min(pp, m). Interleaved with v chunks per rank
+    holds (L/pp)·(pp + (pp−1)/v) layers' worth, i.e. pp·(1 + (pp−1)/(pp·v)) ([SP] Sec. 4.2.3).
+    ZB-H1 keeps 1F1B's peak ([ZB] Sec. 3). Without a pipeline microbatches run one by one.
+    """
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "interleaved":
+        return min(pp + (pp - 1) / virtual_stages, microbatches)
+    return min(pp, microbatches)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Collectives: bus bytes and the α-β model of ring algorithms  [Ring]
+# ---------------------------------------------------------------------------------------------
+
+
+def bus_factor(op: str, n: int) -> float:
+    """How many payload-sizes cross each rank's link for `op` among n ranks (ring), the
+    nccl-tests "bus bytes" factor: all-reduce 2(n-1)/n (a reduce-scatter, then an
+    all-gather); all-gather and reduce-scatter (n-1)/n; broadcast, send, recv 1."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+def alpha_beta_terms(op: str, n: int) -> tuple[float, float]:
+    """(latency steps, bandwidth factor) of the ring algorithm for `op` among n ranks:
+
+        T(S) = steps · α + factor · S / β
+
+    all-reduce: 2(n-1) steps; all-gather, reduce-scatter: n-1; broadcast, send/recv: 1.
+    The factor is `bus_factor(op, n)`.
+    """
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}
+    return steps.get(op, 1), bus_factor(op, n)
+
+
+def collective_time_s(op: str, nbytes: float, n: int, bw: float, alpha: float) -> float:
+    """Seconds of one ring `op` on a payload of nbytes among n ranks, link β = bw bytes/s and
+    α = alpha s per step (all-reduce: 2(n−1)·α + 2(n−1)/n · S/β). One rank sends nothing."""
+    if n <= 1:
+        return 0.0
+    steps, factor = alpha_beta_terms(op, n)
+    return steps * alpha + factor * nbytes / bw
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The model: Ψ, hplab's presets, FLOPs  [PTD-P]
+# ---------------------------------------------------------------------------------------------
+
+
+def gpt_num_params(n_layer: int, n_embd: int, vocab_size: int, seq_len: int) -> int:
+    """Ψ of GPT-2 (tied embedding / LM head, learned positions, biases everywhere):
+
+        Ψ = V·h + S·h + L·(12h² + 13h) + 2h
+
+    per block: QKV 3h²+3h, attention projection h²+h, MLP 4h²+4h and 4h²+h, two layer
+    norms 4h; then the final layer norm 2h."""
+    h, L = n_embd, n_layer
+    return vocab_size * h + seq_len * h + L * (12 * h * h + 13 * h) + 2 * h
+
+
+#: hplab's own model presets (`hplab.models.gpt.PRESETS` builds its GPTConfigs from these).
+HPLAB_PRESETS = {
+    # trains in seconds on a laptop CPU, on the small BPE shipped in data/hplab-bpe
+    "tiny": dict(vocab_size=2048, n_positions=64, n_embd=64, n_layer=4, n_head=4,
+                 tokenizer="hplab-bpe"),
+    # the real GPT-2 sizes, on the genuine GPT-2 BPE shipped in data/gpt2-tokenizer
+    "gpt2": dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                 tokenizer="gpt2"),
+    "gpt2-medium": dict(vocab_size=50257, n_positions=1024, n_embd=1024, n_layer=24, n_head=16,
+                        tokenizer="gpt2"),
+}
+
+
+def training_flops_per_token(num_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
+    """FLOPs to train on one token: 6Ψ for the matmuls with the weights (2 forward, 4 backward)
+    plus 12·L·h·s for attention's scores and weighted sum (Chinchilla / PaLM appendix)."""
+    return 6 * num_params + 12 * n_layer * n_embd * seq_len
+
+
+def flops_per_step(model, batch_size: int, recompute: str = "none") -> dict:
+    """Floating-point operations of one training step on the whole global batch B, for a
+    `model` with sizes n_layer, n_embd, seq_len, vocab_size (`plan.ModelShape`).
+
+    [PTD-P] Appendix: a block's forward costs 24·B·s·h² (the four matrix multiplies) plus
+    4·B·s²·h (scores and their product with V); the LM head 2·B·s·h·V. Backward costs twice
+    the forward, so a step is 3× forward (model FLOPs, what MFU counts):
+        F = 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h))
+    Full recompute runs every block's forward once more:
+        F = 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h))
+    Selective recompute redoes only the score part, 4·B·s²·h per block ([SP] Sec. 5).
+    Hardware FLOPs (with recompute) are what [PTD-P] reports as achieved TFLOP/s.
+    """
+    B, s, h, L, V = batch_size, model.seq_len, model.n_embd, model.n_layer, model.vocab_size
+    block_fwd = 24 * B * s * h * h + 4 * B * s * s * h
+    head_fwd = 2 * B * s * h * V
+    model_flops = 3 * (L * block_fwd + head_fwd)
+    extra = {"none": 0, "selective": L * 4 * B * s * s * h, "full": L * block_fwd}[recompute]
+    return {"model_flops": model_flops, "hardware_flops": model_flops + extra,
+            "block_fwd_flops": block_fwd / B, "head_fwd_flops": head_fwd / B}
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Memory: model states [ZeRO] and activations [SP]
+# ---------------------------------------------------------------------------------------------
+
+PRECISION_BYTES = {  # bytes per element: (param, grad, master, optimizer state, activation)
+    "fp32": (4, 4, 0, 8, 4),
+    "bf16": (2, 2, 4, 8, 2),
+    "fp16": (2, 2, 4, 8, 2),
+}
+
+
+def model_state_bytes(psi: float, dp: int = 1, zero: int = 0, precision: str = "bf16",
+                      offload: bool = False, padded: bool = False) -> dict:
+    """Bytes per GPU of the model states of Ψ parameters, by kind. [ZeRO] Sec. 3.1 and 5.
+
+    Mixed precision with Adam holds 2Ψ (fp16/bf16 params) + 2Ψ (grads) + KΨ with K = 12
+    (fp32 master copy 4Ψ, exp_avg 4Ψ, exp_avg_sq 4Ψ): 16Ψ in all. Pure fp32 holds
+    4Ψ + 4Ψ + 8Ψ and no master copy. With N_d data-parallel ranks, ZeRO shards:
+
+        stage 0 (DDP)   (2 + 2 + K)·Ψ
+        stage 1 (P_os)  2Ψ + 2Ψ + K·Ψ/N_d
+        stage 2 (P_os+g)  2Ψ + (2 + K)·Ψ/N_d
+        stage 3 (P_os+g+p)  (2 + 2 + K)·Ψ/N_d
+
+    `padded`: hplab (like DeepSpeed) shards one flat buffer padded up to a multiple of N_d, so
+    each shard holds ceil(Ψ/N_d) elements. `offload` moves optimizer state and master weights
+    to host memory (ZeRO-Offload); they are reported under `cpu_bytes`.
+    """
+    p_bytes, g_bytes, m_bytes, o_bytes, _ = PRECISION_BYTES[precision]
+
+    def shard(n_elements: float, sharded: bool) -> float:
+        if not sharded or dp == 1:
+            return n_elements
+        return math.ceil(n_elements / dp) if padded else n_elements / dp
+
+    out = {
+        "params_bytes": p_bytes * shard(psi, zero >= 3),
+        "grads_bytes": g_bytes * shard(psi, zero >= 2),
+        "optim_bytes": o_bytes * shard(psi, zero >= 1),
+        "master_bytes": m_bytes * shard(psi, zero >= 1),
+        "cpu_bytes": 0.0,
+    }
+    if offload:
+        out["cpu_bytes"] = out["optim_bytes"] + out["master_bytes"]
+        out["optim_bytes"] = out["master_bytes"] = 0.0
+    out["total_bytes"] = sum(out[k] for k in ("params_bytes", "grads_bytes", "optim_bytes",
+                                               "master_bytes"))
+    return out
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none",
+                               act_bytes: int = 2, dropout: bool = True,
+                               flash_attention: bool = False) -> float:
+    """Bytes one transformer block saves for backward, for one microbatch. [SP] Sec. 4.
+
+    Counted tensor by tensor (s sequence, b microbatch, h hidden, a heads, t tensor parallel):
+      * outside the tensor-parallel regions, replicated on all t ranks unless sequence
+        parallel splits them: the inputs of both layer norms, of QKV and of the first MLP
+        matrix (4·sbh elements) and two dropout masks (2·sbh bytes);
+      * inside them, split by t: Q, K, V, the attention projection's input, the GeLU input and
+        the second MLP matrix's input (12·sbh elements);
+      * attention scores, split by t: softmax output, its dropout mask and the dropped-out
+        scores (a·s²·b each) — FlashAttention instead keeps only a log-sum-exp per row (fp32).
+    With 2-byte activations and dropout this is the paper's Table 2:
+        no parallelism       sbh·(34 + 5as/h)
+        tensor parallel      sbh·(10 + 24/t + 5as/(ht))
+        + sequence parallel  sbh/t·(34 + 5as/h)
+        selective recompute  drops the 5as/h term (the scores are recomputed)
+        full recompute       keeps only the block input: 2sbh (2sbh/t with sequence parallel)
+    """
+    mask = 1 if dropout else 0
+    sbh = s * b * h
+    if recompute == "full":
+        return act_bytes * sbh / (t if sequence_parallel else 1)
+    outside = 4 * sbh * act_bytes + 2 * sbh * mask
+    inside = 12 * sbh * act_bytes
+    if flash_attention:
+        scores = a * s * b * 4  # logsumexp, fp32
+    elif recompute == "selective":
+        scores = 0
+    else:
+        scores = a * s * s * b * (act_bytes + mask + (act_bytes if dropout else 0))
+    return outside / (t if sequence_parallel else 1) + (inside + scores) / t

@@ -1,0 +1,88 @@
+"""The public API (`import hplab`) and the library's size budget (issue: the redesign).
+
+The budget is part of the design: each strategy file reads top to bottom as the explanation
+of that strategy, so it stays under 400 lines, no class grows past 150 lines, and the whole
+library stays within 6,200 lines (it was 7,545 before the building blocks replaced the four
+engine classes).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LIBRARY = REPO / "hplab"
+PUBLIC = ["DDP", "ZeroOptimizer", "fully_shard", "full_parameters", "finish_gradient_sync",
+          "parallelize", "finalize_grads", "Mesh", "init_distributed", "tp", "pp"]
+STRATEGIES = ["ddp.py", "zero.py", "fsdp.py", "tp.py", "pp.py"]
+LIBRARY_BUDGET = 6200
+# Where the library stands now: it may only shrink until the budget is met. (The four engines
+# are gone and each strategy is under 400 lines, but plan.py, check.py and data.py still hold
+# ~2,000 lines between them; see the issue's closing note.)
+LIBRARY_NOW = 7400
+
+
+def test_import_hplab_is_cheap_and_lazy():
+    """`import hplab` loads no torch; each public name is there when first used."""
+    code = ("import sys, hplab; assert 'torch' not in sys.modules, 'torch imported eagerly'; "
+            f"names = {PUBLIC!r}; missing = [n for n in names if not hasattr(hplab, n)]; "
+            "assert not missing, missing; assert set(names) <= set(dir(hplab))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_public_names_are_the_building_blocks():
+    import torch
+
+    import hplab
+    from hplab import compose, ddp, fsdp, zero
+
+    assert hplab.DDP is ddp.DDP and issubclass(hplab.DDP, torch.nn.Module)
+    assert hplab.ZeroOptimizer is zero.ZeroOptimizer
+    assert issubclass(hplab.ZeroOptimizer, torch.optim.Optimizer)
+    assert hplab.fully_shard is fsdp.fully_shard
+    assert hplab.parallelize is compose.parallelize
+    assert hplab.finalize_grads is compose.finalize_grads
+    with pytest.raises(AttributeError):
+        hplab.DataParallelEngine  # noqa: B018 — the engine classes are gone
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def library_lines() -> int:
+    return sum(lines(p) for p in LIBRARY.rglob("*.py"))
+
+
+def test_library_does_not_grow():
+    assert library_lines() <= LIBRARY_NOW, f"hplab/ has {library_lines()} lines"
+
+
+@pytest.mark.xfail(strict=True, reason=f"the budget of {LIBRARY_BUDGET} lines is not met yet: "
+                   "lower LIBRARY_NOW as the library shrinks, drop this mark when it passes")
+def test_library_within_its_size_budget():
+    assert library_lines() <= LIBRARY_BUDGET, f"hplab/ has {library_lines()} lines"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_strategy_files_read_as_one_explanation(name):
+    path = LIBRARY / name
+    assert lines(path) < 400, f"{name}: {lines(path)} lines"
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            size = node.end_lineno - node.lineno + 1
+            assert size <= 150, f"{name}: class {node.name} has {size} lines"
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names if node.module == "hplab"}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and node.module}
+    others = {f"hplab.{s[:-3]}" for s in STRATEGIES if s != name} | {s[:-3] for s in STRATEGIES}
+    assert not imported & others, f"{name} imports another strategy: {imported & others}"

@@ -1,0 +1,63 @@
+"""hplab.formulas is the one home of the formulas: it loads without torch, and every module
+that used to hold its own copy now hands out the very same function (or equal values)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from hplab import formulas as F
+
+
+def test_imports_without_torch():
+    code = "import sys, hplab.formulas; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_old_locations_are_the_same_objects():
+    from hplab import comm, lab, plan, pp, viz
+    from hplab.models import gpt
+
+    same = [(comm.bus_factor, F.bus_factor), (lab.alpha_beta_terms, F.alpha_beta_terms),
+            (lab.training_flops_per_token, F.training_flops_per_token),
+            (pp.bubble_formula, F.bubble_formula), (pp.SCHEDULES, F.SCHEDULES),
+            (plan.SCHEDULES, F.SCHEDULES), (plan.model_state_bytes, F.model_state_bytes),
+            (plan.activation_bytes_per_layer, F.activation_bytes_per_layer),
+            (plan.flops_per_step, F.flops_per_step), (plan.PRECISION_BYTES, F.PRECISION_BYTES),
+            (plan.in_flight_microbatches, F.in_flight_microbatches),
+            (plan.bubble_ratio, F.bubble_ratio), (viz.model_state_bytes, F.model_state_bytes)]
+    for old, new in same:
+        assert old is new
+    for name, config in gpt.PRESETS.items():
+        shape = plan.model_presets()[name]
+        assert config.num_params() == shape.num_params() == F.gpt_num_params(
+            config.n_layer, config.n_embd, config.vocab_size, config.n_positions)
+        assert (shape.n_layer, shape.n_embd, shape.n_head, shape.seq_len, shape.vocab_size) == (
+            config.n_layer, config.n_embd, config.n_head, config.n_positions, config.vocab_size)
+    assert gpt.PRESETS["gpt2"].num_params() == 124_439_808  # GPT-2 small, tied head
+
+
+def test_train_accepts_exactly_the_schedules():
+    from hplab.train import build_parser
+
+    action = next(a for a in build_parser()._actions if a.dest == "schedule")
+    assert tuple(action.choices) == F.SCHEDULES
+
+
+@pytest.mark.parametrize("schedule", F.SCHEDULES)
+def test_bubble_fraction_and_ratio_are_one_definition(schedule):
+    for p, m, v in ((1, 4, 2), (4, 8, 2), (8, 32, 4)):
+        v = v if schedule == "interleaved" else 1
+        r = F.bubble_ratio(schedule, p, m, v)
+        assert F.bubble_fraction(schedule, p, m, v) == pytest.approx(r / (1 + r))
+    assert F.bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)  # (p−1)/(m+p−1)
+    assert F.bubble_ratio("zb-h1", 4, 8) == pytest.approx(F.bubble_ratio("1f1b", 4, 8) / 3)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        F.bubble_formula("pipedream", 4, 8)
+
+
+def test_bus_factor_and_alpha_beta_agree():
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send"):
+        for n in (2, 4, 8):
+            assert F.alpha_beta_terms(op, n)[1] == F.bus_factor(op, n)
+    assert F.alpha_beta_terms("all_reduce", 4) == (6, 1.5)
