@@ -30,6 +30,7 @@ Every collective is bounded by the process group's timeout; when it expires you 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -117,6 +118,9 @@ class Pending:
         return self.work is None or self.work.is_completed()
 
 
+OPEN_COMMUNICATORS: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
 class Communicator:
     """Collectives within one process group, recorded in a ledger.
 
@@ -131,6 +135,11 @@ class Communicator:
         self.ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
         self.size = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank())
+        OPEN_COMMUNICATORS.add(self)
+
+    def release(self) -> None:
+        """Let go of the process group (at shutdown), so that it can be freed."""
+        self.group = None
 
     def _guard(self, op: str, call):
         try:

@@ -20,6 +20,8 @@ inside its own family's group only.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import multiprocessing
 import os
 import socket
@@ -30,6 +32,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from hplab.comm import OPEN_COMMUNICATORS
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HPLAB_TIMEOUT_S", 120))
 
@@ -70,13 +74,35 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        import_before_the_group_exists()
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        atexit.unregister(shutdown)  # once, however often we start
+        atexit.register(shutdown)
     return device
 
 
+def import_before_the_group_exists() -> None:
+    """Some torch modules take `group=dist.group.WORLD` as a default argument: imported once the
+    group exists (an optimizer's first use does), they would hold it for good."""
+    import torch.distributed.checkpoint.optimizer  # noqa: F401
+    import torch.distributed.fsdp.sharded_grad_scaler  # noqa: F401
+    import torch.distributed.nn.functional  # noqa: F401
+    import torch.distributed.optim.zero_redundancy_optimizer  # noqa: F401
+
+
 def shutdown() -> None:
+    """Destroy the process groups and join gloo's threads while Python is still alive.
+
+    A gloo thread lets go of a collective's tensors just *after* the caller's `wait()` returns,
+    and that takes the GIL: if Python is already finalizing, the process aborts ("terminate
+    called without an active exception"). Threads are joined only when their group is freed, so
+    every Communicator lets go of its group too. `init_distributed` registers this at exit.
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+    for comm in list(OPEN_COMMUNICATORS):
+        comm.release()
+    gc.collect()
 
 
 # --- the mesh ------------------------------------------------------------------------------
