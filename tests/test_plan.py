@@ -101,9 +101,11 @@ def test_flops_formulas_match_the_paper_closed_forms():
     m = P.GPT3_PRESETS["gpt3-175b"]
     B, s, h, L, V = 1536, m.seq_len, m.n_embd, m.n_layer, m.vocab_size
     f = P.flops_per_step(m, B, "full")
-    assert f["hardware_flops"] == pytest.approx(96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)))
+    assert f["hardware_flops"] == pytest.approx(
+        96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)))
     f = P.flops_per_step(m, B, "none")
-    assert f["model_flops"] == pytest.approx(72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
+    assert f["model_flops"] == pytest.approx(
+        72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
     assert f["hardware_flops"] == f["model_flops"]
 
 
