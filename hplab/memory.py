@@ -9,20 +9,16 @@ off a device:
     master       fp32 master weights kept beside low-precision params (mixed precision)
     activation   tensors the forward pass saves for backward (layer inputs, attention, ...)
 
-`MemoryLedger` counts **storages**, not tensors: two views of one buffer (a gradient that lives
-in a DDP bucket, a ZeRO shard of a flat parameter, the tied embedding and LM head) are counted
-once, at the size of the buffer actually allocated. A storage freed to zero bytes (ZeRO-3
-between layers) counts zero. Nothing here is a formula: the formulas live in `hplab.formulas`
-and `hplab.plan`, and the labs put both side by side.
-
-Activations are what autograd saves for backward inside `track_activations()` (a saved-tensor
-hook sees each one), parameters excluded: a weight saved for backward is not an activation.
-0-dim optimizer counters (Adam's `step`) are bookkeeping of a few bytes and are not counted.
+`MemoryLedger` counts **storages**, not tensors: two views of one buffer (a gradient in a DDP
+bucket, a ZeRO shard of a flat parameter, the tied embedding and LM head) count once, at the
+size really allocated; a storage freed to zero bytes (ZeRO-3 between layers) counts zero.
+Activations are what autograd saves for backward inside `track_activations()`, parameters
+excluded; 0-dim optimizer counters (Adam's `step`) are not counted. Nothing here is a formula:
+those live in `hplab.formulas` / `hplab.plan`, and the labs put both side by side.
 
 Peak: on CUDA, the caching allocator's `max_memory_allocated`. The CPU allocator keeps no such
 statistics, so on CPU `peak_bytes` is the largest tally this ledger saw (model state plus the
-activations of the forward pass in flight) and `peak_rss_bytes` the process's resident-set
-peak, which also includes PyTorch itself.
+activations in flight) and `peak_rss_bytes` the process's resident-set peak, PyTorch included.
 """
 
 from __future__ import annotations
@@ -59,8 +55,7 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[tor
 
 
 def model_state_tensors(model: torch.nn.Module, optimizer=None) -> dict[str, list]:
-    """What a plain (unsharded, fp32) rank holds: the model's parameters and grads, and the
-    optimizer's state. Strategies that hold other things provide their own dict."""
+    """What a plain (unsharded, fp32) rank holds; strategies give their own dict of this kind."""
     params = list(model.parameters())
     return {"params": params, "grads": [p.grad for p in params],
             "optim": optimizer_state_tensors(optimizer), "master": []}
@@ -86,56 +81,47 @@ class MemoryLedger:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    @property
-    def model_state_bytes(self) -> int:
-        return sum(self.bytes.values())
+    def _note_peak(self) -> None:
+        tally = sum(self.bytes.values()) + self.activations_in_flight
+        self.peak_tally = max(self.peak_tally, tally)
 
     def measure(self, state: dict[str, Iterable[torch.Tensor | None]]) -> dict[str, int]:
         """Count the storages of each kind (each storage once, in the order of KINDS)."""
         seen: set = set()
         for kind in KINDS:
             self.bytes[kind] = storage_bytes(state.get(kind, ()), seen)
-        self.peak_tally = max(self.peak_tally, self.model_state_bytes + self.activations_in_flight)
+        self._note_peak()
         return dict(self.bytes)
 
     @contextlib.contextmanager
     def track_activations(self, exclude: Iterable[torch.Tensor] = ()):
         """Measure the bytes autograd saves for backward inside this block (one forward pass).
 
-        `exclude`: tensors whose storages are not activations (pass the model's parameters).
-        The block yields a one-element list that holds the count once the block is over. Each
-        distinct storage counts once; the total is kept as `activation_bytes` if it is the
-        largest seen, and added to `activations_in_flight` until `release_activations`.
-
-        The hook only keeps a reference: it runs for every saved tensor (dozens per layer; a
-        storage look-up there cost a tenth of a small stage's forward + backward), so the
-        storages are looked up once, at the end of the block (a parameter ZeRO-3 freed
-        after its layer's forward then counts nothing). Holding the tensors until then also
-        keeps a freed tensor's memory from being reused in the block under the same address.
+        `exclude`: tensors that are not activations (pass the model's parameters). The block
+        yields a one-element list that holds the count once it is over; the count is kept as
+        `activation_bytes` if the largest seen, and in `activations_in_flight` until
+        `release_activations`. The hook only keeps a reference (it runs for dozens of tensors
+        per layer); storages are looked up once, at the end, so a parameter ZeRO-3 freed
+        meanwhile counts nothing and no freed address is reused inside the block.
         """
         saved: list[torch.Tensor] = []
         counted = [0]
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # pack: keep a reference and hand the tensor itself to autograd; unpack: return it
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             yield counted
         parameters = {_storage_key(t) for t in exclude}
         counted[0] = storage_bytes(saved, seen=parameters)
         self.activation_bytes = max(self.activation_bytes, counted[0])
         self.activations_in_flight += counted[0]
-        self.peak_tally = max(self.peak_tally, self.model_state_bytes + self.activations_in_flight)
+        self._note_peak()
 
     def release_activations(self, nbytes: int | None = None) -> None:
         """Backward has consumed `nbytes` of saved activations (all of them by default)."""
         self.activations_in_flight = 0 if nbytes is None else self.activations_in_flight - nbytes
 
     def peak_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return self.peak_tally
+        cuda = self.device.type == "cuda"
+        return int(torch.cuda.max_memory_allocated(self.device)) if cuda else self.peak_tally
 
     def as_dict(self) -> dict[str, int]:
         """The metrics file's `memory` entry for this rank."""

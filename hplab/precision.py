@@ -42,57 +42,38 @@ from hplab.comm import copy_markers
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class PrecisionError(ValueError):
-    """An unknown precision name."""
-
-
 class DynamicLossScaler:
     """Loss scale S for fp16: skip the step and halve S when a gradient is inf/nan; double S
-    after `growth_interval` good steps in a row.
-
-    The default start, 2¹⁶, is PyTorch's GradScaler and DeepSpeed's; the first few steps of a
-    small model may overflow and be skipped while S finds its level.
+    after `growth_interval` good steps in a row. The start, 2¹⁶, is PyTorch's GradScaler's and
+    DeepSpeed's; a small model's first steps may overflow and be skipped while S finds its level.
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
-        self.scale = float(init_scale)
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval = growth_interval
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000):
+        self.scale, self.growth_interval = float(init_scale), growth_interval
         self.good_steps = 0  # steps without overflow since S last changed
         self.skipped_steps = 0  # total, for the summary
 
     def update(self, found_inf: bool) -> None:
+        self.good_steps = 0 if found_inf else self.good_steps + 1
         if found_inf:
-            self.scale *= self.backoff_factor
-            self.good_steps = 0
+            self.scale *= 0.5
             self.skipped_steps += 1
-            return
-        self.good_steps += 1
-        if self.good_steps == self.growth_interval:
-            self.scale *= self.growth_factor
-            self.good_steps = 0
-
-
-def has_inf_or_nan(tensors: Iterable[torch.Tensor | None]) -> bool:
-    """True if any element of any tensor is inf or nan (this rank's tensors only)."""
-    return any(not bool(torch.isfinite(t).all()) for t in tensors if t is not None)
+        elif self.good_steps == self.growth_interval:
+            self.scale, self.good_steps = self.scale * 2.0, 0
 
 
 class MixedPrecision:
     """The precision of a run: `param_dtype` for model params, grads and activations (fp32
     master weights whenever it is not fp32), and a loss scaler for fp16."""
 
-    def __init__(self, name: str = "fp32", init_scale: float = 2.0**16,
-                 growth_interval: int = 2000):
+    def __init__(self, name: str = "fp32"):
         if name not in DTYPES:
-            raise PrecisionError(f"unknown precision {name!r}: choose fp32, bf16 or fp16")
+            raise ValueError(f"unknown precision {name!r}: choose fp32, bf16 or fp16")
         self.name = name
         self.param_dtype = DTYPES[name]
         self.mixed = name != "fp32"  # master weights needed
         self.compute_dtype = self.param_dtype if self.mixed else None  # for fully_shard
-        self.scaler = DynamicLossScaler(init_scale, growth_interval=growth_interval) \
-            if name == "fp16" else None
+        self.scaler = DynamicLossScaler() if name == "fp16" else None
 
     @property
     def loss_scale(self) -> float:
@@ -105,7 +86,7 @@ class MixedPrecision:
         shard, so the verdict is reduced (max) over the group."""
         if self.scaler is None:
             return False
-        local = 1.0 if has_inf_or_nan(grads) else 0.0
+        local = float(any(not bool(torch.isfinite(g).all()) for g in grads if g is not None))
         if comm is not None:
             local = comm.all_reduce_scalar(local, op=torch.distributed.ReduceOp.MAX)
         return local > 0
@@ -128,17 +109,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class, **optimizer_kwargs):
         super().__init__(params, optimizer_kwargs)
-        self.masters = {}
-        inner_groups = []
-        for group in self.param_groups:
-            masters = []
-            for p in group["params"]:
-                master = nn.Parameter(p.detach().float().clone())
-                copy_markers(p, master)
-                self.masters[p] = master
-                masters.append(master)
-            inner_groups.append({**group, "params": masters})
-        self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
+        self.masters = {p: nn.Parameter(p.detach().float().clone())
+                        for g in self.param_groups for p in g["params"]}
+        for p, master in self.masters.items():
+            copy_markers(p, master)
+        self.inner = optimizer_class([{**g, "params": [self.masters[p] for p in g["params"]]}
+                                      for g in self.param_groups], **optimizer_kwargs)
         self.reduced = False
 
     @torch.no_grad()

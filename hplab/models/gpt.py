@@ -48,10 +48,6 @@ class GPTConfig:
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                 "pick a hidden size that is a multiple of the number of heads")
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
     def num_params(self) -> int:
         """Ψ, counted once for the tied embedding: V·h + S·h + L·(12h² + 13h) + 2h."""
         return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.n_positions)
@@ -62,18 +58,14 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**size) for name, size in HPLAB_PRESETS.items()}
 
 
-def config_from_preset(name: str, n_layer=None, n_embd=None, n_head=None, seq_len=None) -> GPTConfig:
+def config_from_preset(name: str, n_layer=None, n_embd=None, n_head=None,
+                       seq_len=None) -> GPTConfig:
     """A preset with the command line's overrides (`--n-layer --n-embd --n-head --seq-len`)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
     overrides = {k: v for k, v in dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                                        n_positions=seq_len).items() if v is not None}
     return replace(PRESETS[name], **overrides)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's GELU ("gelu_new"): the tanh approximation."""
-    return F.gelu(x, approximate="tanh")
 
 
 class CausalSelfAttention(nn.Module):
@@ -102,7 +94,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(gelu_tanh(self.c_fc(x)))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
 
 
 class Block(nn.Module):
@@ -116,17 +108,6 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
-
-
-class Transformer(nn.Module):
-    """Holds what HF calls `transformer`: embeddings, the blocks, and the final layer norm."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -145,7 +126,11 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = Transformer(config)
+        self.transformer = nn.ModuleDict(dict(  # what HF calls `transformer`
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.n_positions, config.n_embd),
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, two uses
         self.loss_fn = cross_entropy  # tensor parallel swaps in a vocab-parallel version
@@ -161,10 +146,8 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.config.n_layer))
             elif p.dim() >= 2:
                 nn.init.normal_(p, 0.0, 0.02)
-            elif ".ln_" in name or name.startswith("transformer.ln_f"):
-                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
-            else:
-                nn.init.zeros_(p)
+            else:  # layer-norm scales (ln_1, ln_2, ln_f) 1, every bias 0
+                p.fill_(1.0 if ".ln_" in name and name.endswith("weight") else 0.0)
 
     # The forward pass in three parts, so a pipeline can run them on different ranks.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
@@ -216,12 +199,10 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`GPT2LMHeadModel` state dict → hplab's. HF's causal-mask buffers are dropped."""
-    out = {}
-    for name, t in state_dict.items():
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue
-        out[name] = t.t().contiguous() if name.endswith(_CONV1D_SUFFIXES) else t
+    """`GPT2LMHeadModel` state dict → hplab's: the same transposes (each undoes itself), HF's
+    causal-mask buffers dropped."""
+    out = to_hf_state_dict({name: t for name, t in state_dict.items()
+                            if not name.endswith((".attn.bias", ".attn.masked_bias"))})
     out.setdefault("lm_head.weight", out["transformer.wte.weight"])
     return out
 
@@ -238,12 +219,6 @@ def to_hf_config(config: GPTConfig):
                       layer_norm_epsilon=config.layer_norm_epsilon, activation_function="gelu_new",
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                       bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
-
-
-def config_from_hf(hf_config) -> GPTConfig:
-    return GPTConfig(vocab_size=hf_config.vocab_size, n_positions=hf_config.n_positions,
-                     n_embd=hf_config.n_embd, n_layer=hf_config.n_layer,
-                     n_head=hf_config.n_head, layer_norm_epsilon=hf_config.layer_norm_epsilon)
 
 
 def config_dict(config: GPTConfig) -> dict:
