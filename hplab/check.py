@@ -17,28 +17,27 @@ Reference solutions are in `labs/solutions/` (peek only after trying).
 from __future__ import annotations
 
 import argparse
+from collections import namedtuple
+import copy
 import importlib.util
 import itertools
 import math
 import os
 import signal
 import sys
-import threading
-import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab import plan, pp
+from hplab import formulas, schedule
 from hplab.comm import CommTimeout
+from hplab.ddp import make_buckets
 from hplab.dist import Mesh, coordinates, group_ranks, run_distributed
 from hplab.memory import MemoryLedger, model_state_tensors
 from hplab.models.gpt import build_model, config_from_preset
@@ -57,20 +56,7 @@ class CheckTimeout(BaseException):
     """A file ran past its time limit (not an Exception: a learner's `except` cannot eat it)."""
 
 
-class Result(NamedTuple):
-    """One check on one file: passed or not, and what was seen."""
-
-    name: str
-    passed: bool
-    message: str
-
-
-def load_module(path: str | Path):
-    """Import the learner's file by path (it need not be on sys.path)."""
-    spec = importlib.util.spec_from_file_location(f"exercise_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+Result = namedtuple("Result", "name passed message")  # one check on one file, and what was seen
 
 
 def describe(err: BaseException, path: str, hint: str = "") -> str:
@@ -86,18 +72,26 @@ def describe(err: BaseException, path: str, hint: str = "") -> str:
     return f"raised {type(err).__name__}: {err}{where}"
 
 
-def first_difference(got, expected) -> str:
-    """'k of N elements differ; worst at [i, j]: got a, expected b' for two tensors."""
-    err = (got.double() - expected.double()).abs()
+def differs(got, expected) -> str | None:
+    """None when tensor `got` equals `expected` up to fp32 rounding (RTOL, ATOL), else what
+    differs: 'k of N elements differ; worst at [i, j]: got a, expected b'."""
+    if got is None or got.shape != expected.shape:
+        return "it is None" if got is None else (f"shape {tuple(got.shape)}, expected "
+                                                 f"{tuple(expected.shape)}")
+    got, expected = got.detach().double(), expected.detach().double()
+    err = (got - expected).abs().nan_to_num(math.inf)
+    bad = int((err > ATOL + RTOL * expected.abs()).sum())
+    if not bad:
+        return None
     index = tuple(int(i) for i in torch.nonzero(err == err.max())[0])
-    bad = int((err > ATOL + RTOL * expected.double().abs()).sum())
     return (f"{bad} of {expected.numel()} elements differ; worst at {list(index)}: got "
             f"{float(got[index]):.6g}, expected {float(expected[index]):.6g}")
 
 
-def close(got, expected) -> bool:
-    return got is not None and got.shape == expected.shape and torch.allclose(
-        got.detach(), expected.detach(), RTOL, ATOL)
+def first_wrong(names, tensors, expected, what: str) -> str | None:
+    """'k of N {what}; first NAME: how it differs', or None when every tensor is right."""
+    wrong = [(name, d) for name, t, e in zip(names, tensors, expected) if (d := differs(t, e))]
+    return wrong and f"{len(wrong)} of {len(names)} {what}; first {wrong[0][0]}: {wrong[0][1]}"
 
 
 def first(problems) -> str | None:
@@ -105,17 +99,15 @@ def first(problems) -> str | None:
     return next(filter(None, problems), None)
 
 
-@dataclass
 class Report:
     """One file's Results. `with report.case(label):` runs one case: an exception from the
-    learner's code (SystemExit too) becomes that case's failure and sets `stopped` — on several
-    processes the others may be left waiting, so a distributed check stops the file there."""
+    learner's code (SystemExit too) becomes that case's failure, and the next case runs. On
+    several processes the others may be left waiting, so a distributed check only sets
+    `report.label`: an exception ends the file's check, failing that case (check_files)."""
 
-    path: str
-    hint: str = ""  # what a CommTimeout usually means in this exercise
-    results: list = field(default_factory=list)
-    label: str = "import"
-    stopped: bool = False
+    def __init__(self, path: str, hint: str = ""):  # hint: what a CommTimeout usually means
+        self.path, self.hint, self.results = path, hint, []
+        self.label = "import"
 
     def add(self, label: str, problem: str | None, success: str) -> None:
         self.results.append(Result(label, not problem, problem or success))
@@ -129,18 +121,14 @@ class Report:
             raise
         except BaseException as err:  # self.label: the innermost case it came from
             self.add(self.label, describe(err, self.path, self.hint), "")
-            self.stopped = True
 
 
 @contextmanager
 def time_limit(seconds: float):
-    """Raise CheckTimeout after `seconds` (with SIGALRM, so only in the main thread)."""
+    """Raise CheckTimeout after `seconds` (SIGALRM: checks run in a process's main thread)."""
     def expire(*_):
         raise CheckTimeout
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -150,23 +138,24 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def ops_used(ledger) -> dict[str, tuple[int, int]]:
+    """What the CommLedger counted since its last reset: {op: (calls, bytes)}."""
+    return {op: (v["calls"], v["bytes"]) for op, v in ledger.as_dict().items()}
+
+
 # --- lab 00: memory by hand (one process: nothing is distributed yet) ------------------------
 
-MEMORY_SHAPES = [dict(n_layer=4, n_embd=64, n_head=4, seq_len=64),
-                 dict(n_layer=2, n_embd=32, n_head=2, seq_len=16),
-                 dict(n_layer=3, n_embd=48, n_head=3, seq_len=40)]
+MEMORY_SHAPES = [(4, 64, 4, 64), (2, 32, 2, 16), (3, 48, 3, 40)]  # n_layer, n_embd, n_head, S
 
 
 def memory_reference() -> list:
-    """Per shape: the config, Ψ counted on the model, the MemoryLedger's bytes after an AdamW
-    step."""
+    """Per shape: the config, Ψ counted on the model, the MemoryLedger's bytes after AdamW."""
     out = []
-    for shape in MEMORY_SHAPES:
-        config = config_from_preset("tiny", **shape)
+    for L, h, a, S in MEMORY_SHAPES:
+        config = config_from_preset("tiny", n_layer=L, n_embd=h, n_head=a, seq_len=S)
         model = build_model(config, seed=0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95),
-                                weight_decay=0.0, foreach=False)
-        x = torch.randint(0, config.vocab_size, (2, config.n_positions))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        x = torch.randint(0, config.vocab_size, (2, S))
         model(x, x)[1].backward()
         opt.step()
         out.append((config, sum(p.numel() for p in model.parameters()),
@@ -219,20 +208,16 @@ def check_ring(module, report: Report, mesh: Mesh) -> None:
                   for k in range(n)]
         expected, tensor = sum(inputs[1:], inputs[0].clone()), inputs[r].clone()
         mesh.ledger.reset()
-        with report.case(case):
-            module.ring_all_reduce(tensor, comm)
-        if report.stopped:
-            return
-        used = mesh.ledger.as_dict()
-        others = sorted(op for op in used if op not in ("send", "recv"))
-        sent = used.get("send", {}).get("bytes", 0)
+        report.label = case  # an exception stops the file (see Report)
+        module.ring_all_reduce(tensor, comm)
+        used = ops_used(mesh.ledger)
+        others, sent = sorted(set(used) - {"send", "recv"}), used.get("send", (0, 0))[1]
         size, numel = tensor.element_size(), tensor.numel()
         low, high = (2 * (n - 1) * chunk * size for chunk in (numel // n, math.ceil(numel / n)))
         ideal = 2 * (n - 1) * size * numel / n
         report.add(case, first([
             others and f"used {', '.join(others)}: build it from send and recv only",
-            not close(tensor, expected) and "the result is not the sum over the ranks: "
-            + first_difference(tensor, expected),
+            (d := differs(tensor, expected)) and f"the result is not the sum over the ranks: {d}",
             not low <= sent <= high and f"sent {sent:,} bytes; a ring all-reduce sends 2(n-1) "
             f"chunks of S/n = {ideal:,.0f} bytes: one chunk per step, not the whole tensor"]),
             f"sum correct, {sent:,} bytes sent (2(n-1)/n·S = {ideal:,.0f})")
@@ -244,24 +229,23 @@ ZERO1_LR, ZERO1_STEPS = 1e-2, 3
 
 
 def gpt_reference(steps: int, lr: float = 0.0) -> SimpleNamespace:
-    """A dp mesh, `steps` global batches of 2 sequences per rank (`rows`: this rank's inputs and
-    targets) and one process's result on each: the global-batch gradient (the mean of the ranks'
-    parts, added in rank order like a reduce-scatter, so fp32 agrees to the last bits) and, with
-    an lr, the parameters after each AdamW step."""
+    """A dp mesh, `steps` global batches of 2 sequences per rank (`rows`: this rank's) and one
+    process's result on each: the global-batch gradient (the ranks' parts added in rank order like
+    a reduce-scatter, so fp32 agrees to the last bits) and, with an lr, the params after AdamW."""
     mesh = Mesh.create(dp=dist.get_world_size())
     n, r = mesh.world.size, mesh.world.rank
     config = config_from_preset("tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16)
-    batches = [torch.randint(0, config.vocab_size, (2 * n, config.n_positions + 1),
+    batches = [torch.randint(0, config.vocab_size, (n, 2, config.n_positions + 1),
                              generator=torch.Generator().manual_seed(step))
-               for step in range(steps)]
+               for step in range(steps)]  # [step][rank]: 2 sequences of inputs + next token
     model = build_model(config, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=False)
     grads, params = [], []
     for batch in batches:
         parts = []
-        for k in range(n):
+        for rows in batch:
             model.zero_grad()
-            model(batch[2 * k:2 * k + 2, :-1], batch[2 * k:2 * k + 2, 1:])[1].backward()
+            model(rows[:, :-1], rows[:, 1:])[1].backward()
             parts.append([p.grad / n for p in model.parameters()])
         grads.append([sum(g[1:], g[0]) for g in zip(*parts)])
         if lr:
@@ -269,139 +253,91 @@ def gpt_reference(steps: int, lr: float = 0.0) -> SimpleNamespace:
                 p.grad = g
             opt.step()
             params.append([p.detach().clone() for p in model.parameters()])
-    return SimpleNamespace(mesh=mesh, config=config, grads=grads, params=params, launches=[],
+    return SimpleNamespace(mesh=mesh, config=config, grads=grads, params=params,
                            names=[name for name, _ in model.named_parameters()],
-                           rows=[(b[2 * r:2 * r + 2, :-1], b[2 * r:2 * r + 2, 1:])
-                                 for b in batches])
-
-
-def buckets_reference() -> SimpleNamespace:
-    ref = gpt_reference(steps=2)
-    real_all_reduce = ref.mesh.world.all_reduce
-
-    def spy(*args, **kwargs):  # does the first all-reduce start while backward still runs?
-        ref.launches.append(time.perf_counter())
-        return real_all_reduce(*args, **kwargs)
-
-    ref.mesh.world.all_reduce = spy
-    return ref
-
-
-def expected_bucket_count(params, bucket_bytes) -> int:
-    """Buckets filled in reverse parameter order, a new one when the next would overflow."""
-    count, size = 0, 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if count == 0 or size + nbytes > bucket_bytes:
-            count, size = count + 1, 0
-        size += nbytes
-    return count
+                           rows=[(b[r, :, :-1], b[r, :, 1:]) for b in batches])
 
 
 def check_buckets(module, report: Report, ref: SimpleNamespace) -> None:
-    """Lab 02, with one bucket, one per parameter and a middle size, two steps each: every
-    gradient is the global-batch average, one all-reduce per bucket, every gradient byte sent
+    """Lab 02, with one bucket, one per parameter and a middle size, two steps each: gradients
+    equal one process's, one all-reduce per bucket (hplab.ddp's rule) of each gradient byte
     once, and (with several buckets) the first launched before backward returned."""
     for bucket_bytes in (math.inf, 0, 20_000):
         label, model = f"bucket_bytes={bucket_bytes}", build_model(ref.config, seed=0)
         params = list(model.parameters())
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
-        buckets = expected_bucket_count(params, bucket_bytes)
-        with report.case(label):
-            sync, problem = module.BucketedAllReduce(params, ref.mesh.world, bucket_bytes), None
-            for step, rows in enumerate(ref.rows):
-                model.zero_grad()
-                ref.mesh.ledger.reset()
-                ref.launches.clear()
-                model(*rows)[1].backward()
-                backward_done = time.perf_counter()
-                sync.wait()
-                stats = ref.mesh.ledger.as_dict().get("all_reduce", {"calls": 0, "bytes": 0})
-                wrong = [(name, p.grad, g) for name, p, g in zip(ref.names, params, ref.grads[step])
-                         if not close(p.grad, g)]
-                problem = first([
-                    wrong and f"{len(wrong)} of {len(params)} gradients are not the global-batch "
-                    f"average; first {wrong[0][0]}: " + ("its .grad is None" if wrong[0][1] is None
-                                                         else first_difference(*wrong[0][1:])),
-                    stats["calls"] != buckets and f"{stats['calls']} all-reduce calls, but the "
-                    f"bucket rule gives {buckets} bucket(s) for {len(params)} parameters of "
-                    f"{grad_bytes:,} bytes",
-                    stats["bytes"] != grad_bytes and f"all-reduced {stats['bytes']:,} bytes, the "
-                    f"gradients are {grad_bytes:,}: send each gradient once",
-                    buckets > 1 and not (ref.launches and ref.launches[0] < backward_done) and
-                    "the first all-reduce started after backward returned: launch each bucket "
-                    "from a gradient hook as soon as it is complete"])
-                if problem:
-                    problem = f"step {step + 1}: {problem}"
-                    break
-            report.add(label, problem, f"gradients equal one process's, {buckets} all-reduce(s) "
-                       f"of {grad_bytes:,} bytes per step"
-                       + ", first launched during backward" * (buckets > 1))
-        if report.stopped:
-            return
+        buckets, problem = len(make_buckets(params, bucket_bytes)), None
+        report.label = label  # an exception stops the file (see Report)
+        sync = module.BucketedAllReduce(params, ref.mesh.world, bucket_bytes)
+        for step, rows in enumerate(ref.rows):
+            model.zero_grad()
+            ref.mesh.ledger.reset()
+            model(*rows)[1].backward()
+            launched = ops_used(ref.mesh.ledger).get("all_reduce", (0, 0))[0]  # during backward
+            sync.wait()
+            calls, sent = ops_used(ref.mesh.ledger).get("all_reduce", (0, 0))
+            problem = first([
+                first_wrong(ref.names, [p.grad for p in params], ref.grads[step],
+                            "gradients are not the global-batch average"),
+                calls != buckets and f"{calls} all-reduce calls, but the bucket rule gives "
+                f"{buckets} bucket(s) for {len(params)} parameters of {grad_bytes:,} bytes",
+                sent != grad_bytes and f"all-reduced {sent:,} bytes, the gradients are "
+                f"{grad_bytes:,}: send each gradient once",
+                buckets > 1 and not launched and
+                "the first all-reduce started after backward returned: launch each bucket "
+                "from a gradient hook as soon as it is complete"])
+            if problem:
+                problem = f"step {step + 1}: {problem}"
+                break
+        report.add(label, problem, f"gradients equal one process's, {buckets} all-reduce(s) "
+                   f"of {grad_bytes:,} bytes per step"
+                   + ", first launched during backward" * (buckets > 1))
 
 
 def check_zero1(module, report: Report, ref: SimpleNamespace) -> None:
-    """Lab 03: train with the learner's ZeRO1 on this rank's part of each batch against one
-    process's AdamW on the whole batch: my shard's gradient, every parameter, the Adam state
-    held (2 × Ψ/n), and one reduce-scatter plus one all-gather of the padded flat buffer."""
+    """Lab 03: the learner's ZeRO1 on this rank's part of each batch against one process's AdamW
+    on the whole batch: my shard's gradient, every parameter, the Adam state held (2 × Ψ/n),
+    one reduce-scatter and one all-gather of the padded flat buffer."""
     n, r = ref.mesh.world.size, ref.mesh.world.rank
     numel = sum(g.numel() for g in ref.grads[0])
     shard = math.ceil(numel / n)
-    flat_bytes = 4 * shard * n
-    model = build_model(ref.config, seed=0)
-    with report.case("ZeRO1(params, comm, lr)"):
-        opt = module.ZeRO1(list(model.parameters()), ref.mesh.world, lr=ZERO1_LR)
+    flat_bytes, model = 4 * shard * n, build_model(ref.config, seed=0)
+    report.label = "ZeRO1(params, comm, lr)"  # an exception stops the file (see Report)
+    opt = module.ZeRO1(list(model.parameters()), ref.mesh.world, lr=ZERO1_LR)
     for step, rows in enumerate(ref.rows):
-        if report.stopped:
-            return
-        label = f"step {step + 1}"
         model.zero_grad()
         model(*rows)[1].backward()
         ref.mesh.ledger.reset()
-        with report.case(label):
-            opt.step()
-        if report.stopped:
-            return
-        used = ref.mesh.ledger.as_dict()
-        rs, ag = (used.get(op, {"calls": 0, "bytes": 0}) for op in ("reduce_scatter", "all_gather"))
-        others = sorted(op for op in used if op not in ("reduce_scatter", "all_gather"))
+        report.label = label = f"step {step + 1}"
+        opt.step()
+        used = ops_used(ref.mesh.ledger)
+        others = sorted(set(used) - {"reduce_scatter", "all_gather"})
         want = torch.cat([g.reshape(-1) for g in ref.grads[step]]
                          + [torch.zeros(shard * n - numel)])[r * shard:(r + 1) * shard]
         got = getattr(getattr(opt, "master", None), "grad", None)
+        wrong_grad = differs(got, want)
+        ratio = float(got.norm() / want.norm()) if wrong_grad and got.shape == want.shape else 0
         state = sum(t.numel() for s in opt.optimizer.state.values() for t in s.values()
                     if torch.is_tensor(t) and t.dim() > 0)
-        wrong = [(name, p, w) for name, p, w in zip(ref.names, model.parameters(), ref.params[step])
-                 if not close(p, w)]
-        not_mine = "self.master.grad is not my shard of the global-batch average gradient: "
-        if others:
-            problem = (f"used {', '.join(others)}: ZeRO-1 needs only a reduce-scatter of the "
-                       "gradients and an all-gather of the parameters")
-        elif got is None:
-            problem = "self.master.grad is None: give my shard its gradient before stepping"
-        elif got.shape != want.shape:
-            problem = f"{not_mine}shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-        elif not close(got, want):
-            ratio = float(got.norm() / want.norm())
-            problem = not_mine + first_difference(got, want) + (
-                f" — it is {ratio:.3g}× too large: divide by n" if abs(ratio - n) < 1e-3 else "")
-        elif wrong:
-            problem = (f"{len(wrong)} of {len(ref.names)} parameters differ from one process's "
-                       f"AdamW; first {wrong[0][0]}: "
-                       + first_difference(wrong[0][1].detach(), wrong[0][2]))
-        elif state != 2 * shard:
-            problem = (f"the optimizer holds {state:,} state elements; AdamW on my shard holds "
-                       f"2 × {shard:,}")
-        elif (rs["calls"], rs["bytes"], ag["calls"], ag["bytes"]) != (1, flat_bytes) * 2:
-            problem = (f"{rs['calls']} reduce-scatter(s) of {rs['bytes']:,} B and "
-                       f"{ag['calls']} all-gather(s) of {ag['bytes']:,} B; expected one each "
-                       f"of the padded flat buffer, {flat_bytes:,} B")
-        else:
-            problem = None
+        problem = first([
+            others and f"used {', '.join(others)}: ZeRO-1 needs only a reduce-scatter of the "
+            "gradients and an all-gather of the parameters",
+            got is None and "self.master.grad is None: give my shard its gradient before stepping",
+            wrong_grad and "self.master.grad is not my shard of the global-batch average "
+            f"gradient: {wrong_grad}" + (f" — it is {ratio:.3g}× too large: divide by n"
+                                        if abs(ratio - n) < 1e-3 else ""),
+            first_wrong(ref.names, list(model.parameters()), ref.params[step],
+                        "parameters differ from one process's AdamW"),
+            state != 2 * shard and f"the optimizer holds {state:,} state elements; AdamW on my "
+            f"shard holds 2 × {shard:,}",
+            used != dict.fromkeys(("reduce_scatter", "all_gather"), (1, flat_bytes)) and
+            f"saw (calls, bytes) {used}; expected one reduce-scatter and one all-gather of the "
+            f"padded flat buffer, {flat_bytes:,} B"])
         report.add(label, problem, f"params equal one process's AdamW; one reduce-scatter + one "
                    f"all-gather of {flat_bytes:,} B; Adam state {2 * shard:,} elements "
                    f"= 2 × Ψ/{n}")
-        report.stopped = bool(problem)
+        if problem:
+            return
 
 
 # --- lab 04: column- and row-parallel linear layers, f and g (2 processes) ---------------------
@@ -411,74 +347,53 @@ TP_CASES = [(2, 8, 16), (3, 5, 24)]  # (b, s, h): the MLP is h → 4h → h
 
 def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
     """On every rank: the learner's column → GeLU → row MLP against the whole MLP in one
-    process (the same seed, the same X): output, X.grad (f's backward), each parameter's
+    process (the same weights, the same X): output, X.grad (f's backward), each parameter's
     gradient (this rank's slice) and one all-reduce of Z in forward and one in backward."""
     comm, n, r = mesh.tp, mesh.tp.size, mesh.tp.rank
-
-    def full_mlp(h: int):
-        torch.manual_seed(h)
-        return nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
     for b, s, h in TP_CASES:
         case, g = f"b={b} s={s} h={h}", torch.Generator().manual_seed(b * s * h)
-        x_full, weights = torch.randn(b, s, h, generator=g), torch.randn(b, s, h, generator=g)
-        fc, proj = full_mlp(h)  # the reference, one process
-        x_ref = x_full.clone().requires_grad_()
+        x, weights = torch.randn(b, s, h, generator=g), torch.randn(b, s, h, generator=g)
+        torch.manual_seed(h)
+        fc, proj = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)  # the reference, one process
+        mine = copy.deepcopy((fc, proj))  # the learner's copies
+        x_ref, x = x.clone().requires_grad_(), x.requires_grad_()
         z_ref = proj(F.gelu(fc(x_ref)))
         (z_ref * weights).sum().backward()
-        z_ref = z_ref.detach()
-        rows = slice(r * 4 * h // n, (r + 1) * 4 * h // n)
+        z_ref, bias = z_ref.detach(), proj.bias.detach()
+        rows = slice(r * 4 * h // n, (r + 1) * 4 * h // n)  # this rank's slice of the 4h
+        mesh.ledger.reset()
+        report.label = case  # an exception stops the file (see Report)
+        column, row = (module.ColumnParallelLinear(mine[0], comm),
+                       module.RowParallelLinear(mine[1], comm))
+        z = row(F.gelu(column(x)))
+        used = {"forward": ops_used(mesh.ledger)}
+        mesh.ledger.reset()
+        (z * weights).sum().backward()
+        used["backward"] = ops_used(mesh.ledger)
+        wrong = differs(z, z_ref)
+        report.add(f"{case}: forward", wrong and "Z differs from the whole MLP: " + wrong + (
+            " — every rank returns the full output" if z.shape != z_ref.shape else
+            " — the bias is added before the all-reduce, so it counts T times: add it once, "
+            "after g" if not differs(z, z_ref + (n - 1) * bias) else
+            " — only this rank's partial sum: g must all-reduce it"
+            if abs(float((z.detach() - bias).norm() / (z_ref - bias).norm()) - 1) > 1e-3 else ""),
+            "Z equals the whole MLP's output")
+        wrong = differs(x.grad, x_ref.grad)
+        report.add(f"{case}: X.grad", wrong and "X.grad is not the single-process gradient: "
+                   f"{wrong} — f's backward must all-reduce: each rank holds only its slice's "
+                   "contribution", "equals the single-process gradient (f summed the ranks' "
+                   "contributions)")
         expected = {"column.weight": fc.weight.grad[rows], "column.bias": fc.bias.grad[rows],
                     "row.weight": proj.weight.grad[:, rows], "row.bias": proj.bias.grad}
-        fc, proj = full_mlp(h)  # fresh copies for the learner
-        x = x_full.clone().requires_grad_()
-        mesh.ledger.reset()
-        with report.case(case):
-            column = module.ColumnParallelLinear(fc, comm)
-            row = module.RowParallelLinear(proj, comm)
-            z = row(F.gelu(column(x)))
-            used = {"forward": mesh.ledger.as_dict()}
-            mesh.ledger.reset()
-            (z * weights).sum().backward()
-            used["backward"] = mesh.ledger.as_dict()
-        if report.stopped:
-            return
-        if z.shape != z_ref.shape:
-            problem = (f"Z has shape {tuple(z.shape)}, expected the full output "
-                       f"{tuple(z_ref.shape)} on every rank")
-        elif not close(z, z_ref):
-            ratio = float((z - proj.bias).norm() / (z_ref - proj.bias).norm())
-            problem = ("Z differs from the whole MLP: " + first_difference(z.detach(), z_ref)
-                       + (" — the bias is added before the all-reduce, so it counts T times: "
-                          "add it once, after g" if close(z, z_ref + (n - 1) * proj.bias) else
-                          " — only this rank's partial sum: g must all-reduce it"
-                          if abs(ratio - 1) > 1e-3 else ""))
-        else:
-            problem = None
-        report.add(f"{case}: forward", problem, "Z equals the whole MLP's output")
-        report.add(f"{case}: X.grad", not close(x.grad, x_ref.grad) and (
-            "X.grad is not the single-process gradient: "
-            + ("None" if x.grad is None else first_difference(x.grad, x_ref.grad))
-            + " — f's backward must all-reduce: each rank holds only its slice's contribution"),
-            "equals the single-process gradient (f summed the ranks' contributions)")
-        got = {"column.weight": column.weight, "column.bias": column.bias,
-               "row.weight": row.weight, "row.bias": row.bias}
         wrong = []
         for name, want in expected.items():
-            p = got[name]
-            if not isinstance(p, nn.Parameter) or p.grad is None:
-                wrong.append(f"{name} is not a Parameter with a gradient")
-            elif p.shape != want.shape:
-                wrong.append(f"{name} has shape {tuple(p.shape)}, expected this rank's slice "
-                             f"{tuple(want.shape)}")
-            elif not close(p.grad, want):
-                wrong.append(f"{name}.grad: " + first_difference(p.grad, want))
+            p = getattr(column if name.startswith("column") else row, name.split(".")[1])
+            d = differs(p.grad, want) if isinstance(p, nn.Parameter) else "not a Parameter"
+            wrong += [f"{name}.grad: {d}"] if d else []
         report.add(f"{case}: parameter gradients", "; ".join(wrong),
                    "each equals this rank's slice of the single-process gradient")
         z_bytes = z_ref.numel() * 4
-        seen = {phase: {op: (v["calls"], v["bytes"]) for op, v in ops.items()}
-                for phase, ops in used.items()}
-        bad = [f"{phase}: {ops or 'nothing'}" for phase, ops in seen.items()
+        bad = [f"{phase}: {ops or 'nothing'}" for phase, ops in used.items()
                if ops != {"all_reduce": (1, z_bytes)}]
         report.add(f"{case}: communication", bad and "expected exactly one all-reduce of "
                    f"b·s·h·4 = {z_bytes:,} B in forward and one in backward; saw (calls, bytes) "
@@ -488,9 +403,6 @@ def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
 
 # --- lab 05: the 1F1B action order (simulated: a schedule is data) ---------------------------
 
-ONE_F_ONE_B_GRID = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 12)]
-
-
 def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
     where, mine = f"p={p}, m={m}", module.one_f_one_b(p, m)
     if not isinstance(mine, (list, tuple)) or len(mine) != p:
@@ -499,19 +411,18 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
     work = sorted((kind, i) for kind in ("F", "B") for i in range(m))
     for r, order in enumerate(orders):
         if sorted(order) != work:
-            extra, missing = sorted(set(order) - set(work)), sorted(set(work) - set(order))
-            repeated = sorted({a for a in order if order.count(a) > 1})
+            wrong = {"missing": set(work) - set(order),
+                     "repeated": {a for a in order if order.count(a) > 1},
+                     "unexpected": set(order) - set(work)}
             return (f"{where}, rank {r}: every rank runs F and B of each microbatch exactly "
-                    "once;" + (f" missing {missing[:4]}" if missing else "")
-                    + (f" repeated {repeated[:4]}" if repeated else "")
-                    + (f" unexpected {extra[:4]}" if extra else ""))
+                    "once;" + "".join(f" {k} {sorted(v)[:4]}" for k, v in wrong.items() if v))
     try:
-        run = pp.simulate(pp.add_communication(
+        run = schedule.simulate(schedule.add_communication(
             [[(kind, i, r) for kind, i in order] for r, order in enumerate(orders)], p, 1),
             f=1, b=1, w=0)
-    except pp.DeadlockError as err:
+    except schedule.DeadlockError as err:
         return f"{where}: {err}"
-    best = pp.simulate(pp.build_schedule("1f1b", p, m), f=1, b=1, w=0)
+    best = schedule.simulate(schedule.build_schedule("1f1b", p, m), f=1, b=1, w=0)
     held, limit = [run.in_flight_max(r) for r in range(p)], [min(p - r, m) for r in range(p)]
     if run.makespan > best.makespan:
         return (f"{where}: the step takes {run.makespan:g} time units, 1F1B {best.makespan:g} "
@@ -520,7 +431,7 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
         return (f"{where}: ranks hold at most {held} microbatches' activations, 1F1B {limit} "
                 "(min(p-r, m)): " + ("more warm-up forwards than needed" if any(
                     a > b for a, b in zip(held, limit)) else "fewer than needed"))
-    for r, reference in enumerate(pp.one_f_one_b_order(p, m)):
+    for r, reference in enumerate(schedule.one_f_one_b_order(p, m)):
         want = [(kind, i) for kind, i, _ in reference]
         if orders[r] != want:
             k = next(j for j, (a, b) in enumerate(zip(orders[r], want)) if a != b)
@@ -530,13 +441,13 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
 
 
 def check_one_f_one_b(module, report: Report, _=None) -> None:
-    """The learner's per-rank orders, run by `hplab.pp.simulate` with their sends and receives,
-    against the reference 1F1B schedule of `hplab.pp` over a grid of (p, m): all the work once,
+    """The learner's per-rank orders, run by `hplab.schedule.simulate` with their sends and
+    receives, against its reference 1F1B schedule over a grid of (p, m): all the work once,
     no deadlock, the step time 2(m+p-1), min(p-r, m) microbatches held, 1F1B's order."""
     for name, ps in (("p=2", (2,)), ("p=3, 4", (3, 4)), ("p=8", (8,))):
         with report.case(name):
             report.add(name, first(_one_f_one_b_problem(module, p, m)
-                                   for p, m in ONE_F_ONE_B_GRID if p in ps),
+                                   for p in ps for m in (1, 2, 3, 4, 8, 12)),
                        "equal to 1F1B for m = 1 ... 12: no deadlock, step 2(m+p-1), rank r "
                        "holds min(p-r, m) microbatches")
 
@@ -545,26 +456,26 @@ def check_one_f_one_b(module, report: Report, _=None) -> None:
 
 MESH_LAYOUTS = [(dp, tp, pp) for dp in (1, 2, 3, 4) for tp in (1, 2, 4, 8) for pp in (1, 2, 3, 4)]
 MESH_RANKS = [(rank, lay) for lay in MESH_LAYOUTS for rank in range(math.prod(lay))]
-MESH_SHARED = {"tp": "dp and pp", "dp": "tp and pp", "pp": "dp and tp"}
+FAMILIES = ("dp", "tp", "pp")
 
 
 def _mesh_hint(mine: list) -> str:
     """Name the numbering (which family varies fastest) or the tuple order the learner's
     coordinates of MESH_RANKS follow, if they follow another one consistently."""
-    def numbered(order, rank, dp, tp, pp):  # order[0] varies fastest; Megatron: tp, dp, pp
-        sizes, coords = {"dp": dp, "tp": tp, "pp": pp}, {}
+    def numbered(order, rank, *layout):  # order[0] varies fastest; Megatron: tp, dp, pp
+        sizes, coords = dict(zip(FAMILIES, layout)), {}
         for family in order:
             rank, coords[family] = divmod(rank, sizes[family])
-        return coords["dp"], coords["tp"], coords["pp"]
+        return tuple(coords[family] for family in FAMILIES)
 
     wanted = [coordinates(r, *lay) for r, lay in MESH_RANKS]
-    for order in itertools.permutations(("dp", "tp", "pp")):
+    for order in itertools.permutations(FAMILIES):
         if order != ("tp", "dp", "pp") and mine == [numbered(order, r, *lay)
                                                    for r, lay in MESH_RANKS]:
             return (f" — you number {order[0]} fastest, then {order[1]}, then {order[2]}; "
                     "Megatron's order is tp fastest, then dp, then pp")
-        where = [("dp", "tp", "pp").index(family) for family in order]
-        if order != ("dp", "tp", "pp") and mine == [tuple(c[i] for i in where) for c in wanted]:
+        where = [FAMILIES.index(family) for family in order]
+        if order != FAMILIES and mine == [tuple(c[i] for i in where) for c in wanted]:
             return (f" — you return ({', '.join(order)}); return (dp_rank, tp_rank, pp_rank) in "
                     "that order")
     return ""
@@ -589,8 +500,9 @@ def _group_problem(layout: tuple, family: str, mine) -> str | None:
             return (f"{where}: rank {rank} is in {len(holding)} {family} groups, expected "
                     f"exactly one: {expected}")
         if holding[0] != expected:
+            shared = " and ".join(f for f in FAMILIES if f != family)
             return (f"{where}: rank {rank}'s {family} group is {holding[0]}, expected {expected} "
-                    f"(the ranks that share its {MESH_SHARED[family]} coordinates)")
+                    f"(the ranks that share its {shared} coordinates)")
     if sorted(got) != sorted(want):
         return f"{where}: {len(got)} {family} groups, expected {len(want)}: {want}"
     return None
@@ -602,14 +514,11 @@ def check_mesh(module, report: Report, _=None) -> None:
     with report.case("coordinates"):
         mine = [module.coordinates(rank, *lay) for rank, lay in MESH_RANKS]
         mine = [tuple(m) if isinstance(m, (tuple, list)) else m for m in mine]
-        bad = [(m, rank, lay) for m, (rank, lay) in zip(mine, MESH_RANKS)
-               if m != coordinates(rank, *lay)]
-        if bad:
-            m, rank, (dp, tp, pp) = bad[0]
-            bad = (f"rank {rank} of dp{dp}×tp{tp}×pp{pp}: you say (dp, tp, pp) = {m!r:.60}, "
-                   f"expected {coordinates(rank, dp, tp, pp)}" + _mesh_hint(mine))
-        report.add("coordinates", bad, f"every rank of {len(MESH_LAYOUTS)} layouts (1 to "
-                   f"{max(map(math.prod, MESH_LAYOUTS))} ranks)")
+        bad = first(f"rank {rank} of dp{dp}×tp{tp}×pp{pp}: you say (dp, tp, pp) = {m!r:.60}, "
+                    f"expected {want}" for m, (rank, (dp, tp, pp)) in zip(mine, MESH_RANKS)
+                    if m != (want := coordinates(rank, dp, tp, pp)))
+        report.add("coordinates", bad and bad + _mesh_hint(mine), f"every rank of "
+                   f"{len(MESH_LAYOUTS)} layouts (1 to {max(map(math.prod, MESH_LAYOUTS))} ranks)")
     with report.case("groups"):
         mine = {lay: module.groups(*lay) for lay in MESH_LAYOUTS}
         for family in ("tp", "dp", "pp"):
@@ -621,38 +530,36 @@ def check_mesh(module, report: Report, _=None) -> None:
 # --- lab 07: the planner's first formulas (no processes: these are formulas) ---------------
 
 def check_planning(module, report: Report, _=None) -> None:
-    """The learner's ZeRO memory and pipeline bubble against `hplab.plan` over a grid."""
+    """The learner's ZeRO memory and pipeline bubble against `hplab.formulas` (the planner's)
+    over a grid; each case reports its first difference."""
+    def memory_problem(psi, dp, zero, precision):
+        mine = module.model_state_bytes_per_gpu(psi, dp, zero, precision)
+        ref = formulas.model_state_bytes(psi, dp, zero, precision)["total_bytes"]
+        return not math.isclose(mine, ref, rel_tol=1e-9) and (
+            f"Ψ={psi:g}, dp={dp}: you say {mine:,.0f} bytes, the planner {ref:,.0f} "
+            f"({ref / psi:g} bytes per parameter)")
+
+    def bubble_problem(p, m):
+        mine, ref = module.bubble_fraction(p, m), formulas.bubble_ratio("1f1b", p, m)
+        return not math.isclose(mine, ref, rel_tol=1e-9, abs_tol=1e-12) and (
+            f"pp={p}, m={m}: you say {mine:.4g}, the planner {ref:.4g}")
+
     for precision, zero in itertools.product(("fp32", "bf16"), range(4)):
         with report.case(label := f"model_state_bytes_per_gpu(zero={zero}, {precision})"):
-            for psi, dp in itertools.product((1.5e9, 175e9, 335_232), (1, 3, 8, 64)):
-                mine = module.model_state_bytes_per_gpu(psi, dp, zero, precision)
-                ref = plan.model_state_bytes(psi, dp, zero, precision)["total_bytes"]
-                if not math.isclose(mine, ref, rel_tol=1e-9):
-                    report.add(label, f"Ψ={psi:g}, dp={dp}: you say {mine:,.0f} bytes, the "
-                               f"planner {ref:,.0f} ({ref / psi:g} bytes per parameter)", "")
-                    break
-            else:
-                report.add(label, None, "equal over Ψ and dp")
+            report.add(label, first(memory_problem(psi, dp, zero, precision) for psi, dp in
+                                    itertools.product((1.5e9, 175e9, 335_232), (1, 3, 8, 64))),
+                       "equal over Ψ and dp")
     with report.case("bubble_fraction"):
-        for p, m in itertools.product((1, 2, 4, 8), (1, 4, 8, 32)):
-            mine, ref = module.bubble_fraction(p, m), plan.bubble_fraction("1f1b", p, m)
-            if not math.isclose(mine, ref, rel_tol=1e-9, abs_tol=1e-12):
-                report.add("bubble_fraction", f"pp={p}, m={m}: you say {mine:.4g}, the planner "
-                           f"{ref:.4g}", "")
-                break
-        else:
-            report.add("bubble_fraction", None, "equal for pp ≤ 8, m ≤ 32")
+        report.add("bubble_fraction", first(itertools.starmap(bubble_problem, itertools.product(
+            (1, 2, 4, 8), (1, 4, 8, 32)))), "equal for pp ≤ 8, m ≤ 32")
 
 
 # --- running a check ------------------------------------------------------------------------
 
-class Exercise(NamedTuple):
-    lab: str
-    file: str  # the skeleton's (and the solution's) file name
-    nproc: int  # processes it runs on; 0: in this process
-    check: Callable  # check(module, report, reference): adds the file's Results to report
-    reference: Callable | None = None  # once per launch: what every file is compared with
-    hint: str = ""  # what a CommTimeout usually means in this exercise
+# file: the skeleton's (and the solution's) name; nproc: processes it runs on (0: this one);
+# check(module, report, reference) adds a file's Results; reference() runs once per launch;
+# hint: what a CommTimeout usually means in this exercise.
+Exercise = namedtuple("Exercise", "lab file nproc check reference hint", defaults=(None, ""))
 
 
 SAME_ORDER = "do all ranks call the same collectives in the same order?"
@@ -662,7 +569,8 @@ EXERCISES = {
                                lambda: Mesh.create(dp=dist.get_world_size()),
                                "did a send wait for a receive that never came? start sends "
                                "with async_op=True"),
-    "buckets": Exercise("02", "lab02_buckets.py", 2, check_buckets, buckets_reference,
+    "buckets": Exercise("02", "lab02_buckets.py", 2, check_buckets,
+                        lambda: gpt_reference(steps=2),
                         "are the buckets launched in the same order on every rank?"),
     "zero1": Exercise("03", "lab03_zero1.py", 2, check_zero1,
                       lambda: gpt_reference(ZERO1_STEPS, ZERO1_LR), SAME_ORDER),
@@ -689,7 +597,10 @@ def check_files(name: str, paths: list[str], limit_s: float) -> list[list[Result
         report = Report(path, exercise.hint)
         try:
             with time_limit(limit_s), report.case("import"):
-                exercise.check(load_module(path), report, reference)
+                spec = importlib.util.spec_from_file_location(f"exercise_{Path(path).stem}", path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)  # the learner's file, by path
+                exercise.check(module, report, reference)
         except CheckTimeout:
             report.add(report.label, f"did not finish in {limit_s:g} s — an endless loop, or a "
                        "rank waiting for the others?", "")
