@@ -1,14 +1,11 @@
 """Unified checkpoints: one single-device layout, whatever layout saved it.
 
-A run sharded as dp × tp × pp × ZeRO holds its model in pieces: tensor-parallel slices,
-pipeline stages, ZeRO shards of flat buffers. Saving those pieces as they are (one file per rank)
-ties the checkpoint to that layout. PaddleNLP's "unified checkpoint" and PyTorch's distributed
-checkpoint take the other road, and so does hplab: before writing, every piece is gathered back
-into the tensor one process would hold, under that tensor's ordinary name. Loading does the
-reverse: each rank of the *new* layout slices out what it holds. So a run saved under tp2 × pp2
-resumes under dp4 + ZeRO-3, under tp4, or on one process, as if it had never stopped.
-
-A checkpoint directory is also an ordinary Hugging Face model directory:
+A run sharded as dp × tp × pp × ZeRO holds its model in pieces; saved as they are, they would
+tie the checkpoint to that layout. Like PaddleNLP's "unified checkpoint" and PyTorch's
+distributed checkpoint, hplab gathers every piece into the tensor one process would hold, under
+its ordinary name; on load each rank of the *new* layout slices out what it holds: saved under
+tp2 × pp2, a run resumes under dp4 + ZeRO-3, tp4 or one process as if it had never stopped.
+The directory is also a Hugging Face model directory (`from_pretrained` opens it):
 
     config.json              GPT2Config (+ an "hplab" entry with hplab's own config)
     model.safetensors        fp32 weights, Hugging Face GPT-2 names and layout
@@ -16,17 +13,15 @@ A checkpoint directory is also an ordinary Hugging Face model directory:
     rng.safetensors          the torch RNG states (CPU, and CUDA where present)
     trainer_state.json       the step to continue from, the flags, the losses so far
 
-so `GPT2LMHeadModel.from_pretrained(directory)` opens it. Nothing is pickled: tensors go through
-safetensors and everything else through JSON, so loading can never run arbitrary code.
-
-Writes are atomic. Everything is written to a temporary sibling directory first; only when it is
-complete does a rename put it in place (the previous checkpoint is renamed aside first and
-removed last). A run killed mid-save leaves the previous checkpoint untouched; one killed in the
-instant between the two renames leaves it under `.NAME.previous`, where `load` finds it.
+Nothing is pickled (safetensors and JSON), so loading never runs code. Writes are atomic: all
+goes to a temporary sibling directory, then the previous checkpoint is renamed aside, the new
+one into place, the old one removed. A kill mid-save leaves the previous checkpoint; one
+between the two renames leaves it as `.NAME.previous`, where `load` finds it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -51,20 +46,12 @@ def _aside(directory: Path, tag: str) -> Path:
     return directory.parent / f".{directory.name}.{tag}"
 
 
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-
-
 def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.Tensor],
          optimizer_state: dict[str, dict[str, torch.Tensor]], trainer_state: dict) -> Path:
-    """Write a checkpoint atomically. Called by one process (rank 0) with full tensors.
-
-    `model_state`: hplab names → full fp32 tensors (tied weights once or twice, either works).
-    `optimizer_state`: hplab parameter name → {state name → full tensor}.
-    `trainer_state`: JSON-able; must hold "step", the number of steps already taken.
-    """
+    """Write a checkpoint atomically; one process (rank 0) calls it with full tensors:
+    `model_state` {hplab name: fp32 tensor} (tied weights once or twice, either works),
+    `optimizer_state` {hplab name: {state name: tensor}}, `trainer_state` JSON-able, with
+    "step": the number of steps already taken."""
     from hplab.models.gpt import to_hf_config
 
     directory = Path(directory)
@@ -75,14 +62,12 @@ def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.
     if previous.exists() and not directory.exists():  # a kill between the renames: restore
         os.rename(previous, directory)
     tmp.mkdir()
-
     hf_state = to_hf_state_dict({k: v.detach().float().cpu().contiguous()
                                  for k, v in model_state.items()})
     hf_state.pop("lm_head.weight", None)  # tied to transformer.wte.weight: HF re-ties on load
     save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
-    hf_config = to_hf_config(config).to_dict()
-    hf_config["architectures"] = ["GPT2LMHeadModel"]
-    hf_config["hplab"] = {"format_version": FORMAT_VERSION, "config": config_dict(config)}
+    hf_config = {**to_hf_config(config).to_dict(), "architectures": ["GPT2LMHeadModel"],
+                 "hplab": {"format_version": FORMAT_VERSION, "config": config_dict(config)}}
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
 
     flat_optimizer = {f"{name}::{key}": t.detach().cpu().contiguous()
@@ -94,7 +79,9 @@ def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.
     save_file(rng, tmp / "rng.safetensors")
     (tmp / "trainer_state.json").write_text(json.dumps(
         {"format_version": FORMAT_VERSION, **trainer_state}, indent=1))
-    _fsync_tree(tmp)
+    for path in tmp.iterdir():  # on disk before the renames
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
 
     # the swap: old aside, new in place, old removed
     shutil.rmtree(previous, ignore_errors=True)
@@ -106,14 +93,11 @@ def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.
 
 
 def find(directory: str | Path) -> Path:
-    """The directory to resume from: `directory`, or the previous checkpoint a save that was
-    killed between its two renames left aside."""
+    """The directory to resume from: `directory`, or the previous one a killed save left aside."""
     directory = Path(directory)
-    if (directory / "trainer_state.json").exists():
-        return directory
-    previous = _aside(directory, "previous")
-    if (previous / "trainer_state.json").exists():
-        return previous
+    for candidate in (directory, _aside(directory, "previous")):
+        if (candidate / "trainer_state.json").exists():
+            return candidate
     raise CheckpointError(f"no checkpoint in {directory}: expected the files that --save "
                           "writes (config.json, model.safetensors, trainer_state.json, ...)")
 
@@ -146,30 +130,32 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
 
 def check_compatible(saved: GPTConfig, wanted: GPTConfig) -> None:
     """A run resumes only into the model it saved (the layout may change, the model not)."""
-    if saved != wanted:
-        diffs = [f"{k}: saved {a}, asked {b}" for k, a, b in
-                 ((k, getattr(saved, k), getattr(wanted, k)) for k in config_dict(saved))
-                 if a != b]
-        raise CheckpointError("the checkpoint holds a different model (" + "; ".join(diffs) +
-                              "): resume with the same --model and size flags")
+    a, b = config_dict(saved), config_dict(wanted)
+    if a != b:
+        diffs = "; ".join(f"{k}: saved {a[k]}, asked {b[k]}" for k in a if a[k] != b[k])
+        raise CheckpointError(f"the checkpoint holds a different model ({diffs}): resume with "
+                              "the same --model and size flags")
 
 
 # --- from a layout's pieces to the single-device state, and back ------------------------------
-# `par` is what hplab.compose.parallelize returned. A parameter's single-device tensor is
-# rebuilt in two steps: its data-parallel shards (ZeroOptimizer, fully_shard) are gathered
-# over dp, then its tensor-parallel slices over tp; pipeline stages are collected on rank 0.
+# `par` is what hplab.compose.parallelize returned. A rank's own parameters (requires_grad: not
+# a pipeline rank's freed layers) are rebuilt in two steps: data-parallel shards (ZeroOptimizer,
+# fully_shard) gathered over dp, then tensor-parallel slices over tp; stages meet on rank 0.
 
-def owned_parameters(par) -> list[tuple[str, torch.nn.Parameter]]:
-    """(single-device name, this rank's parameter) in an order every rank of a stage shares;
-    a pipeline rank's freed layers (requires_grad off) are not its own."""
-    return [(name, p) for name, p in par.gpt.named_parameters() if p.requires_grad]
+def _tensor_parallel(p, t: torch.Tensor, mesh, glue: bool) -> torch.Tensor:
+    """On the CPU: `t` with its tensor-parallel slices glued (a collective over tp), or this
+    rank's slice cut from the full `t`; `t` itself where `p` is not split."""
+    if getattr(p, "tp_split", None) is None or t.dim() == 0:
+        return t.detach().cpu().clone()
+    return (tp.unshard if glue else tp.shard)(t.to(mesh.device), p.tp_split, mesh.tp).cpu()
 
 
 @torch.no_grad()
 def gather_full_state(par) -> tuple[dict, dict]:
     """(model_state, optimizer_state): every parameter's full fp32 value and full optimizer
     state under its single-device name. A collective; the result is complete on rank 0."""
-    mesh, optimizer, params = par.mesh, par.optimizer, owned_parameters(par)
+    mesh, optimizer = par.mesh, par.optimizer
+    params = [(name, p) for name, p in par.gpt.named_parameters() if p.requires_grad]
     if isinstance(optimizer, ZeroOptimizer):
         values, states = optimizer.full_state()
     else:
@@ -177,56 +163,38 @@ def gather_full_state(par) -> tuple[dict, dict]:
         values, states = {}, {}
         for _, p in params:
             q = masters.get(p, p)  # the fp32 master where there is one
-            values[p], states[p] = q.detach().float(), dict(inner.state.get(q, {}))
-            if fsdp.is_shard(p):
-                values[p] = fsdp.gather_full(p, values[p])
-                states[p] = {k: fsdp.gather_full(p, t) if t.dim() else t
-                             for k, t in states[p].items()}
-
-    def whole(p, t):
-        if getattr(p, "tp_split", None) is None:
-            return t.detach().cpu().clone()
-        return tp.unshard(t.to(mesh.device), p.tp_split, mesh.tp).cpu()
-
-    model_state = {name: whole(p, values[p]) for name, p in params}
-    optimizer_state = {name: {k: whole(p, t) if t.dim() else t.clone()
-                              for k, t in states[p].items()} for name, p in params}
+            full = functools.partial(fsdp.gather_full, p) if fsdp.is_shard(p) else lambda t: t
+            values[p] = full(q.detach().float())
+            states[p] = {k: full(t) for k, t in inner.state.get(q, {}).items()}
+    model_state = {name: _tensor_parallel(p, values[p], mesh, True) for name, p in params}
+    optimizer_state = {name: {k: _tensor_parallel(p, t, mesh, True) for k, t in states[p].items()}
+                       for name, p in params}
     if mesh.pp_size > 1:  # each stage's (dp 0, tp 0) rank hands its stage to rank 0
         mine = (model_state, optimizer_state) if mesh.dp_rank == mesh.tp_rank == 0 else ({}, {})
         everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)  # in memory, between our own processes
-        model_state, optimizer_state = {}, {}
-        for stage_model, stage_optimizer in everyone or []:
-            model_state.update(stage_model)
-            optimizer_state.update(stage_optimizer)
+        model_state = {k: v for stage, _ in everyone or [] for k, v in stage.items()}
+        optimizer_state = {k: v for _, stage in everyone or [] for k, v in stage.items()}
     return model_state, optimizer_state
 
 
 @torch.no_grad()
 def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
     """The reverse: every rank gets the full dicts and keeps the pieces it holds."""
-    mesh, optimizer, params = par.mesh, par.optimizer, owned_parameters(par)
-
-    def mine(p, full):
-        if getattr(p, "tp_split", None) is None:
-            return full.detach().cpu().clone()
-        return tp.shard(full.to(mesh.device), p.tp_split, mesh.tp).cpu()
-
-    values = {p: mine(p, model_state[name].float()) for name, p in params}
-    states = {p: {k: mine(p, t) if t.dim() else t.clone()
+    mesh, optimizer = par.mesh, par.optimizer
+    params = [(name, p) for name, p in par.gpt.named_parameters() if p.requires_grad]
+    values = {p: _tensor_parallel(p, model_state[name].float(), mesh, False) for name, p in params}
+    states = {p: {k: _tensor_parallel(p, t, mesh, False)
                   for k, t in optimizer_state.get(name, {}).items()} for name, p in params}
     if isinstance(optimizer, ZeroOptimizer):
         optimizer.load_full_state(values, states)
         return
     inner, masters = getattr(optimizer, "inner", optimizer), getattr(optimizer, "masters", {})
     for _, p in params:
-        value, state = values[p], states[p]
-        if fsdp.is_shard(p):
-            value = fsdp.local_shard(p, value)
-            state = {k: fsdp.local_shard(p, t) if t.dim() else t for k, t in state.items()}
+        local = functools.partial(fsdp.local_shard, p) if fsdp.is_shard(p) else lambda t: t
+        value, q = local(values[p]), masters.get(p, p)  # q: the fp32 master where there is one
         p.copy_(value)
-        q = masters.get(p, p)
-        if q is not p:
-            q.copy_(value)
-        if state:
-            inner.state[q] = {k: t.to(q.device) if t.dim() else t for k, t in state.items()}
+        q.copy_(value)
+        if states[p]:
+            inner.state[q] = {k: local(t).to(q.device) if t.dim() else t
+                              for k, t in states[p].items()}

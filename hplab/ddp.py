@@ -6,9 +6,8 @@ equal forever. The update is the same when every rank uses the average of all ra
 gradients — which is exactly the gradient of the whole global batch, because the loss is a
 mean over samples. So data parallel is three steps:
 
-1. **Start equal**: broadcast rank 0's parameters *and buffers* to everyone — every one of
-   them, frozen ones included: a frozen layer that differs between ranks makes the replicas
-   compute different functions, and nothing later would ever bring them back together.
+1. **Start equal**: broadcast rank 0's parameters *and buffers* to everyone — frozen ones
+   included: a frozen layer that differs between ranks would never be brought back together.
 2. **Average gradients**: during backward, all-reduce every gradient and divide by n.
 3. **Step**: every rank runs the same optimizer on the same gradients.
 
@@ -29,22 +28,18 @@ it fast, and they are what `torch.nn.parallel.DistributedDataParallel` does too:
   parameter (`register_post_accumulate_grad_hook`) counts the gradients of its bucket; the
   moment a bucket is complete its all-reduce starts asynchronously while autograd keeps
   computing the earlier layers' gradients. Only the last bucket's communication is exposed.
-
-Buckets must be all-reduced in the same order on every rank (collectives match by order), so a
-ready bucket waits until every bucket before it has been launched.
+  Collectives match by order, so a ready bucket waits until every bucket before it is sent.
 
 **The sync finishes by itself.** The first hook of a backward queues a callback that autograd
 runs when the whole backward ends (`queue_callback`): it sends the buckets that never completed
-(parameters unused in this step), waits for every all-reduce and resets the counters. A sync
-that depended on the caller remembering `finish_gradient_sync()` left stale state behind the
-one time it was forgotten, and the next backward sent nothing. The explicit call still exists
-(it does nothing when there is nothing to sync).
+(parameters unused in this step), waits for every all-reduce and resets the counters; a sync
+left to the caller is one forgotten call away from a silently stale next step. An explicit
+`finish_gradient_sync()` still exists (it does nothing when there is nothing to sync).
 
-**Any `zero_grad()`.** An optimizer's `zero_grad()` sets every `.grad` to None by default; the
-next backward then makes fresh gradient tensors that are *not* bucket views. Sending the
-buckets regardless would average stale buffers while each rank stepped its local gradient, and
-the replicas would drift apart silently. So the hook checks: a gradient that is not its slot's
-view is copied into the slot, and `.grad` becomes the view again (one copy, that step only).
+**Any `zero_grad()`.** `zero_grad()` sets every `.grad` to None by default; the next backward
+then makes fresh gradients that are *not* bucket views, and averaging the buckets regardless
+would let the replicas drift apart silently. So a gradient that is not its slot's view is
+copied into the slot, and `.grad` becomes the view again (one copy, that step only).
 
 Gradient accumulation: inside `with ddp.no_sync():` backward only accumulates locally; the
 next synchronised backward (or an explicit `finish_gradient_sync()`) communicates the sum.
@@ -71,22 +66,20 @@ class Bucket:
         self.params = params
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                   device=params[0].device)
-        self.views, offset = [], 0
-        for p in params:
-            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.views = [v.view_as(p) for p, v in
+                      zip(params, self.buffer.split([p.numel() for p in params]))]
         self.ready: set[int] = set()  # ids of its params whose gradient is in for this backward
         self.pending = None  # the in-flight all-reduce
 
-    def move_grads_in(self) -> None:
-        """Make each gradient live in its slot: None → a zero slot (`.grad` stays None);
-        a tensor that is not the slot's view → copied in, and `.grad` becomes the view."""
-        for p, view in zip(self.params, self.views):
-            if p.grad is None:
-                view.zero_()
-            elif p.grad is not view:
-                view.copy_(p.grad)
-                p.grad = view
+
+def move_grad_in(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make a gradient live in its slot: None → a zero slot (`.grad` stays None); a tensor
+    that is not the slot's view → copied in, and `.grad` becomes the view."""
+    if p.grad is None:
+        view.zero_()
+    elif p.grad is not view:
+        view.copy_(p.grad)
+        p.grad = view
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:
@@ -94,17 +87,15 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket
     that gets a bucket of its own), in reverse order of definition: roughly the order in which
     backward produces their gradients. `bucket_bytes=0` gives one bucket per parameter;
     `math.inf` one bucket for everything (the naive all-reduce after backward)."""
-    buckets, current, size = [], [], 0
+    groups, size = [], 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > bucket_bytes or p.dtype != current[0].dtype):
-            buckets.append(Bucket(current))
-            current, size = [], 0
-        current.append(p)
+        if not groups or size + nbytes > bucket_bytes or p.dtype != groups[-1][0].dtype:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
         size += nbytes
-    if current:
-        buckets.append(Bucket(current))
-    return buckets
+    return [Bucket(group) for group in groups]
 
 
 class DDP(nn.Module):
@@ -115,7 +106,8 @@ class DDP(nn.Module):
     def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25):
         super().__init__()
         self.module, self.comm = module, communicator(group, "dp")
-        self._broadcast_from_rank0()
+        for t in [*module.parameters(), *module.buffers()]:  # start equal: rank 0's values
+            self.comm.broadcast(t.data, src=0)
         self.params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
         self.buckets = make_buckets(self.params, bucket_mb * 2**20)
         self.slot_of = {id(p): (b, view) for b in self.buckets
@@ -127,18 +119,12 @@ class DDP(nn.Module):
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    @torch.no_grad()
-    def _broadcast_from_rank0(self) -> None:
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
-            self.comm.broadcast(t.data, src=0)
-
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     # -- during backward --
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        """Autograd has finished accumulating `param.grad`: put it in its slot, and launch every
-        bucket that this completes, in order."""
+        """`param.grad` is complete: into its slot; launch the buckets this completes, in order."""
         if not self.sync_enabled:
             self.unsynced = True
             return
@@ -146,9 +132,7 @@ class DDP(nn.Module):
             self.started = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
         bucket, view = self.slot_of[id(param)]
-        if param.grad is not view:
-            view.copy_(param.grad)
-            param.grad = view
+        move_grad_in(param, view)
         bucket.ready.add(id(param))
         self._launch_ready_buckets()
 
@@ -163,13 +147,13 @@ class DDP(nn.Module):
 
     # -- when backward ends (by itself), or when the caller says so --
     def finish_gradient_sync(self) -> None:
-        """Send the buckets not sent yet (unused parameters, gradients accumulated under
-        `no_sync()` or written by hand), wait for every all-reduce, reset for the next step.
-        Harmless when there is nothing to sync."""
+        """Send the buckets not sent yet (unused parameters, `no_sync()` or hand-written grads),
+        wait for every all-reduce, reset for the next step. Harmless with nothing to sync."""
         if not (self.started or self.unsynced):
             return
         for b in self.buckets[self.next_to_launch:]:
-            b.move_grads_in()
+            for p, view in zip(b.params, b.views):
+                move_grad_in(p, view)
         self._launch_ready_buckets(force=True)
         for b in self.buckets:
             b.pending.wait()

@@ -1,27 +1,23 @@
 """ZeRO-3 / fully sharded data parallel (FSDP), from scratch: `hplab.fully_shard`.
 
-Data parallel keeps the whole training state on every rank. With Adam in mixed precision one
-parameter costs 2 bytes (half-precision weight) + 2 (its gradient) + K = 12 (fp32 master,
-exp_avg, exp_avg_sq) = 16 bytes on *each* of the N ranks, although they all hold the same
-numbers. ZeRO stage 3 (Rajbhandari et al., 2020), which PyTorch calls FSDP, keeps only 1/N of
-each on a rank and borrows the rest from the peers for the moment it is needed:
+Data parallel keeps the whole training state on every rank: with Adam in mixed precision a
+parameter costs 2 bytes (half-precision weight) + 2 (gradient) + K = 12 (fp32 master, exp_avg,
+exp_avg_sq) = 16 bytes on *each* of the N ranks. ZeRO stage 3 (Rajbhandari et al., 2020),
+which PyTorch calls FSDP, keeps 1/N of each on a rank and borrows the rest from the peers for
+the moment it is needed:
 
     per rank, Ψ parameters     DDP (2 + 2 + K)·Ψ        ZeRO-3 / FSDP (2 + 2 + K)·Ψ / N
 
-(pure fp32: 4 + 4 + 8 bytes and no separate master.) The price is communication. Per step each
-rank moves 3·(N−1)/N·Ψ elements, 1.5× DDP's all-reduce:
-
-    forward     all-gather each layer's parameters just before it runs, free them after
-    backward    all-gather them again just before the layer's backward (they were freed)
-    gradients   reduce-scatter: each rank receives the average of its own 1/N only
-
-Prefetch hides most of it: while layer i computes, layer i+1's all-gather is already in
-flight (in backward, layer i−1's). At any moment a rank holds its shards plus one or two
-whole layers: the peak is Ψ/N + (a layer or two), not Ψ.
+(pure fp32: 4 + 4 + 8 bytes, no separate master.) The price: 3·(N−1)/N·Ψ elements per rank
+per step, 1.5× DDP's all-reduce. Forward all-gathers each layer's parameters just before it
+runs and frees them after; backward gathers them again; the gradients are reduce-scattered
+(each rank receives the average of its own 1/N). Prefetch hides most of it: while layer i
+computes, layer i+1's all-gather is in flight (in backward, layer i−1's). A rank holds its
+shards plus a layer or two: Ψ/N + a layer, not Ψ.
 
 **Per-parameter shards, as in FSDP2.** `fully_shard(block)` cuts every parameter of the block
-along dim 0 into N chunks (dim 0 padded with zeros up to a multiple of N); rank r owns chunk r.
-The module's registered Parameter is *replaced* by that chunk, under the same name, in fp32, so
+along dim 0 into N chunks (dim 0 zero-padded to a multiple of N); rank r owns chunk r. The
+module's registered Parameter is *replaced* by that chunk, under the same name, in fp32, so
 `model.parameters()` is what this rank owns and an ordinary optimizer steps only its shard:
 
     for block in model.transformer.h:
@@ -30,42 +26,31 @@ The module's registered Parameter is *replaced* by that chunk, under the same na
     opt = torch.optim.AdamW(model.parameters())
     loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
 
-PyTorch's FSDP2 does exactly this with each shard a `DTensor` (a tensor that knows it is
-`Shard(0)` of a mesh); here a shard is a plain tensor and the few facts needed to undo the cut
-(full shape, padding, its unit) sit beside it. A tied parameter (GPT's wte = lm_head) is one
-Parameter: it goes to the outermost unit that holds it. Frozen parameters are sharded too (as in
-FSDP2): they are gathered like the others and simply get no gradient.
+FSDP2 makes each shard a `DTensor` (`Shard(0)` of a mesh); here it is a plain tensor with the
+few facts needed to undo the cut beside it. A tied parameter (GPT's wte = lm_head) goes to the
+outermost unit that holds it. Frozen parameters are sharded and gathered too, without grads.
 
-**One unit, one message.** A unit's all-gather sends the concatenation of this rank's shards
-(one message, not one per parameter); every rank receives the N concatenations and copies each
-parameter's N chunks into its full-size buffer, which the module then uses (it is swapped in by
-a forward-pre hook and swapped out by a forward hook). After forward the buffers' storage is
-resized to 0 bytes: the tensors saved for backward still point at them, and the gather before
-backward refills the same storage. Backward accumulates gradients into the full parameters;
-when a unit has all its gradients (post-accumulate-grad hooks) they are packed the same way —
-rank-major, each parameter's chunk r in row r — pre-divided by N and reduce-scattered
-asynchronously; the result is *added* into each shard's fp32 `.grad` (so several backwards
-accumulate, and any `zero_grad()` works). The first hook of a backward queues a callback that
-autograd runs when backward ends: it sends what is left, waits for every reduce-scatter and
-frees whatever is still gathered, so when `loss.backward()` returns every owned parameter's
-`.grad` is the averaged gradient, shaped like the shard. A parameter that got no gradient keeps
-`.grad` as it was (None), like one process and like FSDP2 — which, like FSDP2, assumes every
-rank uses the same parameters in a step.
+**One unit, one message.** A unit's all-gather sends the concatenation of this rank's shards;
+every rank copies each parameter's N chunks into its full-size buffer, which a forward-pre hook
+swaps into the module (a forward hook swaps the shards back). After forward the buffers'
+storage is resized to 0 bytes: the tensors saved for backward still point at it, and the
+gather before backward refills it. When a unit has all its gradients (post-accumulate-grad
+hooks) they are packed the same way (chunk r of every parameter in row r), pre-divided by N,
+reduce-scattered asynchronously and *added* into each shard's fp32 `.grad` (so backwards
+accumulate and any `zero_grad()` works). A callback at the end of backward sends what is left,
+waits for every reduce-scatter and frees what is still gathered: when `loss.backward()` returns,
+every owned `.grad` is the averaged gradient. A parameter without a gradient keeps `.grad`
+None; like FSDP2, every rank must use the same parameters in a step.
 
 **Mixed precision** (`param_dtype=torch.bfloat16`/`float16`): shards are cast before they are
-gathered, so the gather, the forward, the backward and the reduce-scatter all run in half
-precision while the fp32 shards the optimizer steps are the master weights (no second copy).
-Floating-point inputs of a unit are cast to `param_dtype` (FSDP2's default). **Offload**
-(`offload=True`): the shards, their gradients and so the optimizer live in CPU memory; gathers
-copy to the compute device. On a CPU-only machine it runs the same steps with identical results.
+gathered, so gather, forward, backward and reduce-scatter run in half precision while the fp32
+shards are the master weights (no second copy); a unit's floating-point inputs are cast to
+`param_dtype` (FSDP2's default). **Offload**: shards, gradients and so the optimizer live on
+the CPU; gathers copy to the compute device. **Recompute**: a block's forward that runs again
+inside backward only swaps the (already gathered) parameters in and out.
 
-**Recompute.** With activation checkpointing a block's forward runs again inside backward: the
-hooks see that a backward is in progress and only swap the (already gathered) parameters in
-and out, without freeing them or hooking the output again.
-
-The ranks hold one model between them: each chunk has exactly one owner, so no broadcast is
-needed at wrap time (each rank takes its chunk from its own copy; seed them alike, as for
-torch's `fully_shard`). Buffers stay replicated.
+No broadcast at wrap time: each chunk has one owner, taken from that rank's copy (seed the
+ranks alike, as for torch's `fully_shard`). Buffers stay replicated.
 """
 
 from __future__ import annotations
@@ -74,25 +59,9 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from hplab.comm import communicator, copy_markers
-
-
-class _BeforeBackward(torch.autograd.Function):
-    """Identity in forward; in backward calls `callback` first — when the gradient reaches a
-    unit's output, i.e. just before that unit's backward runs (it gathers there)."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
 
 
 class _Param:
@@ -100,21 +69,27 @@ class _Param:
     full-size Parameter for compute (storage freed between uses) and where it is registered."""
 
     def __init__(self, p: nn.Parameter, places, comm, dtype, device, shard_device):
-        self.shape = p.shape
-        full = p.detach().reshape(p.shape if p.dim() else (1,))
-        n, self.d0, self.rest = comm.size, full.shape[0], full.shape[1:]
-        self.rows = math.ceil(self.d0 / n)
-        padded = torch.zeros((n * self.rows, *self.rest), dtype=torch.float32, device=full.device)
-        padded[:self.d0] = full
-        mine = padded[comm.rank * self.rows:(comm.rank + 1) * self.rows]
+        self.shape, self.comm = p.shape, comm
+        self.d0, *self.rest = p.shape if p.dim() else (1,)
+        self.rows = math.ceil(self.d0 / comm.size)
+        mine = self.mine(p.detach().float())
         self.shard = nn.Parameter(mine.to(shard_device, copy=True), requires_grad=p.requires_grad)
         copy_markers(p, self.shard)
         self.shard.dp_sharded = True
-        self.buffer = torch.empty((n * self.rows, *self.rest), dtype=dtype, device=device)
+        self.buffer = torch.empty((comm.size * self.rows, *self.rest), dtype=dtype, device=device)
         self.full = nn.Parameter(self.buffer[:self.d0].view(p.shape), requires_grad=p.requires_grad)
         self.buffer.untyped_storage().resize_(0)
         self.places = places  # [(module, attribute name)], two or more for a tied parameter
         self.numel = self.shard.numel()
+
+    def pad(self, full: torch.Tensor) -> torch.Tensor:
+        """`full` (shaped like the parameter), dim 0 zero-padded to N·rows: chunk r is rank r's."""
+        padded = full.new_zeros((self.comm.size * self.rows, *self.rest))
+        padded[:self.d0] = full.reshape(padded[:self.d0].shape)
+        return padded
+
+    def mine(self, full: torch.Tensor) -> torch.Tensor:
+        return self.pad(full).chunk(self.comm.size)[self.comm.rank]
 
 
 class _Unit:
@@ -127,15 +102,14 @@ class _Unit:
             for name, p in mod._parameters.items():
                 if p is not None and not is_shard(p):
                     places.setdefault(p, []).append((mod, name))
-        first = next(iter(places), None)
-        self.device = first.device if first is not None else torch.device("cpu")
-        self.dtype = param_dtype or (first.dtype if first is not None else torch.float32)
+        first = next(iter(places), torch.empty(0))  # (no parameters at all: cpu, fp32)
+        self.device, self.dtype = first.device, param_dtype or first.dtype
         self.param_dtype = param_dtype
         shard_device = torch.device("cpu") if offload else self.device
         self.params = [_Param(p, where, comm, self.dtype, self.device, shard_device)
                        for p, where in places.items()]
-        for i, e in enumerate(self.params):
-            e.shard._fsdp = (self, i)
+        for e in self.params:
+            e.shard._fsdp = e
             self._swap(e, e.shard)
             if e.full.requires_grad:
                 e.full.register_post_accumulate_grad_hook(self._on_grad)
@@ -194,13 +168,10 @@ class _Unit:
         with_grad = [e for e in self.params if e.full.grad is not None]
         if not with_grad:
             return
-        n, rows = self.comm.size, []
+        n = self.comm.size
+        flat = torch.cat([e.pad(e.full.grad).view(n, -1) for e in with_grad], dim=1).div_(n)
         for e in with_grad:
-            padded = e.full.grad.new_zeros((n * e.rows, *e.rest))
-            padded[:e.d0] = e.full.grad.reshape(padded[:e.d0].shape)
-            rows.append(padded.view(n, -1))
             e.full.grad = None
-        flat = torch.cat(rows, dim=1).div_(n)
         out = flat.new_empty(flat.shape[1])
         self.reducing.append((with_grad, flat, out,
                               self.comm.reduce_scatter(out, flat.view(-1), async_op=True)))
@@ -211,21 +182,18 @@ class _Unit:
             pending.wait()
             for e, piece in zip(with_grad, out.split([e.numel for e in with_grad])):
                 g = piece.view(e.shard.shape).to(e.shard.device, torch.float32, copy=True)
-                if e.shard.grad is None:
-                    e.shard.grad = g
-                else:
-                    e.shard.grad.add_(g)
+                e.shard.grad = g if e.shard.grad is None else e.shard.grad.add_(g)
         self.reducing = []
 
     # -- the hooks --------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
         family = self.family
         if not family.in_backward:
-            family.record(self, family.forward_order)
+            family.forward_order.setdefault(self)
         self.wait_gather()
         for e in self.params:
             self._swap(e, e.full)
-        if not family.in_backward and (nxt := family.after(self, family.forward_order)):
+        if not family.in_backward and (nxt := family.after(self, list(family.forward_order))):
             nxt.start_gather()  # prefetch: overlaps with this unit's compute
         if self.param_dtype is None:
             return None
@@ -238,24 +206,22 @@ class _Unit:
             for e in self.params:
                 self._swap(e, e.shard)
             return None
-        self.family.record(self, self.family.done_order)
+        self.family.done_order.setdefault(self)
         self.release()  # (swaps the shards back in)
         if not torch.is_grad_enabled():
             return None
-        leaves, spec = tree_flatten(output)
-        needs = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
-        if not needs:
-            return None
-        wrapped = _BeforeBackward.apply(self._before_backward, *[leaves[i] for i in needs])
-        for i, t in zip(needs, wrapped):
-            leaves[i] = t
-        return tree_unflatten(leaves, spec)
+        # the first gradient to reach an output comes just before this unit's backward
+        outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        if outputs:
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda grad: self._before_backward(), mode="any")
+        return None
 
     def _before_backward(self) -> None:
         family = self.family
         family.start_backward()
         self.wait_gather()
-        if nxt := family.after(self, family.done_order[::-1]):
+        if nxt := family.after(self, list(family.done_order)[::-1]):
             nxt.start_gather()
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -272,20 +238,13 @@ class _Family:
 
     def __init__(self, units: list[_Unit]):
         self.units = units
-        self.forward_order: list[_Unit] = []  # pre-forward order: prefetch in forward
-        self.done_order: list[_Unit] = []  # post-forward order, reversed: prefetch in backward
-        self.in_backward = False
-        self.callback_queued = False
-
-    @staticmethod
-    def record(unit: _Unit, order: list) -> None:
-        if unit not in order:
-            order.append(unit)
+        self.forward_order: dict[_Unit, None] = {}  # pre-forward order: prefetch in forward
+        self.done_order: dict[_Unit, None] = {}  # post-forward, reversed: prefetch in backward
+        self.in_backward = self.callback_queued = False
 
     @staticmethod
     def after(unit: _Unit, order: list) -> _Unit | None:
-        i = order.index(unit) + 1 if unit in order else len(order)
-        return order[i] if i < len(order) else None
+        return dict(zip(order, order[1:])).get(unit)  # the unit next to `unit`, if any
 
     def start_backward(self) -> None:
         self.in_backward = True
@@ -335,8 +294,7 @@ def gather_full(shard_param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor
     A collective over the unit's group: every rank calls it, every rank gets the result."""
     if tensor.dim() == 0:  # e.g. Adam's step count: the same on every rank
         return tensor.detach().cpu().clone()
-    unit, i = shard_param._fsdp
-    e, comm = unit.params[i], unit.comm
+    e, comm = shard_param._fsdp, shard_param._fsdp.comm
     send = tensor.detach().to(comm.device).contiguous()
     out = send.new_empty((comm.size * e.rows, *e.rest))
     comm.all_gather(out, send)
@@ -347,11 +305,7 @@ def gather_full(shard_param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor
 def local_shard(shard_param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `full` (a tensor shaped like the unsharded parameter), padded and
     placed like `shard_param`: the inverse of `gather_full`."""
-    unit, i = shard_param._fsdp
-    e, comm = unit.params[i], unit.comm
-    padded = full.new_zeros((comm.size * e.rows, *e.rest))
-    padded[:e.d0] = full.reshape(padded[:e.d0].shape)
-    return padded[comm.rank * e.rows:(comm.rank + 1) * e.rows].to(shard_param.device).clone()
+    return shard_param._fsdp.mine(full).to(shard_param.device, copy=True)
 
 
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -372,10 +326,9 @@ def finish_gradient_sync(module: nn.Module) -> None:
 
 
 def memory_tensors(module: nn.Module) -> dict[str, list[torch.Tensor]]:
-    """What `module` holds on this rank, for `hplab.memory`: owned shards, buffers and any
-    full-size parameters currently gathered (0 bytes between uses); the shards' gradients.
-    "master" is empty: with `param_dtype` the fp32 shards *are* the master weights (counted as
-    params); "optim" is the caller's (`hplab.memory.optimizer_state_tensors(optimizer)`)."""
+    """What `module` holds on this rank, for `hplab.memory`: owned shards, buffers, full-size
+    parameters gathered now (0 bytes between uses), the shards' gradients. The fp32 shards *are*
+    the masters (counted as params); "optim" is the caller's (`optimizer_state_tensors`)."""
     params = list(module.parameters())
     gathered = [e.buffer for m in module.modules() if hasattr(m, "_hplab_fsdp")
                 for e in m._hplab_fsdp.params]

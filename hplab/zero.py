@@ -23,61 +23,46 @@ holds between layers; it lives in `hplab/fsdp.py` as `fully_shard`, like PyTorch
         opt.step()                         # average + shard grads, step 1/n, all-gather params
         opt.zero_grad()
 
-No DDP is needed around the model: the reduce-scatter below *is* the gradient averaging (a
-model wrapped in DDP works too: averaging averaged gradients changes nothing).
+**Communication.** No DDP is needed around the model. DDP's all-reduce is a reduce-scatter
+then an all-gather, 2(n−1)/n·Ψ elements per rank per step; ZeRO-1 and 2 do those two halves
+in a useful order: *reduce-scatter* the gradients (each rank receives the sum of its own 1/n:
+that *is* the averaging), step the optimizer on that 1/n, *all-gather* the new parameters.
 
-**Communication.** DDP all-reduces the gradients: 2(n−1)/n·Ψ elements per rank per step (a
-reduce-scatter then an all-gather). ZeRO-1 and 2 do exactly those two halves, in a useful
-order: *reduce-scatter* the gradients (each rank receives the sum of its own 1/n), step the
-optimizer on that 1/n, *all-gather* the updated parameters: the same 2(n−1)/n·Ψ.
-
-**The layout: flat buckets.** Each param group's trainable parameters are cut into *buckets*
-of at most `bucket_mb` MiB, in reverse definition order (the order backward produces their
-gradients). A bucket's parameters are laid end to end in one flat buffer, **padded with zeros
-to a multiple of n elements**, so it splits into n equal shards; rank r owns shard r of every
-bucket. Each model parameter becomes a *view* into its bucket's buffer, so the model runs
-unchanged and sees every all-gather at once. A shard never mixes two param groups, so per-group
-hyperparameters (weight decay on matrices only, say) stay exact. Every measured byte count is
-the ZeRO formula with Ψ replaced by Σ_buckets ceil(numel / n)·n (Ψ itself for hplab's `tiny`
-GPT on 2 or 4 ranks).
-
-What a rank holds for each bucket (all flat, 1-D):
+**The layout: flat buckets.** Each param group's trainable parameters are cut into buckets of
+at most `bucket_mb` MiB, in reverse definition order (the order backward produces gradients).
+A bucket's parameters lie end to end in one flat buffer, **padded with zeros to a multiple of
+n elements**, so it splits into n equal shards; rank r owns shard r of every bucket. Each
+parameter becomes a *view* into that buffer, so the model runs unchanged and sees every
+all-gather at once. A shard never mixes two param groups, so per-group hyperparameters stay
+exact. Measured bytes follow the formulas with Ψ = Σ_buckets ceil(numel / n)·n. Per bucket:
 
     flat        the whole bucket's params (param dtype); p.data are views of it
     master      this rank's fp32 slice, which the inner optimizer steps: *the slice of flat
-                itself* when training in fp32 on the device (no extra byte), otherwise a
-                separate fp32 copy (bf16/fp16 params; on the CPU with offload)
-    grad_shard  this rank's slice of the averaged gradient (param dtype); stage 1 makes it in
-                `step()`, stage 2 accumulates into it during backward
+                itself* in fp32 on the device (no extra byte), else a separate fp32 copy
+    grad_shard  this rank's slice of the averaged gradient (param dtype)
 
-**Stage 1** leaves backward alone: each p.grad is the full local gradient. `step()` packs each
-bucket's gradients into a flat buffer, divides by n (so the sum is the average) and
-reduce-scatters it. **Stage 2** does this during backward: a hook on each parameter notes its
-gradient has arrived; when a bucket is complete its reduce-scatter starts (asynchronously,
-overlapping with the rest of backward) and its p.grad are freed, so no full gradient outlives
-its bucket. A callback queued for the end of backward sends the buckets only partly filled
-(unused parameters count as zeros) and waits for all of them. Gradient accumulation: stage 1
-accumulates in p.grad (autograd does it); stage 2 adds each backward's shard into grad_shard.
+**Stage 1** leaves backward alone; `step()` packs each bucket's p.grad into a flat buffer,
+divides by n (so the sum is the average) and reduce-scatters it. **Stage 2** does this during
+backward: when a hook has seen every gradient of a bucket, its reduce-scatter starts
+(asynchronously, overlapping the rest of backward) and its p.grad are freed. A callback at the
+end of backward sends the buckets only partly filled (unused parameters count as zeros) and
+waits for all. Gradient accumulation: stage 1 accumulates in p.grad, stage 2 in grad_shard.
 
-**One step:** `reduce_gradients()` (the masters' fp32 grads := this rank's 1/n of the averaged
-gradient; a training loop calls it first to unscale or clip there) → `self.inner.step()` on
-the master shards only (1/n of the optimizer work and state) → all-gather the new values into
-every bucket's flat buffer (rounded to bf16/fp16 where the params are).
+**One step:** `reduce_gradients()` (the masters' fp32 grads := this rank's 1/n of the average;
+a training loop calls it first to unscale or clip there) → `self.inner.step()` on the master
+shards only → all-gather the new values into every flat buffer (rounded to the params' dtype).
 
-**Offload** (ZeRO-Offload): masters, their grads and the optimizer state live on the CPU;
-each step copies the gradient shard there and the updated parameter shard back. On a GPU this
-frees K·Ψ/n bytes of device memory; on a CPU-only machine it runs the same copies.
-
-Any element-wise `torch.optim` optimizer works (SGD, Adam, AdamW): each shard sees exactly the
-numbers it would see in the whole tensor. Optimizers that look at whole tensors (LAMB,
-Adafactor) would need per-parameter care. A trainable parameter that gets no gradient steps
-with a zero gradient (as in DDP), where a single process would skip it: the same unless the
-optimizer decays weights. Frozen parameters (requires_grad=False) are broadcast and left out.
-Every rank must run the same graph (the same buckets complete in the same order).
+**Offload** (ZeRO-Offload): masters, their grads and the optimizer state live on the CPU; each
+step copies the gradient shard there and the updated shard back (frees K·Ψ/n device bytes).
+Any element-wise `torch.optim` optimizer works (SGD, Adam, AdamW); LAMB or Adafactor, which
+look at whole tensors, would not. A trainable parameter without a gradient steps with a zero
+gradient (as in DDP). Frozen parameters are broadcast and left out. Every rank must run the
+same graph (the same buckets complete in the same order).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -112,43 +97,33 @@ class FlatBucket:
 
     def __init__(self, params: list[nn.Parameter], comm: Communicator, offload: bool):
         self.params, self.comm = params, comm
-        self.numel = sum(p.numel() for p in params)
-        self.padded = math.ceil(self.numel / comm.size) * comm.size
+        ends = [0, *itertools.accumulate(p.numel() for p in params)]
+        self.slices = [(p, slice(a, b)) for p, a, b in zip(params, ends, ends[1:])]
+        self.padded = math.ceil(ends[-1] / comm.size) * comm.size
         self.shard_numel = self.padded // comm.size
         self.lo, self.hi = comm.rank * self.shard_numel, (comm.rank + 1) * self.shard_numel
         dtype, device = params[0].dtype, params[0].device
-        with torch.no_grad():
-            self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
-            for p, where in self.slices():
-                self.flat[where].copy_(p.detach().reshape(-1))
-            comm.broadcast(self.flat, src=0)  # replicas start equal: rank 0's values
-        for p, where in self.slices():
+        self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        self.flat[:ends[-1]] = torch.cat([p.detach().reshape(-1) for p in params])
+        comm.broadcast(self.flat, src=0)  # replicas start equal: rank 0's values
+        for p, where in self.slices:
             p.data = self.flat[where].view(p.shape)  # the model now reads the flat buffer
 
         # The fp32 master shard: the param shard itself when there is nothing to convert.
-        shard = self.flat[self.lo:self.hi]
-        separate = dtype != torch.float32 or offload
-        home = torch.device("cpu") if offload else device
-        self.master = nn.Parameter(shard.to(home, torch.float32, copy=True) if separate
-                                   else shard)
+        self.master = nn.Parameter(self.flat[self.lo:self.hi].to(
+            "cpu" if offload else device, torch.float32, copy=dtype != torch.float32 or offload))
         copy_markers(params[0], self.master)
         self.master.dp_sharded = True  # disjoint over dp: a global norm counts it everywhere
         self.grad_shard: torch.Tensor | None = None
         self.ready: set = set()  # stage 2: params whose gradient arrived since the last send
         self.reducing: list = []  # (input, output, Pending) of in-flight reduce-scatters
 
-    def slices(self):
-        offset = 0
-        for p in self.params:
-            yield p, slice(offset, offset + p.numel())
-            offset += p.numel()
-
     @torch.no_grad()
     def start_reduce_scatter(self, free_grads: bool) -> None:
         """Pack the params' gradients (None → zeros) into one padded buffer, pre-divided by n
         so the sum is the average, and reduce-scatter it asynchronously."""
         flat = torch.zeros_like(self.flat)
-        for p, where in self.slices():
+        for p, where in self.slices:
             if p.grad is not None:
                 flat[where].copy_(p.grad.reshape(-1))
                 if free_grads:
@@ -164,31 +139,22 @@ class FlatBucket:
             self.grad_shard = out if self.grad_shard is None else self.grad_shard.add_(out)
         self.reducing = []
 
-    def master_grad(self) -> torch.Tensor:
-        """This rank's averaged gradient shard in fp32 where the master lives (no copy when
-        it already is)."""
-        if self.grad_shard is None:  # no gradient reached this bucket
-            return torch.zeros_like(self.master)
-        return self.grad_shard.to(self.master.device, torch.float32)
-
-    @torch.no_grad()
     def start_all_gather(self):
         """Every rank's new master shard into the flat param buffer (rounded to its dtype)."""
         mine = self.master.detach().to(self.flat.device, self.flat.dtype, copy=True)
         return mine, self.comm.all_gather(self.flat, mine, async_op=True)
 
     # -- checkpoints: a shard made whole, and cut again --
-    @torch.no_grad()
     def unshard(self, shard: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         """{param: its full tensor (cpu)} from every rank's `shard` (a collective)."""
         full = torch.empty(self.padded, dtype=shard.dtype, device=self.flat.device)
         self.comm.all_gather(full, shard.detach().to(self.flat.device, copy=True))
-        return {p: full[where].view(p.shape).cpu().clone() for p, where in self.slices()}
+        return {p: full[where].view(p.shape).cpu().clone() for p, where in self.slices}
 
     def pack(self, full: dict[nn.Parameter, torch.Tensor], dtype) -> torch.Tensor:
         """The whole padded bucket from {param: full tensor} (absent → 0), on the CPU."""
         flat = torch.zeros(self.padded, dtype=dtype)
-        for p, where in self.slices():
+        for p, where in self.slices:
             if p in full:
                 flat[where] = full[p].reshape(-1).to(dtype)
         return flat
@@ -199,8 +165,8 @@ class ShardedState:
 
     @torch.no_grad()
     def full_state(self) -> tuple[dict, dict]:
-        """({param: full fp32 value}, {param: {state name: full tensor}}), all on the CPU and
-        on every rank: a collective over the group. 0-dim state (Adam's step) is kept as is."""
+        """({param: full fp32 value}, {param: {state name: full tensor}}) on the CPU of every
+        rank (a collective). 0-dim state (Adam's step) is kept as is."""
         values = {p: p.detach().float().cpu().clone() for p in self.frozen}
         states = {p: {} for p in self.frozen}
         for b in self.buckets:
@@ -235,8 +201,7 @@ class ShardedState:
 
     # -- torch's state_dict, as ZeroRedundancyOptimizer has it ---------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the whole optimizer state (a collective); rank `to` of the group keeps it
-        for `state_dict()`."""
+        """Gather the whole state (a collective); rank `to` keeps it for `state_dict()`."""
         _, states = self.full_state()
         params = [p for g in self.param_groups for p in g["params"]]
         index = iter(range(len(params)))
@@ -284,30 +249,25 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
             raise ZeroError(f"bucket_mb must be at least 0, got {bucket_mb}")
         super().__init__(params, optimizer_kwargs)
         self.comm, self.stage, self.offload = communicator(group, "dp"), stage, offload
-        self.group_buckets: list[list[FlatBucket]] = []
-        self.frozen = []
+        self.frozen, self.buckets, inner_groups = [], [], []
         for g in self.param_groups:
-            trainable = [p for p in g["params"] if p.requires_grad]
             self.frozen += [p for p in g["params"] if not p.requires_grad]
-            self.group_buckets.append([FlatBucket(ps, self.comm, offload)
-                                       for ps in bucket_params(trainable, bucket_mb)])
+            mine = [FlatBucket(ps, self.comm, offload) for ps in
+                    bucket_params([p for p in g["params"] if p.requires_grad], bucket_mb)]
+            self.buckets += mine
+            inner_groups.append({**g, "params": [b.master for b in mine]})
         with torch.no_grad():
             for p in self.frozen:  # not stepped, but the replicas must start equal too
                 self.comm.broadcast(p.detach(), src=0)
-        self.buckets = [b for bs in self.group_buckets for b in bs]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-
-        self.inner = optimizer_class(
-            [{**{k: v for k, v in g.items() if k != "params"}, "params": [b.master for b in bs]}
-             for g, bs in zip(self.param_groups, self.group_buckets)], **optimizer_kwargs)
+        self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
         for g, inner in zip(self.param_groups, self.inner.param_groups):
             for k, v in inner.items():  # show the inner optimizer's defaults here too
                 g.setdefault(k, v)
         self.reduced = False  # reduce_gradients done for this step
         self.callback_queued = False
-        if stage == 2:
-            self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
-                          for p in self.bucket_of]
+        for p in self.bucket_of if stage == 2 else ():
+            p.register_post_accumulate_grad_hook(self._grad_ready)
 
     # -- stage 2: each bucket reduce-scattered as soon as backward completes it --------------
     def _grad_ready(self, param: nn.Parameter) -> None:
@@ -340,17 +300,16 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
                 b.start_reduce_scatter(free_grads=False)  # p.grad stay, as torch keeps them
             elif b.ready or any(p.grad is not None for p in b.params):  # still owed
                 b.start_reduce_scatter(free_grads=True)
-        for b in self.buckets:
+        for b in self.buckets:  # fp32 where the master lives (no copy when it already is)
             b.finish_reduce_scatter()
-            b.master.grad = b.master_grad()
+            b.master.grad = torch.zeros_like(b.master) if b.grad_shard is None else \
+                b.grad_shard.to(b.master.device, torch.float32)
         self.reduced = True
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         self.reduce_gradients()
         for g, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner.update({k: v for k, v in g.items() if k != "params"})  # e.g. a new lr
@@ -373,11 +332,9 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         self.reduced = False
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """For the MemoryLedger (storages counted once: a master that is a view of the params
-        counts as params)."""
+        """For the MemoryLedger (a master that is a view of the params counts once, as params)."""
         return {"params": [b.flat for b in self.buckets] + self.frozen,
-                "grads": [b.grad_shard for b in self.buckets]
-                + [b.master.grad for b in self.buckets]
+                "grads": [t for b in self.buckets for t in (b.grad_shard, b.master.grad)]
                 + [p.grad for g in self.param_groups for p in g["params"]],
                 "optim": optimizer_state_tensors(self.inner),
                 "master": [b.master for b in self.buckets]}
