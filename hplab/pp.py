@@ -13,16 +13,14 @@ while rank 1 works on microbatch 0, rank 0 already runs microbatch 1. The idle t
 the start and end of a step is the **bubble**. A **schedule** is the order in which each rank
 runs forwards (F) and backwards (B) of the microbatches — GPipe, 1F1B, interleaved, ZB-H1.
 Schedules are plain data, built and simulated in `hplab/schedule.py` (no torch); this file
-runs them, and re-exports its names (`pp.build_schedule`, `pp.simulate`, ...).
-
-Gradients: each microbatch's loss is divided by m, so the accumulated gradients are those of
-the mean loss over the whole batch — exactly what one process computes on the full batch.
+runs them, and re-exports its names (`pp.build_schedule`, `pp.simulate`, ...). Each
+microbatch's loss is divided by m, so the accumulated gradients are those of the mean loss
+over the whole batch — exactly what one process computes on the full batch.
 
 This file reads in three parts:
 
-1. **Stages**: split the GPT by layers (embedding on the first, head on the last); tied
-   embedding / LM-head weights are kept equal by summing their gradients across the first
-   and last stage, as Megatron-LM does.
+1. **Stages**: split the GPT by layers (embedding on the first, head on the last); the tied
+   embedding / LM-head copies are kept equal by summing their gradients (as Megatron-LM).
 2. **Split backward** (ZB-H1): B computes only the gradient of the stage's input, W the
    weight gradients later — for any layer, by cutting autograd's own graph.
 3. **Executor**: runs this rank's action list for real, with point-to-point messages, and
@@ -39,15 +37,14 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge
 
 from hplab.comm import Communicator
 from hplab.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_formula: labs)
+from hplab.models.gpt import cross_entropy as loss_fn  # noqa: F401 (for torch's pipelining)
 from hplab.schedule import (COMPUTE, Action, DeadlockError, PipelineError, Simulation,  # noqa: F401
-                            add_communication, build_schedule, chunk_owner, gpipe_order,
-                            in_flight_max, interleaved_order, measured_bubble, message_key,
-                            one_f_one_b_order, schedule_text, simulate, zb_h1_order)
+                            add_communication, build_schedule, chunk_owner, measured_bubble,
+                            message_key, one_f_one_b_order, schedule_text, simulate)
 
 
 # =========================================================================================
@@ -62,20 +59,15 @@ def split_layers(n_layer: int, num_chunks: int) -> list[range]:
             f"{num_chunks} pipeline chunks (--pp × --virtual-stages) but the model has only "
             f"{n_layer} layers: use at most {n_layer} chunks or more layers (--n-layer)")
     base, extra = divmod(n_layer, num_chunks)
-    bounds = [0]
-    for c in range(num_chunks):
-        bounds.append(bounds[-1] + base + (c < extra))
-    return [range(bounds[c], bounds[c + 1]) for c in range(num_chunks)]
+    start = [c * base + min(c, extra) for c in range(num_chunks + 1)]
+    return [range(start[c], start[c + 1]) for c in range(num_chunks)]
 
 
 class Stage(nn.Module):
     """One model chunk: the embedding (first chunk only), some blocks, the head (last only).
-
     Its registered submodules are only the pieces it owns, so `stage.parameters()` is the
-    chunk's own weights. On the last chunk `lm_head.weight` is the same tensor as `wte.weight`
-    (tied); when first and last chunk live on different ranks, each rank has its own copy and
-    `sync_tied_gradients` keeps the copies equal.
-    """
+    chunk's own weights. On the last chunk `lm_head.weight` is `wte.weight` (tied); when first
+    and last chunk live on different ranks, `sync_tied_gradients` keeps the two copies equal."""
 
     def __init__(self, gpt, chunk: int, num_chunks: int, layers: range):
         super().__init__()
@@ -97,11 +89,6 @@ class Stage(nn.Module):
         return self.gpt.head(x) if self.is_last else x
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The GPT's loss: mean cross-entropy over the microbatch's tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def build_stages(gpt, rank: int, p: int, virtual_stages: int = 1) -> list[Stage]:
     """The chunks this pipeline rank runs, in chunk order."""
     num_chunks = p * virtual_stages
@@ -112,13 +99,7 @@ def build_stages(gpt, rank: int, p: int, virtual_stages: int = 1) -> list[Stage]
 
 def stage_parameters(stages: list[Stage]) -> list[nn.Parameter]:
     """This rank's parameters, each once (a tied weight owned twice is listed once)."""
-    seen, params = set(), []
-    for stage in stages:
-        for p in stage.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return params
+    return list({id(p): p for stage in stages for p in stage.parameters()}.values())
 
 
 @torch.no_grad()
@@ -138,10 +119,7 @@ def tied_embedding_group(mesh):
     takes part in creating every group (torch.distributed requires it); ranks outside any
     group get None, as do pipelines of one stage."""
     mine = None
-    for ranks in mesh.groups["pp"]:
-        if len(ranks) < 2:
-            continue
-        ends = [ranks[0], ranks[-1]]
+    for ends in ([ranks[0], ranks[-1]] for ranks in mesh.groups["pp"] if len(ranks) > 1):
         group = dist.new_group(ends)
         if mesh.rank in ends:
             mine = Communicator(group, "pp", mesh.ledger, ends, mesh.device)
@@ -153,10 +131,8 @@ def sync_tied_gradients(stages: list[Stage], tied_comm) -> None:
     Split across two ranks, each copy gets only its own use's gradient; summing the two
     gradients gives both copies the true gradient, so both take the same optimizer step and
     stay equal (they started equal: same seed)."""
-    if tied_comm is None:
-        return
     ends = [s for s in stages if s.is_first or s.is_last]
-    if not ends:
+    if tied_comm is None or not ends:
         return
     weight = ends[0].wte.weight if ends[0].is_first else ends[0].lm_head.weight
     if weight.grad is None:
@@ -168,24 +144,24 @@ def sync_tied_gradients(stages: list[Stage], tied_comm) -> None:
 # 2. Split backward: B (the input's gradient) now, W (the weights' gradients) later
 # =========================================================================================
 #
-# ZB-H1 splits each backward in two. B computes what the previous rank waits for: the
-# gradient of this stage's input. W computes the weight gradients, which nobody waits for,
-# so W can fill the bubbles. Autograd can split any layer, with no knowledge of what it is
-# (a Linear, a tensor-parallel slice, a Conv1D, a hand-written autograd.Function):
+# ZB-H1 splits each backward in two: B computes what the previous rank waits for, the gradient
+# of this stage's input; W the weight gradients, which nobody waits for, so W fills bubbles.
+# Autograd splits any layer without knowing what it is (a Linear, a tensor-parallel slice, a
+# Conv1D, a hand-written autograd.Function):
 #
-#   B   `torch.autograd.grad(out, [x])` runs only the graph's nodes on a path from the output
-#       to the input x; a built-in op asked for its input's gradient alone skips the weight
-#       product (for y = x Wᵀ it computes dx = dy W, not dW = dyᵀ x). On the way, remember
-#       the gradient reaching each **frontier** node: a node on the path to x whose other
-#       inputs lead to weights (the matmul x·Wᵀ, whose other input is Wᵀ).
+#   B   `torch.autograd.grad(out, [x])` runs only the nodes on a path from the output to the
+#       input x; a built-in op asked for its input's gradient alone skips the weight product
+#       (for y = x Wᵀ: dx = dy W, not dW = dyᵀ x). On the way, remember the gradient reaching
+#       each **frontier** node: one on the path to x whose other inputs lead to weights (the
+#       matmul x·Wᵀ, whose other input is Wᵀ).
 #   W   start autograd again from the frontier nodes, with the remembered gradients, towards
-#       the weights only: exactly the products B skipped. They accumulate into `p.grad` the
-#       ordinary way (created if None; post-accumulate-grad hooks fire, as in any backward).
+#       the weights only: exactly the products B skipped, accumulated into `p.grad` as usual
+#       (created if None; post-accumulate-grad hooks fire).
 #
-# As torch.distributed.pipelining's stage_backward_input / _weight. Weights sharing a
-# frontier node form one group; a frontier node reached again from another (a weight used
-# twice) is pinned to what B saw, so nothing counts twice. A hand-written autograd.Function
-# computes all its gradients when it runs: its weight part is dropped in B, redone in W.
+# As torch.distributed.pipelining's stage_backward_input / _weight. Weights sharing a frontier
+# node form one group; a frontier node reached again from another (a weight used twice) is
+# pinned to what B saw, so nothing counts twice. A hand-written autograd.Function computes all
+# its gradients when it runs: its weight part is dropped in B, redone in W.
 
 def _grad_node(t: torch.Tensor):
     """The autograd node that receives t's gradient: its grad_fn, or for a leaf (a weight, a
@@ -265,6 +241,7 @@ def backward_weight(work) -> None:
 
 @dataclass
 class TraceEvent:
+    """One action of the trace: F, B, W, send or recv (a wait); seconds from the step start."""
     kind: str
     microbatch: int
     chunk: int
@@ -283,22 +260,18 @@ class PipelineExecutor:
     the list says and awaited by the computation that needs it. A plan with W actions splits
     each backward (`backward_input` in B, `backward_weight` in W); the first stage has no
     input gradient (its input is token ids): its B is empty, its W the whole backward.
-
-    Only the pipeline happens here: gradients are left accumulated in `.grad` (None before
-    is fine) for the caller to sync over dp, sum the tied embedding and step. `memory` (a
-    MemoryLedger) measures each forward's saved activations; `trace` gets every action."""
+    Gradients are left accumulated in `.grad` (None before is fine) for the caller to sync
+    over dp, sum the tied embedding and step. `memory` (a MemoryLedger) measures each
+    forward's saved activations; `trace` gets every action."""
 
     def __init__(self, stages: list[Stage], plan: list[Action], comm, memory=None,
                  dtype=torch.float32):
         self.stages = {s.chunk: s for s in stages}
-        self.plan, self.comm = plan, comm
-        self.memory = memory
+        self.plan, self.comm, self.memory, self.dtype = plan, comm, memory, dtype
         self.split_backward = any(a.kind == "W" for a in plan)
-        self.dtype = dtype
         self.loss_scale = 1.0  # fp16: the loss is multiplied by this before backward
         self.trace: list[TraceEvent] = []
-        self.in_flight_max = 0
-        self.activation_bytes_in_flight_max = 0
+        self.in_flight_max = self.activation_bytes_in_flight_max = 0  # over every step run
 
     def backward(self, stage: Stage, out, grad, x):
         """B of one microbatch: returns the gradient of the stage input (None on the first
@@ -315,40 +288,31 @@ class PipelineExecutor:
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[float]:
         """One step: runs every action; returns the losses of the microbatches whose last chunk
         is here (empty on other ranks). Gradients are left accumulated in `.grad`."""
-        m = len(inputs)
-        device = inputs[0].device
-        act_shape = (*inputs[0].shape, self.stages[next(iter(self.stages))].gpt.config.n_embd)
-        stage_in, stage_out, input_grads = {}, {}, {}
-        received: dict[tuple, tuple] = {}  # message key -> (buffer, pending)
-        sends, weight_work, act_bytes = [], {}, {}
-        held = held_bytes = 0
-        self.trace = []
+        m, stage = len(inputs), next(iter(self.stages.values()))
+        act_shape = (*inputs[0].shape, stage.gpt.config.n_embd)
+        stage_in, stage_out, input_grads, weight_work = {}, {}, {}, {}
+        act_bytes = {}  # (microbatch, chunk) -> bytes of activations held until its release
+        received, sends, step_losses = {}, [], []  # received: message key -> (buffer, pending)
         release = "W" if self.split_backward else "B"
-        step_losses = []
+        self.trace = []
         t0 = time.perf_counter()
 
         def record(kind, a, start):
             self.trace.append(TraceEvent(kind, a.microbatch, a.chunk, start - t0,
                                          time.perf_counter() - t0))
 
-        def wait_for(key, a):
-            buffer, pending = received.pop(key)
-            start = time.perf_counter()
-            pending.wait()
-            record("recv", a, start)
-            return buffer
-
         for a in self.plan:
             sends = [s for s in sends if not s[1].is_completed()]  # free delivered buffers
-            start = time.perf_counter()
-            mb, c = a.microbatch, a.chunk
+            start, mb, c, message = time.perf_counter(), a.microbatch, a.chunk, None
+            stage = self.stages.get(c)
+            key = ("act" if a.kind == "F" else "grad", mb, c)
+            if a.kind in ("F", "B") and key in received:  # wait for the computation's input
+                message, pending = received.pop(key)
+                pending.wait()
+                record("recv", a, start)
+                start = time.perf_counter()
             if a.kind == "F":
-                stage = self.stages[c]
-                if stage.is_first:
-                    x = inputs[mb]
-                else:
-                    x = wait_for(("act", mb, c), a).requires_grad_()
-                    start = time.perf_counter()
+                x = inputs[mb] if stage.is_first else message.requires_grad_()
                 tracker = (self.memory.track_activations(exclude=stage.parameters())
                            if self.memory is not None else contextlib.nullcontext([0]))
                 with tracker as counted:
@@ -357,41 +321,27 @@ class PipelineExecutor:
                         loss = stage.gpt.loss_fn(out, targets[mb])  # vocab-parallel under TP
                         step_losses.append(loss.detach())
                         out = loss * self.loss_scale / m  # 1/m of the batch's mean
-                stage_in[(mb, c)], stage_out[(mb, c)] = x, out
-                act_bytes[(mb, c)] = counted[0]
-                held, held_bytes = held + 1, held_bytes + act_bytes[(mb, c)]
-                self.in_flight_max = max(self.in_flight_max, held)
+                stage_in[mb, c], stage_out[mb, c], act_bytes[mb, c] = x, out, counted[0]
+                self.in_flight_max = max(self.in_flight_max, len(act_bytes))
                 self.activation_bytes_in_flight_max = max(self.activation_bytes_in_flight_max,
-                                                          held_bytes)
-                record("F", a, start)
+                                                          sum(act_bytes.values()))
             elif a.kind == "B":
-                stage = self.stages[c]
-                out = stage_out.pop((mb, c))
-                if stage.is_last:
-                    grad = None
-                else:
-                    grad = wait_for(("grad", mb, c), a)
-                    start = time.perf_counter()
-                grad_x, weight_work[(mb, c)] = self.backward(stage, out, grad, stage_in[(mb, c)])
-                if not stage.is_first:
-                    input_grads[(mb, c)] = grad_x
-                record("B", a, start)
+                input_grads[mb, c], weight_work[mb, c] = self.backward(
+                    stage, stage_out.pop((mb, c)), message, stage_in[mb, c])
             elif a.kind == "W":
                 weight_work.pop((mb, c))()  # the microbatch's graph goes with it
-                record("W", a, start)
-            elif a.kind in ("send_act", "send_grad"):
-                tensor = (stage_out[(mb, c)].detach() if a.kind == "send_act"
+            elif a.kind.startswith("send"):
+                tensor = (stage_out[mb, c].detach() if a.kind == "send_act"
                           else input_grads.pop((mb, c)))
                 sends.append((tensor, self.comm.send(tensor, a.peer, async_op=True)))
-                record("send", a, start)
             else:  # recv_act / recv_grad: post the receive now, wait for it when needed
-                buffer = torch.empty(act_shape, dtype=self.dtype, device=device)
-                key = ("act" if a.kind == "recv_act" else "grad", mb, c)
-                received[key] = (buffer, self.comm.recv(buffer, a.peer, async_op=True))
+                buffer = torch.empty(act_shape, dtype=self.dtype, device=inputs[0].device)
+                received[message_key(a)] = (buffer, self.comm.recv(buffer, a.peer, async_op=True))
+            if not a.kind.startswith("recv"):
+                record("send" if a.kind.startswith("send") else a.kind, a, start)
             if a.kind == release:  # this microbatch's activations are gone
-                freed = act_bytes.pop((mb, c))
-                held, held_bytes = held - 1, held_bytes - freed
                 stage_in.pop((mb, c))
+                freed = act_bytes.pop((mb, c))
                 if self.memory is not None:
                     self.memory.release_activations(freed)
         for _, pending in sends:

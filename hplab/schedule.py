@@ -2,9 +2,9 @@
 
 A pipeline cuts the model's layers into p **stages**, one per rank, and the batch into m
 **microbatches**. A **schedule** is the order in which each rank runs the forward (F) and the
-backward (B) of each microbatch on each of its model chunks. This file writes every schedule
-as data — for each rank a list of actions — so that one list can be printed, simulated with
-given costs, checked for deadlocks, drawn, and run for real by `hplab.pp.PipelineExecutor`:
+backward (B) of each microbatch on each of its model chunks. Here every schedule is data — for
+each rank a list of actions — that can be printed, simulated with given costs, checked for
+deadlocks, drawn, and run for real by `hplab.pp.PipelineExecutor`:
 
     GPipe        all F, then all B.                 bubble (p-1)/(m+p-1) of the step,
                                                     every rank holds m microbatches' activations
@@ -18,22 +18,17 @@ given costs, checked for deadlocks, drawn, and run for real by `hplab.pp.Pipelin
                  and W (weight gradients, can wait)  every rank holds up to p microbatches
                                                      (until their W): 1F1B's peak, rank 0
 
-The **bubble** is the idle time left at the start and end of a step, while the pipeline
-fills and drains; its textbook formulas live in `hplab.formulas` (`bubble_formula`).
-
-This file reads in three parts:
-
-1. **Actions and schedules**: F, B, W with a microbatch and a chunk id; each schedule's
-   per-rank compute order; then the sends and receives those orders need.
-2. **Simulator**: the same lists, run with given F, B, W costs, give the ideal timeline (and
-   prove the schedule cannot deadlock).
-3. **Measured bubble**: the same idle share, from the timestamps a real run recorded.
-
-Only the standard library is used, so the labs' schedule drawings and the planner load fast.
+The **bubble** is the idle time at the start and end of a step, while the pipeline fills and
+drains; its textbook formulas are `hplab.formulas.bubble_formula`. This file reads in three
+parts: 1. the actions, each schedule's per-rank compute order, and the sends and receives those
+orders need; 2. a simulator that runs the lists with given F, B, W costs: the ideal timeline,
+and the proof that the schedule cannot deadlock; 3. the same idle share, measured from the
+timestamps of a real run. Only the standard library is used, so the drawings load fast.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from hplab.formulas import SCHEDULES
@@ -61,13 +56,10 @@ def chunk_owner(chunk: int, p: int) -> int:
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one rank's program.
-
-    kind: "F" forward, "B" backward (input gradient; with no W in the schedule, also the
-    weight gradients), "W" weight gradients; "send_act"/"recv_act" an activation,
-    "send_grad"/"recv_grad" an activation's gradient. `chunk` is the local chunk the action
-    belongs to; `peer` is the other rank of a send or receive.
-    """
+    """One step of one rank's program. kind: "F" forward, "B" backward (input gradient; with
+    no W in the schedule, also the weight gradients), "W" weight gradients; "send_act" /
+    "recv_act" an activation, "send_grad" / "recv_grad" its gradient. `chunk`: the model chunk
+    it belongs to (a receive: the chunk that consumes it); `peer`: a message's other rank."""
 
     kind: str
     microbatch: int
@@ -75,23 +67,27 @@ class Action:
     peer: int | None = None
 
     def __str__(self) -> str:
-        tail = f"{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
-        return f"{self.kind}{tail}" + (f"→{self.peer}" if self.kind.startswith("send") else
-                                        f"←{self.peer}" if self.kind.startswith("recv") else "")
+        arrow = {"send": "→", "recv": "←"}.get(self.kind[:4])
+        return (f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+                + (f"{arrow}{self.peer}" if arrow else ""))
 
 
-def message_key(action: Action, num_chunks: int) -> tuple:
+def message_key(action: Action) -> tuple:
     """Which message a send or receive carries: (activation or gradient, microbatch, the chunk
     that consumes it). A send and a receive match when their keys are equal."""
-    if action.kind == "send_act":
-        return ("act", action.microbatch, action.chunk + 1)
-    if action.kind == "recv_act":
-        return ("act", action.microbatch, action.chunk)
-    if action.kind == "send_grad":
-        return ("grad", action.microbatch, action.chunk - 1)
-    if action.kind == "recv_grad":
-        return ("grad", action.microbatch, action.chunk)
-    raise ValueError(f"{action.kind} is not a message")
+    what, towards_consumer = {"send_act": ("act", 1), "recv_act": ("act", 0),
+                              "send_grad": ("grad", -1), "recv_grad": ("grad", 0)}[action.kind]
+    return what, action.microbatch, action.chunk + towards_consumer
+
+
+def input_message(a: Action, num_chunks: int) -> tuple | None:
+    """The message computation `a` waits for: F its input activation (but on chunk 0: the
+    tokens), B its output's gradient (but on the last chunk: the loss's); else None."""
+    if a.kind == "F" and a.chunk > 0:
+        return "act", a.microbatch, a.chunk
+    if a.kind == "B" and a.chunk < num_chunks - 1:
+        return "grad", a.microbatch, a.chunk
+    return None
 
 
 def gpipe_order(p: int, m: int) -> list[list[tuple]]:
@@ -99,19 +95,19 @@ def gpipe_order(p: int, m: int) -> list[list[tuple]]:
     return [[("F", i, r) for i in range(m)] + [("B", i, r) for i in range(m)] for r in range(p)]
 
 
+def _warm_up_then_alternate(forwards: list, backwards: list, warmup: int) -> list:
+    """`warmup` forwards, then one forward and one backward in turn, then the backwards left."""
+    steady = [a for pair in zip(forwards[warmup:], backwards) for a in pair]
+    return forwards[:warmup] + steady + backwards[len(forwards) - warmup:]
+
+
 def one_f_one_b_order(p: int, m: int) -> list[list[tuple]]:
     """1F1B (PipeDream-Flush, Narayanan et al. 2021): rank r runs p-r-1 warm-up forwards, then
     alternates one forward and one backward, then finishes the remaining backwards. A
     microbatch's activations are freed by its backward, so rank r never holds more than p-r."""
-    orders = []
-    for r in range(p):
-        warmup = min(p - r - 1, m)
-        order = [("F", i, r) for i in range(warmup)]
-        for i in range(m - warmup):
-            order += [("F", warmup + i, r), ("B", i, r)]
-        order += [("B", i, r) for i in range(m - warmup, m)]
-        orders.append(order)
-    return orders
+    return [_warm_up_then_alternate([("F", i, r) for i in range(m)],
+                                    [("B", i, r) for i in range(m)], min(p - r - 1, m))
+            for r in range(p)]
 
 
 def interleaved_order(p: int, m: int, v: int) -> list[list[tuple]]:
@@ -124,29 +120,15 @@ def interleaved_order(p: int, m: int, v: int) -> list[list[tuple]]:
             f"the interleaved schedule runs microbatches in groups of p={p}, but --microbatches "
             f"is {m}: use a multiple of {p}")
 
-    def unit(k: int, forward: bool) -> tuple[int, int]:
-        local = (k // p) % v
-        local = local if forward else v - 1 - local
-        return (k // (p * v)) * p + k % p, local
+    def unit(kind: str, k: int, r: int) -> tuple:
+        local = (k // p) % v if kind == "F" else v - 1 - (k // p) % v
+        return kind, (k // (p * v)) * p + k % p, local * p + r
 
-    orders = []
-    for r in range(p):
-        total = m * v
-        warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
-        order = []
-        for k in range(warmup):
-            mb, local = unit(k, True)
-            order.append(("F", mb, local * p + r))
-        for k in range(total - warmup):
-            mb, local = unit(warmup + k, True)
-            order.append(("F", mb, local * p + r))
-            mb, local = unit(k, False)
-            order.append(("B", mb, local * p + r))
-        for k in range(total - warmup, total):
-            mb, local = unit(k, False)
-            order.append(("B", mb, local * p + r))
-        orders.append(order)
-    return orders
+    units = range(m * v)
+    return [_warm_up_then_alternate([unit("F", k, r) for k in units],
+                                    [unit("B", k, r) for k in units],
+                                    min(2 * (p - r - 1) + (v - 1) * p, m * v))
+            for r in range(p)]
 
 
 def zb_h1_order(p: int, m: int) -> list[list[tuple]]:
@@ -159,15 +141,9 @@ def zb_h1_order(p: int, m: int) -> list[list[tuple]]:
     (p-r-1 forwards ahead), while every W is p-1 microbatches behind its F: on the last rank
     W waits for up to p-1 later backwards, which shortens the chain of B's the first rank
     waits for. A microbatch is held until its W: at most p at once, 1F1B's peak (rank 0)."""
-    orders = []
-    for r in range(p):
-        order = []
-        for x in range(m + p - 1):
-            for kind, mb in (("F", x), ("B", x - (p - 1 - r)), ("W", x - (p - 1))):
-                if 0 <= mb < m:
-                    order.append((kind, mb, r))
-        orders.append(order)
-    return orders
+    return [[(kind, mb, r) for x in range(m + p - 1)
+             for kind, mb in (("F", x), ("B", x - (p - 1 - r)), ("W", x - (p - 1)))
+             if 0 <= mb < m] for r in range(p)]
 
 
 def add_communication(orders: list[list[tuple]], p: int, v: int) -> list[list[Action]]:
@@ -179,38 +155,26 @@ def add_communication(orders: list[list[tuple]], p: int, v: int) -> list[list[Ac
     on NCCL and gloo alike), so a receive may be posted early, never late.
     """
     num_chunks = p * v
-    plans: list[list[Action]] = []
-    for r in range(p):
+    plans, queues = [], {}  # queues[sender, receiver]: the receiver's receives, in send order
+    for r, order in enumerate(orders):
         plan = []
-        for kind, mb, chunk in orders[r]:
+        for kind, mb, chunk in order:
             plan.append(Action(kind, mb, chunk))
-            if kind == "F" and chunk < num_chunks - 1:
-                plan.append(Action("send_act", mb, chunk, chunk_owner(chunk + 1, p)))
-            if kind == "B" and chunk > 0:
-                plan.append(Action("send_grad", mb, chunk, chunk_owner(chunk - 1, p)))
+            to = chunk + 1 if kind == "F" else chunk - 1  # the chunk that consumes the output
+            if kind in ("F", "B") and 0 <= to < num_chunks:
+                what, peer = "act" if kind == "F" else "grad", chunk_owner(to, p)
+                plan.append(Action(f"send_{what}", mb, chunk, peer))
+                queues.setdefault((r, peer), []).append(Action(f"recv_{what}", mb, to, r))
         plans.append(plan)
-    # what each rank sends to each peer, in order, as receive actions on the peer
-    sent_to: dict[tuple[int, int], list[Action]] = {}
-    for r, plan in enumerate(plans):
-        for a in plan:
-            if a.kind.startswith("send"):
-                key = message_key(a, num_chunks)
-                kind = "recv_act" if key[0] == "act" else "recv_grad"
-                sent_to.setdefault((r, a.peer), []).append(Action(kind, key[1], key[2], r))
     full = []
     for r, plan in enumerate(plans):
-        posted = {src: 0 for (src, dst) in sent_to if dst == r}
-        out = []
+        out, posted = [], set()
         for a in plan:
-            needs = (a.kind == "F" and a.chunk > 0) or (a.kind == "B" and a.chunk < num_chunks - 1)
-            if needs:
-                src = chunk_owner(a.chunk - 1 if a.kind == "F" else a.chunk + 1, p)
-                kind = "recv_act" if a.kind == "F" else "recv_grad"
-                want = Action(kind, a.microbatch, a.chunk, src)
-                queue = sent_to[(src, r)]
-                while want not in queue[:posted[src]]:
-                    out.append(queue[posted[src]])
-                    posted[src] += 1
+            key = input_message(a, num_chunks)
+            sender = chunk_owner(a.chunk - 1 if a.kind == "F" else a.chunk + 1, p)
+            while key is not None and key not in posted:  # the sender's messages, in order
+                out.append(queues[sender, r].pop(0))
+                posted.add(message_key(out[-1]))
             out.append(a)
         full.append(out)
     return full
@@ -219,30 +183,27 @@ def add_communication(orders: list[list[tuple]], p: int, v: int) -> list[list[Ac
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """The action list of every rank for schedule `name` with p ranks, m microbatches and
     (interleaved only) v chunks per rank."""
-    if name not in SCHEDULES:
-        raise PipelineError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
-    if p < 2:
-        raise PipelineError(f"a pipeline needs at least 2 stages, got --pp {p}")
-    if m < 1:
-        raise PipelineError(f"--microbatches must be at least 1, got {m}")
-    if v < 1:
-        raise PipelineError(f"--virtual-stages must be at least 1, got {v}")
-    if name != "interleaved" and v != 1:
-        raise PipelineError(f"--virtual-stages {v} needs --schedule interleaved "
-                            f"(the {name} schedule runs one chunk per rank)")
-    if name == "interleaved" and v < 2:
-        raise PipelineError("the interleaved schedule needs --virtual-stages of at least 2 "
-                            "(with 1 chunk per rank it is plain 1f1b)")
-    orders = {"gpipe": lambda: gpipe_order(p, m), "1f1b": lambda: one_f_one_b_order(p, m),
-              "interleaved": lambda: interleaved_order(p, m, v),
-              "zb-h1": lambda: zb_h1_order(p, m)}[name]()
-    return add_communication(orders, p, v)
+    for wrong, message in (
+            (name not in SCHEDULES, f"unknown schedule {name!r}: choose one of "
+                                    f"{', '.join(SCHEDULES)}"),
+            (p < 2, f"a pipeline needs at least 2 stages, got --pp {p}"),
+            (m < 1, f"--microbatches must be at least 1, got {m}"),
+            (v < 1, f"--virtual-stages must be at least 1, got {v}"),
+            (name != "interleaved" and v != 1, f"--virtual-stages {v} needs --schedule "
+             f"interleaved (the {name} schedule runs one chunk per rank)"),
+            (name == "interleaved" and v < 2, "the interleaved schedule needs --virtual-stages "
+             "of at least 2 (with 1 chunk per rank it is plain 1f1b)")):
+        if wrong:
+            raise PipelineError(message)
+    if name == "interleaved":
+        return add_communication(interleaved_order(p, m, v), p, v)
+    orders = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}[name]
+    return add_communication(orders(p, m), p, v)
 
 
-def schedule_text(plans: list[list[Action]], compute_only: bool = True) -> str:
-    """One line per rank, e.g. `rank 1: F0 F1 B0 F2 B1 ...` (chunk ids after a dot)."""
-    return "\n".join(f"rank {r}: " + " ".join(str(a) for a in plan
-                                              if not compute_only or a.kind in COMPUTE)
+def schedule_text(plans: list[list[Action]]) -> str:
+    """One line per rank of its computations: `rank 0: F0 F1 B0 ...` (chunk after a dot)."""
+    return "\n".join(f"rank {r}: " + " ".join(str(a) for a in plan if a.kind in COMPUTE)
                      for r, plan in enumerate(plans))
 
 
@@ -257,26 +218,17 @@ class Simulation:
     timeline: list[list[tuple[Action, float, float]]]
     makespan: float
 
-    def busy(self, rank: int) -> float:
-        return sum(end - start for a, start, end in self.timeline[rank] if a.kind in COMPUTE)
-
     def bubble_fraction(self, rank: int) -> float:
         """Idle share of the step on this rank: 1 - compute time / step time."""
-        return 1 - self.busy(rank) / self.makespan
+        busy = sum(end - start for a, start, end in self.timeline[rank] if a.kind in COMPUTE)
+        return 1 - busy / self.makespan
 
     def in_flight_max(self, rank: int) -> int:
         """Most microbatch-chunks whose activations the rank held at once (F done, its last
         backward piece — W if the schedule has one, else B — not yet)."""
-        return in_flight_max([a for a, _, _ in self.timeline[rank]])
-
-
-def in_flight_max(actions: list[Action]) -> int:
-    release = "W" if any(a.kind == "W" for a in actions) else "B"
-    held = peak = 0
-    for a in actions:
-        held += (a.kind == "F") - (a.kind == release)
-        peak = max(peak, held)
-    return peak
+        actions = [a.kind for a, _, _ in self.timeline[rank]]
+        release = "W" if "W" in actions else "B"
+        return max(itertools.accumulate((k == "F") - (k == release) for k in actions))
 
 
 def simulate(plans: list[list[Action]], f: float = 1.0, b: float = 1.0, w: float = 1.0,
@@ -288,13 +240,11 @@ def simulate(plans: list[list[Action]], f: float = 1.0, b: float = 1.0, w: float
     Sends never wait. A computation waits for its input message. If no rank can move and some
     are not finished, the schedule deadlocks: DeadlockError names where each rank is stuck."""
     p = len(plans)
-    num_chunks = p * max(1 + max(a.chunk for a in plan) // p for plan in plans)
-    v = num_chunks // p
+    v = 1 + max(a.chunk for plan in plans for a in plan) // p
     split = any(a.kind == "W" for plan in plans for a in plan)
     cost = {"F": f / v, "B": (b if split else b + w) / v, "W": w / v}
-    arrival: dict[tuple, float] = {}
-    posted: list[set] = [set() for _ in range(p)]
-    finished: list[set] = [set() for _ in range(p)]
+    arrival: dict[tuple, float] = {}  # message key -> when it arrives
+    finished: set[tuple] = set()
     pos, clock = [0] * p, [0.0] * p
     timeline: list[list] = [[] for _ in range(p)]
     moved = True
@@ -303,29 +253,18 @@ def simulate(plans: list[list[Action]], f: float = 1.0, b: float = 1.0, w: float
         for r in range(p):
             while pos[r] < len(plans[r]):
                 a = plans[r][pos[r]]
+                before = {"B": "F", "W": "B"}.get(a.kind)
+                if before and (before, a.microbatch, a.chunk) not in finished:
+                    raise DeadlockError(f"rank {r} runs {a} before its {before}")
+                key = input_message(a, p * v)
+                if key is not None and key not in arrival:
+                    break  # the sender has not got there yet
+                start = clock[r] if key is None else max(clock[r], arrival[key])
                 if a.kind.startswith("send"):
-                    arrival[message_key(a, num_chunks)] = clock[r] + latency
-                    timeline[r].append((a, clock[r], clock[r]))
-                elif a.kind.startswith("recv"):
-                    posted[r].add(message_key(a, num_chunks))
-                    timeline[r].append((a, clock[r], clock[r]))
-                else:
-                    before = {"B": "F", "W": "B"}.get(a.kind)
-                    if before and (before, a.microbatch, a.chunk) not in finished[r]:
-                        raise DeadlockError(f"rank {r} runs {a} before its {before}")
-                    finished[r].add((a.kind, a.microbatch, a.chunk))
-                    start = clock[r]
-                    needs = ((a.kind == "F" and a.chunk > 0) or
-                             (a.kind == "B" and a.chunk < num_chunks - 1))
-                    if needs:
-                        key = ("act" if a.kind == "F" else "grad", a.microbatch, a.chunk)
-                        if key not in posted[r]:
-                            raise DeadlockError(f"rank {r} runs {a} without receiving its input")
-                        if key not in arrival:
-                            break  # the sender has not got there yet
-                        start = max(start, arrival[key])
-                    clock[r] = start + cost[a.kind]
-                    timeline[r].append((a, start, clock[r]))
+                    arrival[message_key(a)] = start + latency
+                clock[r] = start + cost.get(a.kind, 0.0)
+                finished.add((a.kind, a.microbatch, a.chunk))
+                timeline[r].append((a, start, clock[r]))
                 pos[r] += 1
                 moved = True
     stuck = {r: str(plans[r][pos[r]]) for r in range(p) if pos[r] < len(plans[r])}

@@ -1,9 +1,9 @@
 """Tensor parallel (Megatron-LM, Shoeybi et al. 2019), from scratch.
 
-Data parallel copies the whole model to every rank. Tensor parallel instead cuts every weight
-matrix of every layer across the T ranks of a tensor-parallel group, so each rank holds and
-multiplies only 1/T of it. The ranks then have to exchange activations inside every layer —
-which is why TP groups live on the fastest links (the GPUs of one node).
+Data parallel copies the whole model to every rank. Tensor parallel cuts every weight matrix
+across the T ranks of a tensor-parallel group: each rank holds and multiplies 1/T of it, and
+the ranks exchange activations inside every layer (so TP groups live on the fastest links,
+the GPUs of one node).
 
 **Two ways to cut a linear layer** Y = X·Aᵀ (A stored [out, in] as in `nn.Linear`):
 
@@ -12,40 +12,33 @@ which is why TP groups live on the fastest links (the GPUs of one node).
 * *Row parallel*: split the **inputs**. Rank r holds the columns B_r of B and the r-th slice
   Y_r of its input; Y_r·B_rᵀ is a *partial sum*, and Z = Σ_r Y_r·B_rᵀ needs an all-reduce.
 
-**Column then row: one all-reduce.** The MLP is Z = GeLU(X·Aᵀ)·Bᵀ. GeLU acts element by
-element, so it can be applied to each rank's slice Y_r independently; the slice Y_r is exactly
-the input a row-parallel B needs. Nothing is exchanged between the two matmuls, and the whole
-MLP costs one all-reduce of Z (b·s·h numbers) in forward. In backward, the mirror image: the
-gradient of X is a sum of every rank's contribution, one all-reduce. Megatron names the pair
+**Column then row: one all-reduce.** In the MLP Z = GeLU(X·Aᵀ)·Bᵀ, GeLU acts element by
+element, so each rank applies it to its own Y_r: exactly the input a row-parallel B needs.
+Nothing is exchanged between the matmuls: one all-reduce of Z (b·s·h numbers) in forward,
+and its mirror image in backward, one all-reduce of X's gradient. Megatron names the pair
 
     f:  forward identity,    backward all-reduce    (before the column-parallel layer)
     g:  forward all-reduce,  backward identity      (after the row-parallel layer)
 
-**Attention splits by heads.** Heads are independent until the output projection, so rank r
-computes heads r·H/T ... (r+1)·H/T - 1 completely: c_attn is column parallel, c_proj row
-parallel, and attention costs one all-reduce too. c_attn fuses Q, K and V ([q | k | v] along
-its outputs), so a rank takes *its heads' rows from each of the three blocks*, not a plain
-contiguous third of the matrix (which would hand rank 0 all of Q and none of V).
+**Attention splits by heads**, independent until the output projection: rank r computes heads
+r·H/T ... (r+1)·H/T - 1 completely (c_attn column parallel, c_proj row parallel: one
+all-reduce). c_attn fuses [q | k | v] along its outputs, so a rank takes *its heads' rows of
+each block*, not a contiguous third (which would hand rank 0 all of Q and none of V).
 
-**The vocabulary is split too.** The embedding table [V, h] is cut by rows: rank r looks up
-only the ids in its range, writes zeros for the others, and an all-reduce adds the slices. The
-LM head is the same (tied) matrix used column parallel, so each rank ends with the logits of
-its V/T words — and the loss is computed from those slices with three all-reduces of b·s
-numbers (max, sum of exponentials, target logit) instead of ever gathering b·s·V logits. V is
-padded up to a multiple of T when needed; the padding rows are never looked up and their
-logits are masked out of the softmax, so they never change the loss.
+**The vocabulary is split too.** The embedding table [V, h] is cut by rows (each rank looks
+up the ids in its range, an all-reduce adds the slices); the tied LM head is that matrix used
+column parallel, so each rank ends with the logits of its V/T words, and the loss comes from
+those slices with three all-reduces of b·s numbers, never gathering b·s·V logits. V is padded
+up to a multiple of T; padding rows are never looked up, their logits masked out of the loss.
 
 **Sequence parallel** (Korthikanti et al. 2022). Between the TP regions, layer norms (and
-dropout, which this GPT does not use) run on the full activations, replicated on every rank —
-T copies of the same work and memory. Sequence parallel cuts those along the *sequence*
-instead: each rank keeps s/T tokens of the residual stream. The all-reduce g becomes a
-reduce-scatter (sum, then keep my tokens), and f becomes an all-gather (collect everyone's
-tokens before the column-parallel matmul). A reduce-scatter plus an all-gather move exactly
-what one all-reduce moves, so the bandwidth is unchanged while activation memory drops by T.
-The column-parallel layer keeps only its token slice for backward and gathers it again there.
-Parameters that are not split (layer norms, row-parallel biases, position embeddings) now see
-only s/T tokens on each rank, so their gradients are partial sums: `parallelize` marks them
-`p.sequence_parallel_partial = True`, and whoever syncs gradients adds them over the group.
+dropout) run on the full activations, replicated: T copies of the same work and memory.
+Sequence parallel cuts those along the *sequence*: each rank keeps s/T tokens of the residual
+stream; g becomes a reduce-scatter (sum, keep my tokens), f an all-gather (everyone's tokens,
+before the column-parallel matmul). Together they move what one all-reduce moves: the same
+bandwidth, T times less activation memory. Parameters left whole (layer norms, row-parallel
+biases, position embeddings) then see s/T tokens per rank and get partial-sum gradients:
+`parallelize` marks them `p.sequence_parallel_partial = True`, for the gradient sync to add.
 
 Collectives per transformer block, every payload b·s·h (b sequences of s tokens, hidden h):
 
@@ -148,11 +141,10 @@ class LinearWithSequenceGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_slice, weight = ctx.saved_tensors
-        x = _all_gather(x_slice, ctx.comm)  # the tokens again, not kept
+        x = _all_gather(x_slice, ctx.comm).flatten(0, -2)  # the tokens again, not kept
         grad_x = _reduce_scatter(grad_out @ weight, ctx.comm)
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weight = grad_2d.t() @ x.reshape(-1, x.shape[-1])
-        return grad_x, grad_weight, grad_2d.sum(0) if ctx.has_bias else None, None
+        grad_2d = grad_out.flatten(0, -2)  # [tokens, out]: dW = dYᵀ X
+        return grad_x, grad_2d.t() @ x, grad_2d.sum(0) if ctx.has_bias else None, None
 
 
 # --- 3. How a parameter is cut, and glued back -----------------------------------------------
@@ -169,10 +161,9 @@ class Split:
 
 def shard(full: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
     """This rank's piece of `full` (padded with zeros first if `split` says so)."""
-    if split.full_size is not None:
-        padding = list(full.shape)
-        padding[split.dim] = -full.shape[split.dim] % comm.size
-        full = torch.cat([full, full.new_zeros(padding)], split.dim)
+    if split.full_size is not None:  # F.pad's pairs run from the last dimension back
+        after = full.dim() - 1 - split.dim % full.dim()
+        full = F.pad(full, (0, 0) * after + (0, -full.shape[split.dim] % comm.size))
     blocks = full.chunk(split.fused, split.dim)
     return torch.cat([_split(b, comm, split.dim) for b in blocks], split.dim).clone()
 
@@ -205,8 +196,7 @@ def _cut(p: nn.Parameter | None, split: Split, comm: Communicator) -> nn.Paramet
 class ColumnParallelLinear(nn.Module):
     """A linear layer whose *outputs* are split. Input: the full activations (with
     `sequence_parallel`, this rank's tokens, gathered here); output: this rank's slice of the
-    last dimension. `fused` blocks side by side in the outputs (Q | K | V) are cut each. The
-    tied LM head is one too: its weight, the embedding's, arrives cut by the vocabulary."""
+    last dimension. `fused` blocks side by side in the outputs (Q | K | V) are cut each."""
 
     def __init__(self, linear: nn.Module, comm: Communicator, sequence_parallel=False, fused=1):
         super().__init__()
@@ -241,9 +231,8 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """The table [V, h] cut by rows: this rank looks up the ids in [r·V/T, (r+1)·V/T), zeros
-    for the others; the sum over the group (or reduce-scatter) completes every lookup.
-    `given_slice`: under sequence parallel the model is handed only this rank's s/T ids (HF
-    GPT-2); they are all-gathered first (b·s integers, no gradient)."""
+    for the others; the sum over the group (or reduce-scatter) completes every lookup. A model
+    handed only its s/T ids (`given_slice`, HF GPT-2) all-gathers them first (b·s integers)."""
 
     def __init__(self, embedding, comm: Communicator, sequence_parallel=False, given_slice=False):
         super().__init__()
@@ -280,20 +269,18 @@ class SequenceParallelPositions(nn.Module):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
                                  comm: Communicator, vocab_size: int) -> torch.Tensor:
-    """The mean cross-entropy, from each rank's slice of the logits [..., V/T].
-
-    loss = log Σ_v exp(z_v) − z_target, computed in slices:
-      1. m = max_v z_v            all-reduce(max) of b·s numbers — for numerical stability;
-                                  a constant shift, so no gradient flows through it
-      2. S = Σ_v exp(z_v − m)     each rank sums its slice; all-reduce (g) of b·s numbers
+    """The mean cross-entropy, from each rank's slice of the logits [..., V/T]:
+    loss = log Σ_v exp(z_v) − z_target, with three all-reduces of b·s numbers:
+      1. m = max_v z_v            all-reduce(max), for numerical stability; a constant
+                                  shift, so no gradient flows through it
+      2. S = Σ_v exp(z_v − m)     each rank sums its slice; all-reduce (g)
       3. z_target − m             only the rank owning the target id has it, the others
-                                  contribute 0; all-reduce (g) of b·s numbers
-    Vocabulary padding (ids ≥ `vocab_size`) is masked to −∞: exp(−∞) = 0, no gradient.
-    """
+                                  contribute 0; all-reduce (g)
+    Vocabulary padding (ids ≥ `vocab_size`) is masked to −∞: exp(−∞) = 0, no gradient."""
     width = logits.shape[-1]
     first_id = comm.rank * width
-    ids = torch.arange(first_id, first_id + width, device=logits.device)
-    logits = logits.float().masked_fill(ids >= vocab_size, float("-inf"))
+    padding = torch.arange(first_id, first_id + width, device=logits.device) >= vocab_size
+    logits = logits.float().masked_fill(padding, float("-inf"))
     with torch.no_grad():
         max_logit = logits.max(dim=-1).values
         comm.all_reduce(max_logit, op=dist.ReduceOp.MAX)
@@ -358,15 +345,13 @@ HF_GPT2_PLAN = {  # Hugging Face GPT2LMHeadModel, handed s/T ids under sequence 
 def check_divisible(n_head: int, n_embd: int, tp: int, seq_len: int | None = None) -> None:
     """Raise TensorParallelError unless a model with these sizes splits over `tp` ranks."""
     ranks, use = f"{tp} tensor-parallel ranks", "use a tensor-parallel size that divides"
-    if n_head % tp:  # attention is split by heads
-        raise TensorParallelError(f"{n_head} attention heads do not split over {ranks}: "
-                                  f"{use} {n_head}")
-    if n_embd % tp:
-        raise TensorParallelError(f"a hidden size of {n_embd} does not split over {ranks}: "
-                                  f"{use} {n_embd}")
-    if seq_len is not None and seq_len % tp:
-        raise TensorParallelError(f"sequence parallel cuts the {seq_len}-token sequence over "
-                                  f"{ranks}: make the sequence length a multiple of {tp}")
+    for wrong, message in (  # attention is split by heads, the hidden size by columns or rows
+            (n_head % tp, f"{n_head} attention heads do not split over {ranks}: {use} {n_head}"),
+            (n_embd % tp, f"a hidden size of {n_embd} does not split over {ranks}: {use} {n_embd}"),
+            (seq_len and seq_len % tp, f"sequence parallel cuts the {seq_len}-token sequence"
+             f" over {ranks}: make the sequence length a multiple of {tp}")):
+        if wrong:
+            raise TensorParallelError(message)
 
 
 def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = False):
