@@ -36,6 +36,7 @@ import torch.distributed as dist
 from hplab.comm import OPEN_COMMUNICATORS
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HPLAB_TIMEOUT_S", 120))
+TIMEOUT = timedelta(seconds=DEFAULT_TIMEOUT_S)  # of every group: set by init_distributed
 
 
 class LayoutError(ValueError):
@@ -64,6 +65,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     process. `backend` overrides the choice (e.g. "gloo" on a GPU machine).
     """
     if not dist.is_initialized():
+        die_with_launcher()
         for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                                MASTER_PORT=str(free_port())).items():
             os.environ.setdefault(key, value)
@@ -74,11 +76,28 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        global TIMEOUT
+        TIMEOUT = timedelta(seconds=timeout_s)
         import_before_the_group_exists()
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=TIMEOUT)
         atexit.unregister(shutdown)  # once, however often we start
         atexit.register(shutdown)
     return device
+
+
+def new_group(ranks: list[int]):
+    """`dist.new_group` with the world's timeout (torch's default for a new group: 30 min)."""
+    return dist.new_group(ranks, timeout=TIMEOUT)
+
+
+def die_with_launcher() -> None:
+    """A worker started by a launcher (torchrun, `train.py --nproc`: they set LOCAL_RANK) must
+    not outlive it: ask Linux to kill this process when its parent dies (PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux") and "LOCAL_RANK" in os.environ:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def import_before_the_group_exists() -> None:
@@ -173,7 +192,7 @@ class Mesh:
         all_groups = group_ranks(dp, tp, pp)
         for family, lists in all_groups.items():
             for ranks in lists:  # every rank must create every group, in the same order
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
                     comms[family] = Communicator(group, family, ledger, ranks, device)
         return cls(dp, tp, pp, rank, device, ledger,
@@ -183,13 +202,6 @@ class Mesh:
         self.world_size = self.dp_size * self.tp_size * self.pp_size
         self.dp_rank, self.tp_rank, self.pp_rank = coordinates(
             self.rank, self.dp_size, self.tp_size, self.pp_size)
-
-    def drain(self) -> None:
-        """Wait until no collective is in flight in any of this rank's groups: a gloo barrier
-        first waits for all work queued on its group. Call it before tearing the groups down
-        (a process exiting with a group's work still queued can abort)."""
-        for comm in (self.tp, self.dp, self.pp, self.world):
-            comm.barrier()
 
     def describe(self) -> dict:
         return {"rank": self.rank, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,

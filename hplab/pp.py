@@ -35,11 +35,11 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge
 
 from hplab.comm import Communicator
+from hplab.dist import new_group
 from hplab.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_formula: labs)
 from hplab.models.gpt import cross_entropy as loss_fn  # noqa: F401 (for torch's pipelining)
 from hplab.schedule import (COMPUTE, Action, DeadlockError, PipelineError, Simulation,  # noqa: F401
@@ -120,7 +120,7 @@ def tied_embedding_group(mesh):
     group get None, as do pipelines of one stage."""
     mine = None
     for ends in ([ranks[0], ranks[-1]] for ranks in mesh.groups["pp"] if len(ranks) > 1):
-        group = dist.new_group(ends)
+        group = new_group(ends)
         if mesh.rank in ends:
             mine = Communicator(group, "pp", mesh.ledger, ends, mesh.device)
     return mine
