@@ -22,6 +22,7 @@ between the two renames leaves it as `.NAME.previous`, where `load` finds it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hplab import fsdp, tp
@@ -55,6 +57,7 @@ def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.
     from hplab.models.gpt import to_hf_config
 
     directory = Path(directory)
+    check_save_target(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp, previous = _aside(directory, f"tmp-{os.getpid()}"), _aside(directory, "previous")
     for stale in directory.parent.glob(f".{directory.name}.tmp-*"):  # left by killed saves
@@ -77,8 +80,9 @@ def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.
     if torch.cuda.is_available():
         rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     save_file(rng, tmp / "rng.safetensors")
+    checksums = {path.name: sha256(path) for path in sorted(tmp.iterdir())}
     (tmp / "trainer_state.json").write_text(json.dumps(
-        {"format_version": FORMAT_VERSION, **trainer_state}, indent=1))
+        {"format_version": FORMAT_VERSION, **trainer_state, "checksums": checksums}, indent=1))
     for path in tmp.iterdir():  # on disk before the renames
         with open(path, "rb") as f:
             os.fsync(f.fileno())
@@ -102,23 +106,48 @@ def find(directory: str | Path) -> Path:
                           "writes (config.json, model.safetensors, trainer_state.json, ...)")
 
 
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def load(directory: str | Path) -> dict:
     """Read a checkpoint: {"config", "model", "optimizer", "rng", "trainer_state"} with hplab
-    names and full single-device tensors, whatever layout saved it."""
+    names and full single-device tensors, whatever layout saved it. A missing, damaged or
+    non-finite piece is a CheckpointError that names it; the files are never changed."""
     directory = find(directory)
-    hf_config = json.loads((directory / "config.json").read_text())
-    if "hplab" not in hf_config:
-        raise CheckpointError(f"{directory}/config.json was not written by hplab --save")
-    config = GPTConfig(**hf_config["hplab"]["config"])
-    model = from_hf_state_dict(load_file(directory / "model.safetensors"))
-    optimizer: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in load_file(directory / "optimizer.safetensors").items():
-        name, state_key = key.split("::")
-        optimizer.setdefault(name, {})[state_key] = t
-    return {"config": config, "model": model, "optimizer": optimizer,
-            "rng": load_file(directory / "rng.safetensors"),
-            "trainer_state": json.loads((directory / "trainer_state.json").read_text()),
-            "directory": directory}
+    for name in CHECKPOINT_FILES:
+        if not (directory / name).is_file():
+            raise CheckpointError(f"{directory} is incomplete: {name} is missing")
+    try:
+        trainer_state = json.loads((directory / "trainer_state.json").read_text())
+        hf_config = json.loads((directory / "config.json").read_text())
+        for name, expected in trainer_state.get("checksums", {}).items():
+            if sha256(directory / name) != expected:
+                raise CheckpointError(f"{directory / name} is damaged: its checksum differs "
+                                      "from the one saved with it; resume from another copy")
+        if "hplab" not in hf_config:
+            raise CheckpointError(f"{directory}/config.json was not written by hplab --save")
+        config = GPTConfig(**hf_config["hplab"]["config"])
+        model = from_hf_state_dict(load_file(directory / "model.safetensors"))
+        optimizer: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in load_file(directory / "optimizer.safetensors").items():
+            name, state_key = key.split("::")
+            optimizer.setdefault(name, {})[state_key] = t
+        rng = load_file(directory / "rng.safetensors")
+    except (ValueError, TypeError, KeyError, OSError, SafetensorError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"{directory} is damaged and cannot be read ({err})") from None
+    bad = [name for name, t in model.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"{directory} holds non-finite weights (NaN or inf) in "
+                              f"{', '.join(bad[:3])}: resume from an earlier checkpoint")
+    return {"config": config, "model": model, "optimizer": optimizer, "rng": rng,
+            "trainer_state": trainer_state, "directory": directory}
 
 
 def restore_rng(rng: dict[str, torch.Tensor]) -> None:
@@ -198,3 +227,23 @@ def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
         if states[p]:
             inner.state[q] = {k: local(t).to(q.device) if t.dim() else t
                               for k, t in states[p].items()}
+
+
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "optimizer.safetensors",
+                    "rng.safetensors", "trainer_state.json")
+
+
+def check_save_target(directory: str | Path) -> None:
+    """A checkpoint replaces `directory` only when it is absent, empty or an hplab checkpoint
+    with nothing else in it: a folder holding anyone's own files is refused, never replaced."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"{directory} is a file, not a checkpoint folder: choose another "
+                              "path (nothing was changed)")
+    others = sorted(p.name for p in directory.iterdir()
+                    if p.name not in CHECKPOINT_FILES) if directory.is_dir() else []
+    if others:
+        raise CheckpointError(
+            f"{directory} holds files that are not part of an hplab checkpoint "
+            f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): save into a new "
+            "or empty folder (nothing was changed)")

@@ -97,7 +97,7 @@ def _jsonl_texts(input_path: Path, text_key: str):
     """The non-empty texts of a JSONL file, in order; a bad line raises DataError naming it."""
     from tqdm import tqdm
 
-    with open(input_path, encoding="utf-8") as lines:
+    with open(input_path, encoding="utf-8-sig") as lines:  # -sig: a byte-order mark is fine
         progress = tqdm(lines, desc="prepare", unit=" lines", leave=False)
         for number, line in enumerate(progress, start=1):
             if not line.strip():
@@ -153,16 +153,33 @@ def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-b
 # --- 4. The dataset: fixed-length samples from a memory-mapped token file -----------------
 
 def _find_token_file(path_or_name: str | Path, tokenizer: str) -> Path:
-    """``"shakespeare"`` -> data/shakespeare.<tokenizer>.bin; ``"data/x"`` -> data/x.bin."""
+    """``"shakespeare"`` -> data/shakespeare.<tokenizer>.bin (./data first, then hplab's own);
+    a path ``"some/dir/x"`` -> some/dir/x.<tokenizer>.bin or some/dir/x.bin."""
     path = Path(path_or_name)
-    folder = DATA_DIR if len(path.parts) == 1 and not path.exists() else path.parent
-    candidates = ([path] if path.suffix == ".bin" else
-                  [folder / f"{path.name}.{tokenizer}.bin", folder / f"{path.name}.bin"])
+    folders = [Path("data"), DATA_DIR] if len(path.parts) == 1 else [path.parent]
+    candidates = [path] if path.suffix == ".bin" else [
+        folder / f"{path.name}{ending}" for folder in folders
+        for ending in (f".{tokenizer}.bin", ".bin")]
     for candidate in candidates:
         if candidate.exists():
             return candidate
-    raise ValueError(f"token file {candidates[0]} not found; create it with "
-                     f"`python -m hplab.data prepare --input FILE.jsonl --output-prefix data/NAME`")
+    raise ValueError(f"no token file {path_or_name} ({candidates[0]} not found): give its path "
+                     "without .bin, as written by `python -m hplab.data prepare --input "
+                     "FILE.jsonl --output-prefix PATH`")
+
+
+def _read_sidecar(bin_path: Path) -> dict:
+    """The NAME.json written beside NAME.bin: which tokenizer made the ids, and how many."""
+    path = bin_path.with_suffix(".json")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        return {"tokenizer": str(meta["tokenizer"]), "vocab_size": int(meta["vocab_size"])}
+    except FileNotFoundError:
+        raise ValueError(f"{bin_path} has no {path.name} beside it to say which tokenizer made "
+                         "it: write both with `python -m hplab.data prepare`") from None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise ValueError(f"{path} is damaged (need JSON with tokenizer and vocab_size): "
+                         "prepare the token file again") from None
 
 
 class TokenDataset:
@@ -181,14 +198,20 @@ class TokenDataset:
         if split not in ("train", "val") or seq_len < 1:
             raise ValueError(f"need split 'train' or 'val' and seq_len >= 1: {split!r}, {seq_len}")
         self.path = _find_token_file(path_or_name, tokenizer)
-        sidecar_path = self.path.with_suffix(".json")
-        meta = json.loads(sidecar_path.read_text()) if sidecar_path.exists() else {}
-        if meta.get("tokenizer", tokenizer) != tokenizer:
-            raise ValueError(f"{self.path} was tokenized with {meta['tokenizer']!r}; "
-                             f"pass tokenizer={meta['tokenizer']!r}")
+        meta = _read_sidecar(self.path)
+        if meta["tokenizer"] != tokenizer:
+            raise ValueError(f"{self.path} was made with the {meta['tokenizer']!r} tokenizer but "
+                             f"this model uses {tokenizer!r}: prepare it again with --tokenizer "
+                             f"{tokenizer}, or pick the model for {meta['tokenizer']!r}")
         self.tokenizer_name = tokenizer
-        self.vocab_size = int(meta.get("vocab_size", 0)) or len(load_tokenizer(tokenizer))
+        self.vocab_size = int(meta["vocab_size"])
+        if self.path.stat().st_size % TOKEN_DTYPE.itemsize:
+            raise ValueError(f"{self.path} is damaged: {self.path.stat().st_size} bytes is not a "
+                             "whole number of uint16 token ids; prepare it again")
         all_tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        if len(all_tokens) and int(all_tokens.max()) >= self.vocab_size:
+            raise ValueError(f"{self.path} holds token id {int(all_tokens.max())}, beyond its "
+                             f"tokenizer's {self.vocab_size} ids: prepare it again")
         train_end = int(len(all_tokens) * (1 - VAL_FRACTION))
         self.tokens = all_tokens[:train_end] if split == "train" else all_tokens[train_end:]
         self.seq_len, self.split = seq_len, split
