@@ -69,8 +69,8 @@ class ParallelConfig:
         return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
 
 
-def check_config(config: ParallelConfig, n_layer: int) -> None:
-    """The refusals and pipeline checks that need no process (plain sentences)."""
+def check_config(config: ParallelConfig, model) -> None:
+    """The refusals and checks that need no process (plain sentences); `model`: its config."""
     c = config
     refusals = [
         (c.zero == 3 and c.pp > 1, ("zero", "pp"), "ZeRO-3 with a pipeline would gather every "
@@ -89,9 +89,12 @@ def check_config(config: ParallelConfig, n_layer: int) -> None:
     for refused, settings, reason in refusals:
         if refused:
             raise NotSupported(f"not supported: {reason}", settings)
+    if c.tp > 1:
+        tp.check_divisible(model.n_head, model.n_embd, c.tp,
+                           model.n_positions if c.sequence_parallel else None)
     if c.pp > 1:
         pp.build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages)
-        pp.split_layers(n_layer, c.pp * c.virtual_stages)
+        pp.split_layers(model.n_layer, c.pp * c.virtual_stages)
 
 
 # GPT-style betas; foreach=False: an update element-wise identical on whole tensors and on shards
@@ -134,7 +137,7 @@ def parameter_groups(params, tied: nn.Parameter | None = None, is_first: bool = 
 def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Parallel:
     """Compose the layout `config` asks for around `model` (the whole GPT, on mesh.device)."""
     c, gpt, precision = config, model, MixedPrecision(config.precision)
-    check_config(c, gpt.config.n_layer)  # (the schedule too: before any cutting)
+    check_config(c, gpt.config)  # (the schedule too: before any cutting)
     params_module, pipeline, tied_comm, tied, is_first = gpt, None, None, None, True
     if c.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
         tp.parallelize(gpt, mesh.tp, tp.GPT_PLAN, sequence_parallel=c.sequence_parallel)

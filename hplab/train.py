@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,42 +40,60 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see --help)")
 
 
+def at_least(low: float, kind=int):
+    """An argparse type: a number of `kind` that is at least `low`."""
+    def parse(text: str):
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="torchrun --nproc_per_node N hplab/train.py",
         description="Train hplab's GPT with any dp × tp × pp layout (dp × tp × pp = N).")
     layout = p.add_argument_group("layout")
-    layout.add_argument("--dp", type=int, default=None,
+    layout.add_argument("--dp", type=at_least(1), default=None,
                         help="data-parallel size (default: N / (tp × pp))")
-    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    layout.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel size")
+    layout.add_argument("--pp", type=at_least(1), default=1, help="pipeline-parallel stages")
     layout.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                         help="ZeRO stage over the data-parallel group")
     layout.add_argument("--schedule", default="1f1b",
                         choices=SCHEDULES,
                         help="pipeline schedule")
-    layout.add_argument("--virtual-stages", type=int, default=1,
+    layout.add_argument("--virtual-stages", type=at_least(1), default=1,
                         help="model chunks per pipeline rank (interleaved schedule)")
-    layout.add_argument("--microbatches", type=int, default=1,
+    layout.add_argument("--microbatches", type=at_least(1), default=1,
                         help="microbatches per step (gradient accumulation, pipeline fill)")
     layout.add_argument("--sequence-parallel", action="store_true",
                         help="with --tp: split layer norms and dropout along the sequence")
-    layout.add_argument("--bucket-mb", type=float, default=25.0,
+    layout.add_argument("--bucket-mb", type=at_least(0, float), default=25.0,
                         help="data-parallel gradient bucket size in MiB")
     model = p.add_argument_group("model")
     model.add_argument("--model", default="tiny", help="preset: tiny, gpt2, gpt2-medium")
-    model.add_argument("--n-layer", type=int)
-    model.add_argument("--n-embd", type=int)
-    model.add_argument("--n-head", type=int)
-    model.add_argument("--seq-len", type=int)
+    model.add_argument("--n-layer", type=at_least(1))
+    model.add_argument("--n-embd", type=at_least(1))
+    model.add_argument("--n-head", type=at_least(1))
+    model.add_argument("--seq-len", type=at_least(1))
     train = p.add_argument_group("training")
     train.add_argument("--data", default="shakespeare",
                        help="token file name in data/ or path (see python -m hplab.data)")
-    train.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    train.add_argument("--steps", type=int, default=100)
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--weight-decay", type=float, default=0.0)
-    train.add_argument("--grad-clip", type=float, default=0.0,
+    train.add_argument("--batch-size", type=at_least(1), default=16, help="global batch, in sequences")
+    train.add_argument("--steps", type=at_least(1), default=100)
+    train.add_argument("--lr", type=positive_float, default=1e-3)
+    train.add_argument("--weight-decay", type=at_least(0, float), default=0.0)
+    train.add_argument("--grad-clip", type=at_least(0, float), default=0.0,
                        help="clip gradients to this global L2 norm (0: off)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -86,13 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--metrics", help="write the metrics JSON here (rank 0)")
     out.add_argument("--save", help="save a unified checkpoint to this directory at the end "
                                     "(one single-device, Hugging Face-loadable layout)")
-    out.add_argument("--save-every", type=int, default=0,
+    out.add_argument("--save-every", type=at_least(0), default=0,
                      help="with --save: also save every N steps (0: only at the end)")
     out.add_argument("--resume", help="resume from a unified checkpoint directory, under any "
                                       "layout; --steps counts from the start of the first run")
     out.add_argument("--config", help="a recipe file from configs/")
     out.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    out.add_argument("--nproc", type=int, default=None,
+    out.add_argument("--nproc", type=at_least(1), default=None,
                      help="launch N local processes yourself (checks the flags first, then "
                           "runs torch.distributed.run); not needed under torchrun")
     out.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -104,27 +123,43 @@ def parse_args(argv: list[str]):
     command line overrides. Keys are flag names (`batch-size` or `batch_size`)."""
     parser = build_parser()
     first = parser.parse_args(argv)
-    if first.config:
-        path = Path(first.config)
-        if not path.exists():
-            raise ValueError(f"config file {path} not found: see configs/ for the recipes")
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib
-        try:
-            recipe = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"{path} is not valid TOML: {err}") from None
-        known = {a.dest for a in parser._actions}
-        values = {k.replace("-", "_"): v for k, v in recipe.items()}
-        unknown = sorted(set(values) - known - {"config"})
-        if unknown:
-            raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; the keys are "
-                             "train.py's flag names")
-        parser.set_defaults(**values)
-        return parser.parse_args(argv)
-    return first
+    if not first.config:
+        return first
+    recipe = recipe_flags(Path(first.config), parser)
+    try:
+        parser.parse_args(recipe)
+    except ValueError as err:
+        raise ValueError(f"{first.config}: {err}") from None
+    return parser.parse_args(recipe + argv)  # a flag given twice: the last one wins
+
+
+def recipe_flags(path: Path, parser) -> list[str]:
+    """A recipe as the flags it stands for, so its values pass the same checks as typed ones."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    if not path.is_file():
+        raise ValueError(f"config file {path} not found: see configs/ for the recipes")
+    try:
+        recipe = tomllib.loads(path.read_text(encoding="utf-8-sig"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid TOML: {err}") from None
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    unknown = sorted(k for k in (k.replace("-", "_") for k in recipe)
+                     if k not in actions or k in ("config", "help"))
+    if unknown:
+        raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; the keys are "
+                         "train.py's flag names")
+    flags = []
+    for key, value in recipe.items():
+        action = actions[key.replace("-", "_")]
+        flag, switch = action.option_strings[0], action.nargs == 0
+        if switch != isinstance(value, bool) or isinstance(value, (list, dict)):
+            want = "true or false" if switch else "a single value"
+            raise ValueError(f"{path}: {key} = {value!r} should be {want}")
+        flags += ([flag] if value else []) if switch else [flag, str(value)]
+    return flags
 
 
 def resolve_layout(args, world_size: int) -> None:
@@ -164,16 +199,20 @@ def preflight(args, world_size: int):
     resolve_layout(args, world_size)
     check_batch(args)
     config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
-    check_config(ParallelConfig.from_namespace(args), config.n_layer)
-    if args.resume:
+    check_config(ParallelConfig.from_namespace(args), config)
+    if args.resume:  # damaged, of another shape, or already done: say so before starting
         from hplab import checkpoint
 
-        found = checkpoint.find(args.resume)  # CheckpointError (one line) if there is none
-        step = json.loads((found / "trainer_state.json").read_text())["step"]
+        saved = checkpoint.load(args.resume)
+        checkpoint.check_compatible(saved["config"], config)
+        step = saved["trainer_state"]["step"]
         if step >= args.steps:
             raise checkpoint.CheckpointError(
-                f"{found} is already at step {step}: ask for more with --steps (it counts "
-                "from the first run's start)")
+                f"{saved['directory']} is already at step {step}: ask for more with --steps "
+                "(it counts from the first run's start)")
+    check_outputs(args)
+    check_backend(args, world_size)
+    check_memory(args, config, world_size)
     dataset = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions)
     if dataset.vocab_size > config.vocab_size:
         raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
@@ -181,16 +220,122 @@ def preflight(args, world_size: int):
     return config, dataset
 
 
+def check_outputs(args) -> None:
+    """An output that cannot be written fails now, not after all the steps have run."""
+    from hplab import checkpoint
+
+    for flag, path in (("--metrics", args.metrics), ("--save", args.save)):
+        if not path:
+            continue
+        path = Path(path)
+        if flag == "--metrics" and path.is_dir():
+            raise ValueError(f"--metrics {path} is a folder: give a file name, e.g. "
+                             f"{path / 'metrics.json'}")
+        if flag == "--save":
+            try:
+                checkpoint.check_save_target(path)  # never replaces someone's own files
+            except checkpoint.CheckpointError as err:
+                raise ValueError(f"--save: {err}") from None
+        base = next(p for p in [path.absolute(), *path.absolute().parents] if p.exists())
+        if base != path.absolute() and not base.is_dir():
+            raise ValueError(f"{flag} {path}: {base} is a file, not a folder")
+        try:  # the one sure test: write there
+            tempfile.TemporaryFile(dir=base if base.is_dir() else base.parent).close()
+        except OSError as err:
+            raise ValueError(f"{flag} {path}: cannot write in {base} ({err.strerror})") from None
+
+
+def check_backend(args, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count() if dist.is_nccl_available() else 0
+    if args.backend == "nccl" and gpus < world_size:
+        raise ValueError(f"--backend nccl needs one GPU per process: {world_size} processes, "
+                         f"{gpus} GPU(s) usable by NCCL here: use --backend gloo")
+
+
+def check_memory(args, config, world_size: int) -> None:
+    """Refuse a run whose memory, estimated with the planner's formulas, cannot fit here."""
+    import torch
+
+    from hplab.formulas import activation_bytes_per_layer, in_flight_microbatches
+    from hplab.formulas import model_state_bytes
+
+    b = args.batch_size // args.dp // args.microbatches  # sequences per microbatch
+    s, t = config.n_positions, args.tp
+    act = 4 if args.precision == "fp32" else 2
+    per_layer = activation_bytes_per_layer(
+        s, b, config.n_embd, config.n_head, t, args.sequence_parallel,
+        "full" if args.recompute else "none", act, dropout=False)
+    in_flight = in_flight_microbatches(args.schedule, args.pp, args.microbatches,
+                                       args.virtual_stages)
+    logits = 3 * b * s * config.vocab_size / t * 4  # fp32 logits, softmax, their gradient
+    states = model_state_bytes(config.num_params() / (t * args.pp), args.dp, args.zero,
+                               args.precision)["total_bytes"]
+    need = states + in_flight * (config.n_layer / args.pp * per_layer + logits)
+    if torch.cuda.is_available() and args.backend != "gloo":
+        have, per = torch.cuda.get_device_properties(0).total_memory, "per GPU"
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world_size
+        per = f"per process ({world_size} share this machine's memory)"
+    if need > have:
+        raise ValueError(
+            f"this run needs about {need / 2**30:.1f} GiB per process (estimated: model states "
+            f"{states / 2**30:.1f}, activations and logits {(need - states) / 2**30:.1f}) but "
+            f"there are {have / 2**30:.1f} GiB {per}: use a smaller --seq-len or "
+            "--batch-size, more --microbatches, --recompute, or more --tp / --pp")
+
+
 def launch(args, argv: list[str]) -> int:
-    """`--nproc N` without torchrun: check the flags, then start N processes of this file."""
+    """`--nproc N` without torchrun: after the checks, start N processes of this file and watch
+    them as torchrun would. When one fails, or on Ctrl-C, all of them are stopped."""
+    import signal
     import subprocess
 
-    from hplab.dist import torchrun_command
+    from hplab.dist import free_port
 
     i = argv.index("--nproc") if "--nproc" in argv else None
     rest = argv[:i] + argv[i + 2:] if i is not None else [a for a in argv
                                                           if not a.startswith("--nproc=")]
-    return subprocess.call(torchrun_command(args.nproc, str(Path(__file__).resolve()), *rest))
+    env = dict(os.environ, WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.setdefault("OMP_NUM_THREADS", "1")  # N processes share the cores, as under torchrun
+    workers = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *rest],
+                                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                start_new_session=True)  # Ctrl-C reaches only this launcher
+               for r in range(args.nproc)]
+
+    def stop_all() -> None:
+        for w in workers:  # SIGCONT first: a stopped process cannot act on SIGTERM
+            for sig in (signal.SIGCONT, signal.SIGTERM):
+                if w.poll() is None:
+                    w.send_signal(sig)
+        deadline = time.monotonic() + 5
+        for w in workers:
+            try:
+                w.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait()
+
+    try:
+        while any(w.poll() is None for w in workers):
+            if any(w.returncode for w in workers if w.returncode is not None):
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        stop_all()
+        print(f"hplab: interrupted: stopped all {args.nproc} processes", file=sys.stderr)
+        return 130
+    stop_all()
+    failed = [(r, w.returncode) for r, w in enumerate(workers) if w.returncode]
+    rank, code = min(failed, key=lambda f: f[1] < 0) if failed else (0, 0)
+    if code < 0:  # killed: it could not say why
+        print(f"hplab: error: process {rank} was killed by {signal.Signals(-code).name}"
+              + (" (out of memory?)" if code == -signal.SIGKILL else ""), file=sys.stderr)
+        return 1
+    return code
 
 
 def summary_table(metrics: dict) -> str:
@@ -303,9 +448,6 @@ def run(args) -> dict | None:
                 "pipeline": pipeline_report(par) if args.pp > 1 else None}
     gathered = [None] * dist.get_world_size() if is_rank0 else None
     dist.gather_object(per_rank, gathered, dst=0)
-    # every rank's collectives, in every group, are finished before any process tears gloo
-    # down (a process exiting with work in flight aborts with "terminate called ...")
-    mesh.drain()
     if not is_rank0:
         return None
     return {
@@ -347,42 +489,50 @@ def with_flags(err: Exception, argv: list[str]) -> Exception:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
     from hplab.dist import shutdown
 
     argv = sys.argv[1:] if argv is None else list(argv)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
-    is_rank0 = int(os.environ.get("RANK", 0)) == 0
+    rank = int(os.environ.get("RANK", 0))
     try:
         args = parse_args(argv)
         if args.nproc and not under_torchrun:
             preflight(args, args.nproc)
             return launch(args, argv)
         metrics = run(args)
-    except (ValueError, RuntimeError) as err:  # includes LayoutError, CommTimeout
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("hplab: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, OSError) as err:  # includes LayoutError, CommTimeout
         err = with_flags(err, argv)
-        if is_rank0 or "timed out" in str(err):
+        if dist.is_initialized():  # a rank's own failure, e.g. a timeout: each says its own
+            print(f"hplab: error: rank {rank}: {err}" if rank else f"hplab: error: {err}",
+                  file=sys.stderr)
+        elif rank == 0:
             print(f"hplab: error: {err}", file=sys.stderr)
+        else:  # every rank found the same: rank 0 says it; wait so that the launcher, which
+            time.sleep(5)  # stops all ranks when one exits, does not stop rank 0 first
         shutdown()
         return 2
     if metrics is not None:
         print("\n" + summary_table(metrics))
         if args.metrics:
-            path = Path(args.metrics)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text(json.dumps(metrics, indent=1))
-            os.replace(tmp, path)  # readers never see half a file
-            print(f"metrics written to {path}")
+            write_atomically(Path(args.metrics), json.dumps(metrics, indent=1))
+            print(f"metrics written to {args.metrics}")
     shutdown()
     return 0
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Readers never see half a file: write a sibling, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 if __name__ == "__main__":
-    code = main()
-    # Everything is written and every process group destroyed: leave now rather than through
-    # interpreter finalization, where gloo's worker threads have been seen to abort the process
-    # ("terminate called without an active exception", pytorch/pytorch#190489) after a
-    # successful run — turning it into a failed launch.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())

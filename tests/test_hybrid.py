@@ -408,10 +408,11 @@ def test_saved_directory_is_a_hugging_face_model(world4, ref, saved_dir):
 def test_refused_combinations_say_why(flags, reason, command_line):
     """The library refuses in a plain sentence; train.py names the flags the user gave."""
     from hplab.compose import NotSupported, ParallelConfig, check_config
+    from hplab.models.gpt import GPTConfig
     from hplab.train import with_flags
 
     with pytest.raises(NotSupported, match=reason) as refused:
-        check_config(ParallelConfig.from_namespace(make_args(**flags)), CONFIG["n_layer"])
+        check_config(ParallelConfig.from_namespace(make_args(**flags)), GPTConfig(**CONFIG))
     argv = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
             for k, v in flags.items()]
     shown = str(with_flags(refused.value, argv))

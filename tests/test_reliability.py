@@ -1,24 +1,93 @@
-"""Faults a user meets: a process that exits, a rank that dies or freezes, damaged input.
+"""Faults a user meets, injected for real: processes that exit, freeze or lose their launcher,
+damaged files, folders full of someone's files, bad flags.
 
-Each test injects one fault into a real multi-process run and asserts what the user sees: the
-run ends (never hangs), nothing saved is lost, and the message is one line that says what to do.
+Each test asserts what the user sees: the run ends (never hangs), nothing of theirs is lost or
+changed, and the message is one `hplab:` line with no traceback through hplab's code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 import hplab
-from hplab.dist import run_distributed, shutdown
+from hplab.dist import run_distributed, shutdown, torchrun_command
 
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = str(ROOT / "hplab" / "train.py")
+LINUX = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    return {**env, **extra}
+
+
+def hplab_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("hplab:")]
+
+
+def no_hplab_traceback(text: str) -> bool:
+    return not any("hplab/" in line and line.strip().startswith("File ")
+                   for line in text.splitlines())
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Pids of the training workers carrying `tag` in their environment."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"HPLAB_FAULT_TAG={tag}".encode() in environ and any(
+                e.startswith(b"LOCAL_RANK=") for e in environ):
+            pids.append(int(entry.name))
+    return pids
+
+
+def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int = 8):
+    """A 2-process training run that would take minutes; returns (launcher, worker pids)."""
+    args = ["--steps", "100000", "--no-progress", *flags]
+    cmd = torchrun_command(2, TRAIN, *args) if torchrun else [
+        sys.executable, TRAIN, "--nproc", "2", *args]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=clean_env(HPLAB_FAULT_TAG=tag,
+                                              HPLAB_TIMEOUT_S=str(timeout_s)))
+    deadline = time.monotonic() + 90
+    while len(workers := tagged_processes(tag)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(workers) == 2, "the workers did not start"
+    time.sleep(6)  # well into training
+    return launcher, workers
+
+
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists()
+                 and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[-1][:3]]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return alive
+
+
+# --- exit: gloo's threads ----------------------------------------------------------------
 
 def gloo_threads() -> list[str]:
-    tasks = Path("/proc/self/task")
-    return [name for t in tasks.iterdir()
+    return [name for t in Path("/proc/self/task").iterdir()
             if "gloo" in (name := (t / "comm").read_text().strip())]
 
 
@@ -36,7 +105,7 @@ def _train_then_shut_down():
     return before, gloo_threads()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+@LINUX
 def test_shutdown_joins_gloo_threads_while_python_is_alive():
     """gloo's threads drop a collective's tensors just after wait() returns, taking the GIL;
     if Python is finalizing by then the process aborts ("terminate called without an active
@@ -44,3 +113,201 @@ def test_shutdown_joins_gloo_threads_while_python_is_alive():
     for before, after in run_distributed(_train_then_shut_down, 2):
         assert before, "the check itself is broken: no gloo thread was running"
         assert after == [], f"gloo threads still running after shutdown: {after}"
+
+
+# --- hangs and launchers -------------------------------------------------------------------
+
+@LINUX
+def test_a_frozen_rank_ends_the_job_within_the_timeout_with_one_line():
+    tag = uuid.uuid4().hex
+    launcher, workers = start_training(tag, timeout_s=5)
+    os.kill(max(workers), signal.SIGSTOP)  # one rank freezes mid-training
+    frozen_at = time.monotonic()
+    try:
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        for pid in workers:
+            with_suppressed(os.kill, pid, signal.SIGKILL)
+    assert time.monotonic() - frozen_at < 5 + 30
+    assert launcher.returncode != 0
+    lines = hplab_lines(err)
+    assert len(lines) == 1 and "timed out" in lines[0], err[-2000:]
+    assert no_hplab_traceback(err), err[-2000:]
+    assert wait_gone(workers, 10) == []
+
+
+@LINUX
+@pytest.mark.parametrize("torchrun", [False, True], ids=["--nproc", "torchrun"])
+def test_workers_die_with_their_launcher(torchrun):
+    tag = uuid.uuid4().hex
+    launcher, workers = start_training(tag, torchrun=torchrun)
+    launcher.kill()  # SIGKILL: the launcher cannot pass anything on
+    launcher.communicate()
+    assert wait_gone(workers, 15) == [], "workers outlived their launcher"
+
+
+@LINUX
+def test_ctrl_c_stops_every_process_with_one_line():
+    tag = uuid.uuid4().hex
+    launcher, workers = start_training(tag)
+    os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground group
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130
+    assert hplab_lines(err) == ["hplab: interrupted: stopped all 2 processes"], err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert wait_gone(workers, 15) == []
+
+
+def with_suppressed(fn, *args):
+    try:
+        fn(*args)
+    except OSError:
+        pass
+
+
+# --- files: nothing of the user's is lost, damage is named ---------------------------------
+
+def run_main(capsys, monkeypatch, *args):
+    from hplab.train import main
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def fingerprint(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_save_never_replaces_someone_elses_files(tmp_path, capsys, monkeypatch):
+    mine = tmp_path / "my-project"
+    (mine / "notes").mkdir(parents=True)
+    (mine / "thesis.tex").write_text("years of work")
+    (mine / "notes" / "ideas.txt").write_text("more")
+    before = fingerprint(mine)
+    a_file = tmp_path / "report.pdf"
+    a_file.write_bytes(b"%PDF")
+    for target, says in ((mine, "not part of an hplab checkpoint"), (a_file, "is a file")):
+        code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--save", str(target))
+        assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+    assert fingerprint(mine) == before and a_file.read_bytes() == b"%PDF"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-project", "report.pdf"]
+    from hplab import checkpoint  # the library refuses too, not only the command line
+
+    with pytest.raises(checkpoint.CheckpointError, match="not part of an hplab checkpoint"):
+        checkpoint.save(mine, None, {}, {}, {"step": 0})
+    assert fingerprint(mine) == before
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt") / "run"
+    done = subprocess.run([sys.executable, TRAIN, "--steps", "2", "--no-progress",
+                           "--save", str(folder)], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return folder
+
+
+def _truncate(folder: Path):
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _nan_weights(folder: Path):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    state = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _nan_weights_checksum_updated(folder: Path):
+    import json
+
+    from hplab.checkpoint import sha256
+
+    _nan_weights(folder)
+    state = json.loads((folder / "trainer_state.json").read_text())
+    state["checksums"]["model.safetensors"] = sha256(folder / "model.safetensors")
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_truncate, "is damaged"),
+    (_nan_weights, "is damaged"),  # the checksum catches it
+    (_nan_weights_checksum_updated, "non-finite weights"),
+    (lambda f: (f / "optimizer.safetensors").unlink(), "optimizer.safetensors is missing"),
+    (lambda f: (f / "config.json").unlink(), "config.json is missing"),
+    (lambda f: (f / "trainer_state.json").write_text("{"), "damaged"),
+], ids=["truncated", "nan", "nan-checksum-forged", "no-optimizer", "no-config", "bad-json"])
+def test_a_damaged_checkpoint_is_refused_with_one_line(saved_checkpoint, damage, says, tmp_path,
+                                                       capsys, monkeypatch):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(saved_checkpoint, copy)
+    damage(copy)
+    before = fingerprint(copy)
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--steps", "4",
+                         "--resume", str(copy))
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and says in err, err
+    assert fingerprint(copy) == before  # refused, not "repaired"
+
+
+def test_resuming_another_model_shape_is_refused_before_launch(saved_checkpoint, capsys,
+                                                                monkeypatch):
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--steps", "4", "--n-layer", "2",
+                         "--resume", str(saved_checkpoint))
+    assert code == 2 and "different model" in err and "n_layer" in err, err
+
+
+# --- bad flags: one line, before any process starts ---------------------------------------
+
+BAD = [
+    (["--microbatches", "0"], "--microbatches: must be at least 1"),
+    (["--tp", "0"], "--tp: must be at least 1"),
+    (["--pp", "0"], "--pp: must be at least 1"),
+    (["--batch-size", "-4"], "--batch-size: must be at least 1"),
+    (["--lr", "-1"], "--lr: must be a positive number"),
+    (["--tp", "2", "--n-head", "3", "--n-embd", "66"], "3 attention heads do not split"),
+    (["--tp", "2", "--sequence-parallel", "--seq-len", "33"], "multiple of 2"),
+    (["--backend", "nccl"], "--backend nccl needs one GPU per process"),
+    (["--seq-len", "100000"], "GiB per process"),
+    (["--metrics", "/etc/hostname/m.json"], "is a file, not a folder"),
+    (["--config", "configs"], "not found"),
+]
+
+
+@pytest.mark.parametrize("flags, says", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_flags_fail_before_launch_with_one_line(flags, says, capsys, monkeypatch):
+    if flags[:2] == ["--backend", "nccl"] and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine can run NCCL")
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--steps", "1", *flags)
+    assert code == 2 and err.count("\n") == 1 and says in err, err
+
+
+def test_config_values_meet_the_same_checks(tmp_path, capsys, monkeypatch):
+    recipe = tmp_path / "r.toml"
+    for text, says in (("zero = 5", "invalid choice: 5"), ('precision = "fp8"', "fp8"),
+                       ("steps = 2.5", "invalid int value"), ("recompute = 3", "true or "),
+                       ('\ufeffsteps = 2\nlr = -1', "--lr: must be a positive number")):
+        recipe.write_text(text, encoding="utf-8")
+        code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--config", str(recipe))
+        assert code == 2 and err.count("\n") == 1 and says in err, (text, err)
+
+
+@pytest.mark.parametrize("repeat", range(2))
+def test_the_error_line_survives_torchrun_stopping_the_ranks(repeat):
+    """Every rank finds the same error; torchrun stops all ranks as soon as one exits, so the
+    other ranks wait for rank 0 to say it."""
+    cmd = torchrun_command(2, TRAIN, "--tp", "2", "--n-head", "3", "--n-embd", "66")
+    done = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert any("3 attention heads do not split" in line for line in hplab_lines(done.stderr)), \
+        done.stderr[-2000:]
+    assert no_hplab_traceback(done.stderr), done.stderr[-2000:]
