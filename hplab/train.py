@@ -183,15 +183,14 @@ def check_batch(args) -> None:
         raise ValueError(f"each data-parallel rank gets {per_rank} sequences, which do not split "
                          f"into --microbatches {args.microbatches}: make batch-size / dp a "
                          "multiple of the microbatch count")
-    if args.steps < 1:
-        raise ValueError(f"--steps must be at least 1, got {args.steps}")
-    if args.save_every < 0 or (args.save_every and not args.save):
-        raise ValueError(f"--save-every {args.save_every} needs --save DIR and N ≥ 0")
+    if args.save_every and not args.save:
+        raise ValueError(f"--save-every {args.save_every} needs --save DIR")
 
 
 def preflight(args, world_size: int):
     """Every check that needs no process group, so a bad command line fails at once with one
-    line (LayoutError / ValueError) instead of after N processes have started."""
+    line (LayoutError / ValueError) instead of after N processes have started. Returns the
+    model config, the dataset and the checkpoint to resume (None without --resume)."""
     from hplab.data import TokenDataset
     from hplab.models.gpt import config_from_preset
     from hplab.compose import ParallelConfig, check_config
@@ -200,6 +199,7 @@ def preflight(args, world_size: int):
     check_batch(args)
     config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
     check_config(ParallelConfig.from_namespace(args), config)
+    saved = None
     if args.resume:  # damaged, of another shape, or already done: say so before starting
         from hplab import checkpoint
 
@@ -217,7 +217,7 @@ def preflight(args, world_size: int):
     if dataset.vocab_size > config.vocab_size:
         raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
                          f"vocabulary of {config.vocab_size}")
-    return config, dataset
+    return config, dataset, saved
 
 
 def check_outputs(args) -> None:
@@ -369,12 +369,11 @@ def summary_table(metrics: dict) -> str:
     return "\n".join(lines)
 
 
-def resume(par, args, config) -> int:
-    """Load a unified checkpoint into this layout; return the step to continue from."""
+def resume(par, saved: dict) -> int:
+    """Load a checkpoint (read by every rank: the files are local) into this layout; return
+    the step to continue from."""
     from hplab import checkpoint
 
-    saved = checkpoint.load(args.resume)  # every rank reads it: the files are local
-    checkpoint.check_compatible(saved["config"], config)
     state = saved["trainer_state"]
     checkpoint.load_full_state(par, saved["model"], saved["optimizer"])
     checkpoint.restore_rng(saved["rng"])
@@ -416,12 +415,12 @@ def run(args) -> dict | None:
     from hplab.models.gpt import build_model
     from hplab.compose import ParallelConfig, parallelize, pipeline_report, train_step
 
-    config, dataset = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
+    config, dataset, saved = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
     device = init_distributed(None if args.backend == "auto" else args.backend)
     mesh = Mesh.create(args.dp, args.tp, args.pp, device)
     model = build_model(config, args.seed).to(device)
     par = parallelize(model, mesh, ParallelConfig.from_namespace(args))
-    first_step = resume(par, args, config) if args.resume else 0
+    first_step = resume(par, saved) if saved else 0
 
     is_rank0 = mesh.rank == 0
     bar = tqdm(range(first_step, args.steps), disable=not is_rank0 or args.no_progress,
