@@ -33,8 +33,7 @@ import argparse
 import itertools
 import json
 import math
-import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 # The formulas live in hplab.formulas; `plan.model_state_bytes` & co. are the same objects.
 from hplab.formulas import (HPLAB_PRESETS, PRECISION_BYTES, SCHEDULES,  # noqa: F401
@@ -181,12 +180,12 @@ class Layout:
         return self.batch_size // (self.dp * self.microbatches)
 
     def short(self) -> str:
-        chunks = f"×{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        chunks = f"×{self.virtual_stages}" * (self.virtual_stages > 1)
         bits = [f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero}",
-                self.schedule + chunks if self.pp > 1 else "",
+                (self.schedule + chunks) * (self.pp > 1),
                 f"b{self.micro_batch_size}×m{self.microbatches}",
-                f"rc-{self.recompute}" if self.recompute != "none" else "",
-                "sp" if self.sequence_parallel else "", "offload" if self.offload else ""]
+                f"rc-{self.recompute}" * (self.recompute != "none"), "sp" * self.sequence_parallel,
+                "offload" * self.offload]
         return " ".join(bit for bit in bits if bit)
 
 
@@ -198,30 +197,26 @@ def check_layout(model: ModelShape, lay: Layout) -> None:
             if getattr(obj, name) < 1:
                 raise PlanError(f"--{name.replace('_', '-')} must be at least 1, "
                                 f"got {getattr(obj, name)}")
-    if lay.zero not in (0, 1, 2, 3):
-        raise PlanError(f"--zero must be 0, 1, 2 or 3, got {lay.zero}")
-    if lay.schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {lay.schedule!r}: "
-                        f"choose one of {', '.join(SCHEDULES)}")
-    if lay.precision not in PRECISION_BYTES:
-        raise PlanError(f"unknown precision {lay.precision!r}: choose fp32, bf16 or fp16")
-    if model.n_embd % model.n_head:
-        raise PlanError(f"n_embd={model.n_embd} is not divisible by n_head={model.n_head}")
-    if model.n_head % lay.tp:
-        raise PlanError(f"n_head={model.n_head} is not divisible by tp={lay.tp}: "
-                        "tensor parallel gives each rank whole attention heads")
+    L, h, a, tp = model.n_layer, model.n_embd, model.n_head, lay.tp
     chunks = lay.pp * (lay.virtual_stages if lay.schedule == "interleaved" else 1)
-    if lay.pp > 1 and model.n_layer < chunks:
-        raise PlanError(f"n_layer={model.n_layer} is fewer than pp×virtual stages={chunks}")
-    if lay.schedule == "interleaved" and lay.pp > 1 and model.n_layer % chunks:
-        raise PlanError(f"interleaved schedule needs n_layer={model.n_layer} divisible by "
-                        f"pp×virtual_stages={chunks}")
-    if lay.batch_size % (lay.dp * lay.microbatches):
-        raise PlanError(f"global batch {lay.batch_size} is not divisible by dp×microbatches="
-                        f"{lay.dp}×{lay.microbatches}")
-    if lay.sequence_parallel and lay.tp > 1 and model.seq_len % lay.tp:
-        raise PlanError(f"sequence parallel needs seq_len={model.seq_len} "
-                        f"divisible by tp={lay.tp}")
+    why = next((why for bad, why in [
+        (lay.zero not in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {lay.zero}"),
+        (lay.schedule not in SCHEDULES,
+         f"unknown schedule {lay.schedule!r}: choose one of {', '.join(SCHEDULES)}"),
+        (lay.precision not in PRECISION_BYTES,
+         f"unknown precision {lay.precision!r}: choose fp32, bf16 or fp16"),
+        (h % a, f"n_embd={h} is not divisible by n_head={a}"),
+        (a % tp, f"n_head={a} is not divisible by tp={tp}: "
+                 "tensor parallel gives each rank whole attention heads"),
+        (lay.pp > 1 and L < chunks, f"n_layer={L} is fewer than pp×virtual stages={chunks}"),
+        (lay.schedule == "interleaved" and lay.pp > 1 and L % chunks,
+         f"interleaved schedule needs n_layer={L} divisible by pp×virtual_stages={chunks}"),
+        (lay.batch_size % (lay.dp * lay.microbatches), f"global batch {lay.batch_size} is not "
+         f"divisible by dp×microbatches={lay.dp}×{lay.microbatches}"),
+        (lay.sequence_parallel and tp > 1 and model.seq_len % tp,
+         f"sequence parallel needs seq_len={model.seq_len} divisible by tp={tp}")] if bad), None)
+    if why:
+        raise PlanError(why)
 
 
 # --- 3. Memory: parameters per stage [ZeRO], activations per GPU [SP] ------------------------
@@ -238,10 +233,8 @@ def params_per_stage(model: ModelShape, tp: int = 1, pp: int = 1) -> dict:
     blocks = math.ceil(model.n_layer / pp)
     embed = V * h / tp + S * h
     head = 2 * h + (V * h / tp if pp > 1 else 0)  # tied: no second copy on one stage
-    if pp == 1:
-        first = last = blocks * block + embed + head
-    else:
-        first, last = blocks * block + embed, blocks * block + head
+    first = blocks * block + embed + (head if pp == 1 else 0)  # one stage holds all of it
+    last = blocks * block + (embed if pp == 1 else 0) + head
     return {"first": first, "last": last, "block": block, "blocks_per_stage": blocks}
 
 
@@ -263,12 +256,10 @@ def activation_memory(model: ModelShape, lay: Layout) -> dict:
     embed_extra = (s * b * h / sp_div) if model.dropout else 0
     head_extra = 2 * s * b * h * act / sp_div + 4 * s * b * model.vocab_size / t
     k = in_flight_microbatches(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
-    if lay.pp == 1:
-        first = last = per_layer * layers + embed_extra + head_extra
-    else:
-        first = k * (per_layer * layers + embed_extra)
-        last_k = lay.microbatches if lay.schedule == "gpipe" else 1  # in flight on the last
-        last = last_k * (per_layer * layers + head_extra)
+    one = lay.pp == 1  # one stage holds the embedding and the head
+    first = k * (per_layer * layers + embed_extra + (head_extra if one else 0))
+    last_k = lay.microbatches if lay.schedule == "gpipe" and not one else 1  # in flight there
+    last = last_k * (per_layer * layers + (embed_extra if one else 0) + head_extra)
     return {"per_layer_bytes": per_layer, "first_stage_bytes": first, "last_stage_bytes": last,
             "in_flight_microbatches": k, "unrecomputed_layer_bytes": unrecomputed,
             "recompute_working_bytes": unrecomputed if lay.recompute == "full" else 0.0,
@@ -295,8 +286,7 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
          eff: Efficiency | None = None, padded: bool = False) -> dict:
     """Memory per GPU, step time and throughput of `lay` on `cluster`. Returns a flat dict
     (the JSON the command line prints); all sizes in bytes, times in seconds."""
-    cluster = cluster or Cluster(GPU_PRESETS["a100-80g"])
-    eff = eff or Efficiency()
+    cluster, eff = cluster or Cluster(GPU_PRESETS["a100-80g"]), eff or Efficiency()
     check_layout(model, lay)
     dp, tp, pp, m, b = lay.dp, lay.tp, lay.pp, lay.microbatches, lay.micro_batch_size
     v = lay.virtual_stages if (lay.schedule == "interleaved" and pp > 1) else 1
@@ -312,8 +302,7 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     totals = {where: states[where]["total_bytes"] + acts[f"{where}_stage_bytes"]
               + acts["recompute_working_bytes"] + zero3_buffer for where in ("first", "last")}
     worst = max(totals, key=totals.get)
-    state, memory = states[worst], totals[worst]
-    usable = cluster.gpu.memory_bytes * eff.usable_memory
+    memory, usable = totals[worst], cluster.gpu.memory_bytes * eff.usable_memory
 
     # --- compute of the busiest stage, per microbatch ------------------------------------------
     peak = cluster.gpu.peak_tflops[lay.precision] * 1e12
@@ -323,8 +312,7 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     block_hw = (flops["hardware_flops"] / lay.batch_size - head_hw) / model.n_layer
     gemm_s = b * (layers * block_hw + head_hw / pp) / tp / (peak * eff.gemm)
     passes = eff.elementwise_passes * (4 / 3 if lay.recompute == "full" else 1)
-    hbm = cluster.gpu.hbm_gbps * GB
-    elementwise_s = passes * layers * acts["unrecomputed_layer_bytes"] / hbm
+    elementwise_s = passes * layers * acts["unrecomputed_layer_bytes"] / (cluster.gpu.hbm_gbps * GB)
     compute_mb = gemm_s + elementwise_s
 
     # --- tensor parallel: 2 collectives forward, 2 backward, 2 more if the forward is redone;
@@ -356,87 +344,65 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
             m * (gathers * ag + rs))[lay.zero]
     dp_exposed = dp_s * (1 - eff.dp_overlap)
 
-    offload_s = 0.0
-    if lay.offload:  # grads down and params up over PCIe, Adam on the host
-        shard = local / (dp if lay.zero >= 1 else 1)
-        offload_s = shard * (g_bytes + p_bytes) / (cluster.gpu.pcie_gbps * GB) \
-            + shard / eff.cpu_adam_params_per_s
+    shard = local / (dp if lay.zero >= 1 else 1)  # --offload: grads down, params up over PCIe,
+    offload_s = (shard * (g_bytes + p_bytes) / (cluster.gpu.pcie_gbps * GB)  # Adam on the host
+                 + shard / eff.cpu_adam_params_per_s) if lay.offload else 0.0
 
     step = m * work_mb + bubble * m * work_mb + p2p_s + dp_exposed + offload_s
     tflops = flops["hardware_flops"] / (step * lay.gpus) / 1e12
     model_tflops = flops["model_flops"] / (step * lay.gpus) / 1e12
-    return {
-        "model": model.name, "params": model.num_params(), "layout": lay.short(), **asdict(lay),
-        "micro_batch_size": b, "gpus": lay.gpus, "gpu": cluster.gpu.name,
-        "gpus_per_node": cluster.gpus_per_node,
-        # memory
-        **{k: state[k] for k in ("params_bytes", "grads_bytes", "optim_bytes", "master_bytes")},
-        "cpu_offload_bytes": state["cpu_bytes"], "model_state_bytes_per_gpu": state["total_bytes"],
-        "activation_bytes_per_gpu": acts[f"{worst}_stage_bytes"],
-        "activation_bytes_per_microbatch": acts["per_microbatch_model_bytes"],
-        "activation_bytes_per_layer": acts["per_layer_bytes"],
-        **{k: acts[k] for k in ("in_flight_microbatches", "recompute_working_bytes")},
-        "zero3_gather_bytes": zero3_buffer, "memory_bytes_per_gpu": memory, "worst_stage": worst,
-        "usable_bytes_per_gpu": usable, "fits": memory <= usable,
-        # time
-        "step_time_s": step,
-        "compute_s": m * compute_mb, "gemm_s": m * gemm_s, "elementwise_s": m * elementwise_s,
-        "tp_comm_s": m * tp_mb, "bubble_s": bubble * m * work_mb,
-        "bubble_ratio": bubble, "bubble_fraction": bubble / (1 + bubble),  # of the pipeline
-        "pp_comm_s": p2p_s, "dp_comm_s": dp_s, "dp_comm_exposed_s": dp_exposed,
-        "offload_s": offload_s,
-        "tp_crosses_nodes": tp_cross, "dp_crosses_nodes": dp_cross, "pp_crosses_nodes": pp_cross,
-        # throughput
-        "model_flops_per_step": flops["model_flops"],
-        "hardware_flops_per_step": flops["hardware_flops"],
-        "tokens_per_s": lay.batch_size * model.seq_len / step,
-        "tflops_per_gpu": tflops, "model_tflops_per_gpu": model_tflops,
-        "mfu": model_tflops * 1e12 / peak, "hfu": tflops * 1e12 / peak,
-    }
+    return {"model": model.name, "params": model.num_params(), "layout": lay.short(), **asdict(lay),
+            "micro_batch_size": b, "gpus": lay.gpus, "gpu": cluster.gpu.name,
+            "gpus_per_node": cluster.gpus_per_node,  # then memory
+            **{k: states[worst][k] for k in ("params_bytes", "grads_bytes", "optim_bytes",
+                                             "master_bytes")},
+            "cpu_offload_bytes": states[worst]["cpu_bytes"],
+            "model_state_bytes_per_gpu": states[worst]["total_bytes"],
+            "activation_bytes_per_gpu": acts[f"{worst}_stage_bytes"],
+            "activation_bytes_per_microbatch": acts["per_microbatch_model_bytes"],
+            "activation_bytes_per_layer": acts["per_layer_bytes"],
+            **{k: acts[k] for k in ("in_flight_microbatches", "recompute_working_bytes")},
+            "zero3_gather_bytes": zero3_buffer, "memory_bytes_per_gpu": memory,
+            "worst_stage": worst, "usable_bytes_per_gpu": usable, "fits": memory <= usable,
+            "step_time_s": step, "compute_s": m * compute_mb, "gemm_s": m * gemm_s,
+            "elementwise_s": m * elementwise_s, "tp_comm_s": m * tp_mb,
+            "bubble_s": bubble * m * work_mb,
+            "bubble_ratio": bubble, "bubble_fraction": bubble / (1 + bubble),  # of the pipeline
+            "pp_comm_s": p2p_s, "dp_comm_s": dp_s, "dp_comm_exposed_s": dp_exposed,
+            "offload_s": offload_s, "tp_crosses_nodes": tp_cross, "dp_crosses_nodes": dp_cross,
+            "pp_crosses_nodes": pp_cross, "model_flops_per_step": flops["model_flops"],
+            "hardware_flops_per_step": flops["hardware_flops"],
+            "tokens_per_s": lay.batch_size * model.seq_len / step, "tflops_per_gpu": tflops,
+            "model_tflops_per_gpu": model_tflops, "mfu": model_tflops * 1e12 / peak,
+            "hfu": tflops * 1e12 / peak}
 
 
 # --- 5. Search: every feasible layout, ranked, and why the winner wins -----------------------
 
-MICRO_BATCH_SIZES = (1, 2, 4, 8)
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)
-
-
 def candidate_layouts(model: ModelShape, gpus: int, batch_size: int, precision: str = "bf16",
                       fixed: dict | None = None, allow_offload: bool = False):
     """Every layout of `gpus` GPUs that can run: dp·tp·pp = gpus, whole heads per tensor-
-    parallel rank, a global batch that splits into whole microbatches, and each ZeRO stage,
-    recompute mode, sequence parallel and pipeline schedule. `fixed` pins fields of Layout
-    to a value or a tuple of allowed values (e.g. {"tp": 8, "schedule": ("1f1b", "gpipe")})."""
+    parallel rank, a global batch that splits into whole microbatches of 1, 2, 4 or 8, and each
+    ZeRO stage, recompute mode, sequence parallel and pipeline schedule (interleaved with 2 to 8
+    chunks). `fixed` pins fields of Layout to a value or a tuple of allowed values (e.g.
+    {"tp": 8, "schedule": ("1f1b", "gpipe")})."""
     fixed = {k: v if isinstance(v, (tuple, list, set, frozenset)) else (v,)
              for k, v in (fixed or {}).items()}
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
-    for tp, pp in itertools.product(divisors, divisors):
+    for tp, pp, b in itertools.product(divisors, divisors, (1, 2, 4, 8)):
         dp = gpus // (tp * pp)
-        if gpus % (tp * pp) or model.n_head % tp or pp > model.n_layer or batch_size % dp:
+        if gpus % (tp * pp) or model.n_head % tp or pp > model.n_layer or batch_size % (dp * b):
             continue
-        for b in MICRO_BATCH_SIZES:
-            m = batch_size // dp // b
-            if (batch_size // dp) % b:
-                continue
-            scheds = [("1f1b", 1)] + ([("gpipe", 1), ("zb-h1", 1)] if pp > 1 else [])
-            scheds += [("interleaved", v) for v in VIRTUAL_STAGES if pp > 1
-                       and model.n_layer % (pp * v) == 0 and m % pp == 0]
-            for (schedule, v), zero, rc, sp, off in itertools.product(
-                    scheds, (0, 1, 2, 3) if dp > 1 else (0,), RECOMPUTE,
-                    (False, True) if tp > 1 else (False,),
-                    (False, True) if allow_offload else (False,)):
-                lay = Layout(dp, tp, pp, zero, schedule, v, m, batch_size, precision, rc, sp, off)
-                if all(getattr(lay, k) in allowed for k, allowed in fixed.items()):
-                    yield lay
-
-
-def _simplicity(p: dict) -> tuple:
-    """Among layouts equally fast, prefer the simpler one: fewer model-parallel ranks (the
-    model stays whole on more GPUs), less ZeRO sharding, no recompute, no sequence parallel,
-    the plain 1F1B schedule, bigger microbatches."""
-    return (p["tp"] * p["pp"], p["zero"], RECOMPUTE.index(p["recompute"]),
-            p["sequence_parallel"], p["offload"], p["schedule"] != "1f1b", p["virtual_stages"],
-            -p["micro_batch_size"])
+        m = batch_size // dp // b
+        scheds = [("1f1b", 1)] + [("gpipe", 1), ("zb-h1", 1)] * (pp > 1) + [
+            ("interleaved", v) for v in (2, 3, 4, 6, 8)
+            if pp > 1 and model.n_layer % (pp * v) == 0 and m % pp == 0]
+        for (schedule, v), zero, rc, sp, off in itertools.product(
+                scheds, (0, 1, 2, 3)[:4 if dp > 1 else 1], RECOMPUTE,
+                (False, True)[:1 + (tp > 1)], (False, True)[:1 + allow_offload]):
+            lay = Layout(dp, tp, pp, zero, schedule, v, m, batch_size, precision, rc, sp, off)
+            if all(getattr(lay, k) in allowed for k, allowed in fixed.items()):
+                yield lay
 
 
 def search(model: ModelShape, gpus: int, cluster: Cluster | None = None,
@@ -445,10 +411,11 @@ def search(model: ModelShape, gpus: int, cluster: Cluster | None = None,
            comfortable_memory: float = 0.8) -> dict:
     """Plan every candidate layout; rank the ones that fit by step time. The planner is good
     to a few percent (tests/test_plan.py), so layouts within `tie` of the fastest count as
-    equally fast. Among those the simplest wins (`_simplicity`), preferring one that leaves
-    headroom (memory at most `comfortable_memory` of what is usable)."""
-    cluster = cluster or Cluster(GPU_PRESETS["a100-80g"])
-    eff = eff or Efficiency()
+    equally fast. Among those the simplest wins, preferring one that leaves headroom (memory
+    at most `comfortable_memory` of what is usable): fewer model-parallel ranks (the model stays
+    whole on more GPUs), less ZeRO sharding, no recompute, no sequence parallel, no offload,
+    the plain 1F1B schedule, bigger microbatches."""
+    cluster, eff = cluster or Cluster(GPU_PRESETS["a100-80g"]), eff or Efficiency()
     batch_size = batch_size or model.default_batch_size
     plans = [plan(model, lay, cluster, eff) for lay in
              candidate_layouts(model, gpus, batch_size, precision, fixed, allow_offload)]
@@ -462,7 +429,9 @@ def search(model: ModelShape, gpus: int, cluster: Cluster | None = None,
         ties = [p for p in feasible if p["step_time_s"] <= fastest * (1 + tie)]
         roomy = [p for p in ties
                  if p["memory_bytes_per_gpu"] <= comfortable_memory * p["usable_bytes_per_gpu"]]
-        winner = min(roomy or ties, key=_simplicity)
+        winner = min(roomy or ties, key=lambda p: (
+            p["tp"] * p["pp"], p["zero"], RECOMPUTE.index(p["recompute"]), p["sequence_parallel"],
+            p["offload"], p["schedule"] != "1f1b", p["virtual_stages"], -p["micro_batch_size"]))
         feasible.sort(key=lambda p: p is not winner)  # the winner first, the rest by time
     return {"model": model.name, "params": model.num_params(), "gpus": gpus,
             "gpu": cluster.gpu.name, "gpus_per_node": cluster.gpus_per_node,
@@ -491,9 +460,9 @@ def _why_slower(alt: dict, best: dict) -> str:
         return (f"does not fit: {alt['memory_bytes_per_gpu'] / GB:.0f} GB > "
                 f"{alt['usable_bytes_per_gpu'] / GB:.0f} GB usable")
     delta = alt["step_time_s"] - best["step_time_s"]
-    grew = max(TIME_PARTS, key=lambda k: alt[k] - best[k])
     if delta <= best["step_time_s"] * 0.005:
         return f"as fast ({alt['memory_bytes_per_gpu'] / GB:.0f} GB)"
+    grew = max(TIME_PARTS, key=lambda k: alt[k] - best[k])
     return (f"+{delta / best['step_time_s']:.0%} ({TIME_PARTS[grew]} "
             f"+{alt[grew] - best[grew]:.2g} s)")
 
@@ -509,27 +478,22 @@ def explain(winner: dict | None, plans: list[dict], gpus: int, batch_size: int) 
     """Why the winner wins, from the numbers: where its step time goes, then for each family
     and each knob the best layout with another setting and what makes it slower (or not fit).
     Without a winner: what the smallest layout would need."""
+    w = winner or _best(plans)
+    mem, usable = w["memory_bytes_per_gpu"] / GB, w["usable_bytes_per_gpu"] / GB
     if winner is None:
-        best = _best(plans)
-        return [f"no layout fits: the smallest needs {best['memory_bytes_per_gpu'] / GB:.1f} GB "
-                f"per GPU ({best['layout']}) but only {best['usable_bytes_per_gpu'] / GB:.1f} GB "
-                "are usable; add GPUs, use a bigger GPU, or --offload"]
-    w = winner
-    lines = [f"winner: {w['layout']}: {w['step_time_s']:.3g} s/step, "
-             f"{w['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {w['mfu']:.0%}, "
-             f"{w['memory_bytes_per_gpu'] / GB:.1f} GB of {w['usable_bytes_per_gpu'] / GB:.0f} "
-             "GB usable",
-             "  step = " + ", ".join(f"{name} {w[k]:.3g} s" for k, name in TIME_PARTS.items()
-                                     if w[k] > 0)]
+        return [f"no layout fits: the smallest needs {mem:.1f} GB per GPU ({w['layout']}) but "
+                f"only {usable:.1f} GB are usable; add GPUs, use a bigger GPU, or --offload"]
     links = [f"{g} group {'crosses nodes' if w[f'{g}_crosses_nodes'] else 'stays in a node'}"
              for g in ("tp", "dp", "pp") if w[g] > 1]
-    if links:
-        lines.append("  " + "; ".join(links))
-    lines.append("best of each family:")
+    lines = [f"winner: {w['layout']}: {w['step_time_s']:.3g} s/step, {w['tflops_per_gpu']:.0f} "
+             f"TFLOP/s per GPU, MFU {w['mfu']:.0%}, {mem:.1f} GB of {usable:.0f} GB usable",
+             "  step = " + ", ".join(f"{name} {w[k]:.3g} s"
+                                     for k, name in TIME_PARTS.items() if w[k] > 0)]
+    lines += ["  " + "; ".join(links)] * bool(links) + ["best of each family:"]
     for name, member in FAMILIES.items():
         best = _best([p for p in plans if member(p)])
         if best is not None:
-            tag = "winner" if best is w or best["layout"] == w["layout"] else _why_slower(best, w)
+            tag = "winner" if best["layout"] == w["layout"] else _why_slower(best, w)
             lines.append(f"  {name:22s} {best['layout']:44s} {tag}")
         elif name == "plain DDP":
             states = model_state_bytes(w["params"], gpus, 0, w["precision"])["total_bytes"]
@@ -540,8 +504,7 @@ def explain(winner: dict | None, plans: list[dict], gpus: int, batch_size: int) 
         alts = [(val, _best(_neighbours(w, plans, knob, val)))
                 for val in sorted({p[knob] for p in plans}) if val != w[knob]]
         alts = [f"{val}: {_why_slower(alt, w)}" for val, alt in alts if alt is not None]
-        if alts:
-            lines.append(f"  {name} = {w[knob]}: " + "; ".join(alts))
+        lines += [f"  {name} = {w[knob]}: " + "; ".join(alts)] * bool(alts)
     return lines
 
 
@@ -549,13 +512,13 @@ def _neighbours(w: dict, plans: list[dict], knob: str, value) -> list[dict]:
     """Plans equal to the winner except for `knob` = value (dp and the number of microbatches
     follow from tp, pp and the micro-batch size). If there are none (say sequence parallel
     without tensor parallel), relax one more choice at a time, then all of them."""
-    same = ("tp", "pp", "zero", "recompute", "sequence_parallel", "schedule", "virtual_stages",
-            "micro_batch_size", "offload")
     with_value = [p for p in plans if p[knob] == value]
-    free = {knob} | ({"virtual_stages"} if knob == "schedule" else set())
+    free = {knob, "virtual_stages"} if knob == "schedule" else {knob}
     for relax in ((), ("sequence_parallel",), ("virtual_stages",), ("schedule", "virtual_stages"),
                   ("micro_batch_size",)):
-        keys = [k for k in same if k not in free and k not in relax]
+        keys = [k for k in ("tp", "pp", "zero", "recompute", "sequence_parallel", "schedule",
+                            "virtual_stages", "micro_batch_size", "offload")
+                if k not in free and k not in relax]
         found = [p for p in with_value if all(p[k] == w[k] for k in keys)]
         if found:
             return found
@@ -564,31 +527,31 @@ def _neighbours(w: dict, plans: list[dict], knob: str, value) -> list[dict]:
 
 # --- 6. Reports for humans, and the command line ---------------------------------------------
 
-def _gb(x: float) -> str:
-    return f"{x / GB:9.3f} GB" if x < 1e12 else f"{x / 1e12:9.3f} TB"
+def _rows(pairs, width: int = 34) -> list[str]:
+    """One table row per (label, bytes): GB, or TB from 1e12 on."""
+    return [f"  {label:<{width}s}" + (f"{x / GB:9.3f} GB" if x < 1e12 else f"{x / 1e12:9.3f} TB")
+            for label, x in pairs]
 
 
 def format_plan(p: dict) -> str:
     out = [f"{p['model']} (Ψ = {p['params'] / 1e9:.3g} B) on {p['gpus']} × {p['gpu']} "
            f"({p['gpus_per_node']} per node): {p['layout']}, {p['precision']}",
-           "memory per GPU" + (f" (worst: {p['worst_stage']} pipeline stage)"
-                               if p["pp"] > 1 else "")]
+           "memory per GPU" + f" (worst: {p['worst_stage']} pipeline stage)" * (p["pp"] > 1)]
     rows = {"params_bytes": "parameters", "grads_bytes": "gradients",
             "optim_bytes": "optimizer state", "master_bytes": "fp32 master weights",
             "activation_bytes_per_gpu":
                 f"activations ({p['in_flight_microbatches']:g} mb in flight)",
             "recompute_working_bytes": "recompute working block",
-            "zero3_gather_bytes": "ZeRO-3 gathered blocks", "memory_bytes_per_gpu": "total"}
-    always = ("params_bytes", "memory_bytes_per_gpu", "activation_bytes_per_gpu")
-    out += [f"  {label:<34s}{_gb(p[key])}" for key, label in rows.items()
-            if p[key] or key in always]
-    out.append(f"  {'usable (' + p['gpu'] + ')':<34s}{_gb(p['usable_bytes_per_gpu'])}  "
-               + ("fits" if p["fits"] else "DOES NOT FIT"))
-    if p["cpu_offload_bytes"]:
-        out.append(f"  {'offloaded to host':<34s}{_gb(p['cpu_offload_bytes'])}")
+            "zero3_gather_bytes": "ZeRO-3 gathered blocks", "memory_bytes_per_gpu": "total",
+            "usable_bytes_per_gpu": f"usable ({p['gpu']})"}
+    always = ("params_bytes", "activation_bytes_per_gpu", "memory_bytes_per_gpu",
+              "usable_bytes_per_gpu")
+    out += _rows((label, p[k]) for k, label in rows.items() if p[k] or k in always)
+    out[-1] += "  fits" if p["fits"] else "  DOES NOT FIT"
+    out += _rows([("offloaded to host", p["cpu_offload_bytes"])] * bool(p["cpu_offload_bytes"]))
     if p.get("activation_variants"):
-        out.append("activations per GPU with other choices [SP Table 2]")
-        out += [f"  {label:<34s}{_gb(val)}" for label, val in p["activation_variants"].items()]
+        out += ["activations per GPU with other choices [SP Table 2]",
+                *_rows(p["activation_variants"].items())]
     out.append(f"time per step: {p['step_time_s']:.4g} s")
     out += [f"  {label:<34s}{p[key]:10.4g} s  {p[key] / p['step_time_s']:6.1%}"
             for key, label in TIME_PARTS.items() if p[key] or key == "compute_s"]
@@ -614,57 +577,47 @@ def format_search(res: dict, top: int = 10) -> str:
     return "\n".join(out + res["explanation"])
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr, exit code 2
-        print(f"hplab.plan: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m hplab.plan", description=__doc__.split("\n\n")[0])
-    m = ap.add_argument_group("model (as hplab/train.py)")
-    m.add_argument("--model", default="gpt2", help="preset: hplab's tiny/gpt2/gpt2-medium, "
-                   "gpt3-125m ... gpt3-175b, megatron-1.7b ... megatron-1t")
-    for name in ("--n-layer", "--n-embd", "--n-head", "--seq-len", "--vocab-size"):
-        m.add_argument(name, type=int)
-    m.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
-                   help="count dropout masks (default: as the preset)")
-    m.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
-                   help="attention keeps no s×s matrices (default: as the preset)")
-    m.add_argument("--params", type=float, help="only the model-state memory of this many "
-                   "parameters (with --dp, --zero, --precision)")
-    lo = ap.add_argument_group("layout (as hplab/train.py)")
-    lo.add_argument("--dp", type=int)
-    lo.add_argument("--tp", type=int, default=1)
-    lo.add_argument("--pp", type=int, default=1)
-    lo.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    lo.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    lo.add_argument("--virtual-stages", type=int, default=1)
-    lo.add_argument("--microbatches", type=int)
-    lo.add_argument("--batch-size", type=int, help="global, in sequences")
-    lo.add_argument("--precision", default=None, choices=tuple(PRECISION_BYTES),
-                    help="default: fp32 for hplab's presets, bf16 for the others")
-    lo.add_argument("--recompute", action="store_true", help="full activation recompute")
-    lo.add_argument("--selective-recompute", action="store_true",
-                    help="recompute only the attention scores [SP]")
-    lo.add_argument("--sequence-parallel", action="store_true")
-    lo.add_argument("--offload", action="store_true", help="optimizer state on the host")
-    lo.add_argument("--padded", action="store_true",
-                    help="ZeRO shards padded to a multiple of dp, as hplab allocates them")
-    cl = ap.add_argument_group("cluster")
-    cl.add_argument("--gpu", default="a100-80g", choices=tuple(GPU_PRESETS))
-    cl.add_argument("--gpus", type=int, help="total GPUs (required with --search)")
-    cl.add_argument("--gpus-per-node", type=int, default=8)
-    cl.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node (default NVLink)")
-    cl.add_argument("--inter-bw", type=float, help="GB/s per GPU between nodes (default its NIC)")
-    ef = ap.add_argument_group("efficiency assumptions")
-    for f in Efficiency.__dataclass_fields__.values():
-        ef.add_argument("--eff-" + f.name.replace("_", "-"), type=float, default=f.default,
-                        dest="eff_" + f.name)
-    out = ap.add_argument_group("output")
-    out.add_argument("--search", action="store_true", help="rank every layout of --gpus GPUs")
-    out.add_argument("--top", type=int, default=10)
-    out.add_argument("--json", action="store_true")
+    ap = argparse.ArgumentParser(prog="python -m hplab.plan", description=__doc__.split("\n\n")[0])
+    ap.error = lambda message: ap.exit(2, f"hplab.plan: error: {message}\n")  # one line, exit 2
+    n, on = dict(type=int), dict(action="store_true")
+    preset = dict(action=argparse.BooleanOptionalAction, default=None)
+    for title, flags in {
+        "model (as hplab/train.py)": {
+            "--model": dict(default="gpt2", help="preset: hplab's tiny/gpt2/gpt2-medium, "
+                            "gpt3-125m ... gpt3-175b, megatron-1.7b ... megatron-1t"),
+            "--n-layer": n, "--n-embd": n, "--n-head": n, "--seq-len": n, "--vocab-size": n,
+            "--dropout": dict(preset, help="count dropout masks (default: as the preset)"),
+            "--flash-attention": dict(preset, help="attention keeps no s×s matrices "
+                                      "(default: as the preset)"),
+            "--params": dict(type=float, help="only the model-state memory of this many "
+                             "parameters (with --dp, --zero, --precision)")},
+        "layout (as hplab/train.py)": {
+            "--dp": n, "--tp": dict(n, default=1), "--pp": dict(n, default=1),
+            "--zero": dict(n, default=0, choices=(0, 1, 2, 3)),
+            "--schedule": dict(default="1f1b", choices=SCHEDULES),
+            "--virtual-stages": dict(n, default=1), "--microbatches": n,
+            "--batch-size": dict(n, help="global, in sequences"),
+            "--precision": dict(choices=tuple(PRECISION_BYTES),
+                                help="default: fp32 for hplab's presets, bf16 for the others"),
+            "--recompute": dict(on, help="full activation recompute"),
+            "--selective-recompute": dict(on, help="recompute only the attention scores [SP]"),
+            "--sequence-parallel": on, "--offload": dict(on, help="optimizer state on the host"),
+            "--padded": dict(on, help="ZeRO shards padded to a multiple of dp, as hplab "
+                             "allocates them")},
+        "cluster": {
+            "--gpu": dict(default="a100-80g", choices=tuple(GPU_PRESETS)),
+            "--gpus": dict(n, help="total GPUs (required with --search)"),
+            "--gpus-per-node": dict(n, default=8),
+            "--intra-bw": dict(type=float, help="GB/s per GPU inside a node (default NVLink)"),
+            "--inter-bw": dict(type=float, help="GB/s per GPU between nodes (default its NIC)")},
+        "efficiency assumptions": {"--eff-" + f.name.replace("_", "-"): dict(
+            type=float, default=f.default, dest="eff_" + f.name) for f in fields(Efficiency)},
+        "output": {"--search": dict(on, help="rank every layout of --gpus GPUs"),
+                   "--top": dict(n, default=10), "--json": on}}.items():
+        group = ap.add_argument_group(title)
+        for flag, kwargs in flags.items():
+            group.add_argument(flag, **kwargs)
     return ap
 
 
@@ -681,34 +634,31 @@ def _run(args) -> tuple[dict, str]:
                "precision": precision, **{k + "_bytes": st[k + "_bytes"] for k in kinds},
                "cpu_offload_bytes": st["cpu_bytes"], "model_state_bytes_per_gpu": st["total_bytes"]}
         kinds += ["cpu"] * bool(st["cpu_bytes"]) + ["total"]
+        rows = _rows([("on host" if k == "cpu" else k, st[k + "_bytes"]) for k in kinds], 8)
         return res, "\n".join([f"model states of Ψ = {args.params:.4g} parameters, {precision}, "
-                               f"ZeRO-{args.zero} over dp={dp} (per GPU) [ZeRO Sec. 5]"]
-                              + [f"  {'on host' if k == 'cpu' else k:<8s}{_gb(st[k + '_bytes'])}"
-                                 for k in kinds])
+                               f"ZeRO-{args.zero} over dp={dp} (per GPU) [ZeRO Sec. 5]", *rows])
     presets = model_presets()
     if args.model not in presets:
         raise PlanError(f"unknown model preset {args.model!r}: choose one of {', '.join(presets)}")
-    names = ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "dropout", "flash_attention")
-    model = replace(presets[args.model], **{k: getattr(args, k) for k in names
-                                            if getattr(args, k) is not None})
+    model = replace(presets[args.model], **{k: v for k, v in vars(args).items() if v is not None
+                                            and k in ModelShape.__dataclass_fields__})
     check_layout(model, Layout())  # the model's own sizes, before any search
     precision = args.precision or ("bf16" if args.model.startswith(("gpt3-", "megatron-"))
                                    else "fp32")
     if args.gpus_per_node < 1:
         raise PlanError("--gpus-per-node must be at least 1")
     cluster = Cluster(GPU_PRESETS[args.gpu], args.gpus_per_node, args.intra_bw, args.inter_bw)
-    eff = Efficiency(**{f: getattr(args, "eff_" + f) for f in Efficiency.__dataclass_fields__})
+    eff = Efficiency(**{f.name: getattr(args, "eff_" + f.name) for f in fields(Efficiency)})
     batch = args.batch_size or model.default_batch_size
     if args.search:
         if not args.gpus:
             raise PlanError("--search needs --gpus N")
         res = search(model, args.gpus, cluster, eff, batch, precision, allow_offload=args.offload)
-        res.pop("_all")
+        del res["_all"]
         text = format_search(res, args.top)
         res["ranking"] = res["ranking"][:args.top]
-        if res["winner"]:  # the headline numbers of the winner, at top level for notebooks
-            res.update({k: res["winner"][k] for k in HEADLINE})
-        return res, text
+        # the headline numbers of the winner, at top level for notebooks
+        return {**res, **{k: res["winner"][k] for k in HEADLINE if res["winner"]}}, text
     tp, pp = args.tp, args.pp
     if tp < 1 or pp < 1:
         raise PlanError("--tp and --pp must be at least 1")
@@ -720,11 +670,11 @@ def _run(args) -> tuple[dict, str]:
     lay = Layout(dp, tp, pp, args.zero, args.schedule, args.virtual_stages, m, batch, precision,
                  recompute, args.sequence_parallel, args.offload)
     res = plan(model, lay, cluster, eff, args.padded)
-    res["activation_variants"] = {}  # what recompute and sequence parallel would save
-    for rc, sp in itertools.product(RECOMPUTE, (False, True) if tp > 1 else (False,)):
-        alt = activation_memory(model, replace(lay, recompute=rc, sequence_parallel=sp))
-        res["activation_variants"][f"recompute {rc}" + (", sequence parallel" if sp else "")] = \
-            max(alt["first_stage_bytes"], alt["last_stage_bytes"])
+    acts = {f"recompute {rc}" + ", sequence parallel" * sp: activation_memory(model, replace(
+        lay, recompute=rc, sequence_parallel=sp)) for rc, sp in itertools.product(
+            RECOMPUTE, (False, True)[:1 + (tp > 1)])}  # what recompute and sp would save
+    res["activation_variants"] = {k: max(a["first_stage_bytes"], a["last_stage_bytes"])
+                                  for k, a in acts.items()}
     return res, format_plan(res)
 
 
