@@ -2,28 +2,24 @@
 
     torchrun --nproc_per_node 4 hplab/collectives_bench.py --out collectives.json
 
-Every process calls the same collective on S bytes (fp32), S = min..max in powers of two. A call
-is timed as barrier, clock, collective, clock; its time is the slowest rank's, and a size reports
-the best of `--repeats` calls after a warm-up: the call least disturbed by the rest of the machine
-(4 processes on 2 cores often wait for a core). S is the payload as `hplab.comm` counts it (the
-tensor; all-gather's output; reduce-scatter's input; send/recv: 0→1, 2→3, ... all at once).
-Rank 0 writes JSON: `world_size`, `backend`, `repeats`, `results` {op: [{bytes, time_s,
-median_s}]}, `ledger` (rank 0's CommLedger over the timed calls), `demo` (see `demo`).
+Every process calls the collective on S bytes of fp32 (S = min..max in powers of two, the payload
+as `hplab.comm` counts it). A call's time is the slowest rank's (barrier, clock, call, clock); a
+size reports the best of `--repeats` calls after a warm-up, the least disturbed by the machine (4
+processes on 2 cores often wait for a core). Rank 0 writes JSON: `world_size`, `backend`,
+`repeats`, `results` {op: [{bytes, time_s, median_s}]}, `ledger` (rank 0's CommLedger), `demo`.
 """
 
-if __name__ == "__main__" and not __package__:  # a script: the repo, not hplab/, on sys.path
-    import sys
-    from pathlib import Path
+import sys
+from pathlib import Path
 
+if __name__ == "__main__" and not __package__:  # a script: the repo, not hplab/, on sys.path
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import argparse
 import json
 import os
-import statistics
-import sys
 import time
-from pathlib import Path
+from statistics import median
 
 import torch
 import torch.distributed as dist
@@ -94,8 +90,7 @@ def main(argv=None) -> int:
         numel = (nbytes - nbytes % (4 * n)) // 4  # whole fp32 slices for every rank
         message = (comm, op, buffer[:numel], buffer[:numel // n].clone())
         times = [time_call(*message) for _ in range(1 + args.repeats)][1:]  # [0]: warm-up
-        results[op].append({"bytes": 4 * numel, "time_s": min(times),
-                            "median_s": statistics.median(times)})
+        results[op].append(dict(bytes=4 * numel, time_s=min(times), median_s=median(times)))
     demos = [None] * n if comm.rank == 0 else None
     dist.gather_object(shown, demos, dst=0)
     if comm.rank == 0 and args.out:

@@ -1,17 +1,14 @@
 """Notebook helpers: launch a real multi-process job, watch it, read what it measured.
 
-`run = lab.train(nproc=4, dp=4, steps=20)` starts `torchrun hplab/train.py --dp 4 --steps 20
---metrics ...` as four real processes (gloo on CPU, NCCL on GPUs), shows a progress bar while
-they train, and returns a `Run`: the metrics file as an object, with the numbers the labs plot
-(`run.losses`, `run.memory_bytes()`, `run.comm_bytes("all_reduce")`) and `run.plot_loss()`.
-`lab.collectives(nproc=4)` runs `hplab/collectives_bench.py` the same way and fits the α-β
-model to each collective's time against message size.
+`run = lab.train(nproc=4, dp=4, steps=20)` runs `torchrun hplab/train.py --dp 4 --steps 20
+--metrics ...` as four real processes (gloo on CPU, NCCL on GPUs) behind a progress bar and
+returns a `Run`, the metrics file with the views the labs plot (`run.losses`,
+`run.memory_bytes()`, `run.comm_bytes("all_reduce")`, `run.plot_loss()`).
+`lab.collectives(nproc=4)` runs `hplab/collectives_bench.py` the same way and fits the α-β model.
 
-Why a subprocess, not threads in the kernel? That is how training really runs: torchrun sets
-`RANK`, `WORLD_SIZE`, `LOCAL_RANK` and the rendezvous address, and every process joins the group
-from scratch. We launch `sys.executable -m torch.distributed.run` (no `torchrun` on PATH needed)
-and capture what the processes print, which a notebook kernel (and nbval under pytest) would not
-see. A failed or hung job raises one LaunchError.
+Why processes, not threads in the kernel? That is how training really runs: torchrun sets `RANK`,
+`WORLD_SIZE` and the rendezvous address and each process joins the group from scratch. Their
+output is captured here (a kernel would not see it); a failed or hung job raises LaunchError.
 """
 
 from __future__ import annotations
@@ -36,9 +33,7 @@ from hplab import viz  # plots; matplotlib itself loads only when one is drawn
 # in one home, hplab.formulas; lab 00 and tests call them as lab.<name>
 from hplab.formulas import alpha_beta_terms, training_flops_per_token
 
-HPLAB_DIR = Path(__file__).resolve().parent
-REPO_DIR = HPLAB_DIR.parent
-KINDS = ("params", "grads", "optim", "master", "activation")
+REPO_DIR = Path(__file__).resolve().parent.parent
 _TQDM_COUNT = re.compile(r"(\d+)/(\d+) \[")  # rank 0's tqdm bar: "12/20 [00:03<..., loss=4.1]"
 _TQDM_LOSS = re.compile(r"loss=([0-9.]+)")
 
@@ -48,7 +43,6 @@ class LaunchError(RuntimeError):
 
 
 # --- launching ----------------------------------------------------------------------------
-
 def _progress(label: str, show: bool):
     """A one-line progress bar, `draw(text, final=False)`: in a notebook one output updated in
     place (so the saved notebook shows the final state), in a terminal a line redrawn after \\r."""
@@ -131,13 +125,12 @@ def _launch_json(nproc: int, script: str, args: list[str], out_flag: str, label:
     """Launch `script` with `out_flag PATH` added; return (the JSON it wrote, seconds, output)."""
     with tempfile.TemporaryDirectory(prefix="hplab-") as tmp:
         path = Path(tmp) / "out.json"
-        output, seconds = launch(nproc, HPLAB_DIR / script, args + [out_flag, str(path)], label,
-                                 progress, timeout_s)
+        output, seconds = launch(nproc, REPO_DIR / "hplab" / script, args + [out_flag, str(path)],
+                                 label, progress, timeout_s)
         return json.loads(path.read_text()), seconds, output
 
 
 # --- training runs ------------------------------------------------------------------------
-
 @dataclass
 class Run:
     """One finished training run: its metrics file (see DESIGN.md) and convenient views."""
@@ -157,7 +150,7 @@ class Run:
 
     def memory_bytes(self, rank: int = 0) -> dict[str, int]:
         """Bytes this rank held, by kind: params, grads, optim, master, activation."""
-        return {kind: self.metrics["memory"][rank][f"{kind}_bytes"] for kind in KINDS}
+        return {kind: self.metrics["memory"][rank][f"{kind}_bytes"] for kind in viz.KIND_LABELS}
 
     def comm_bytes(self, op: str, rank: int = 0, key: str = "bytes") -> float:
         """Payload bytes (or `key="bus_bytes"`, `"calls"`, `"time_s"`) of `op` on `rank`."""
@@ -170,10 +163,6 @@ class Run:
 
     def plot_loss(self, ax=None, label: str | None = None):
         return viz.plot_loss_curves({label or self.label(): self}, ax=ax)
-
-    def plot_memory(self, predicted: dict[str, float] | None = None, ax=None):
-        return viz.plot_memory_breakdown({f"measured ({self.label()})": self.memory_bytes()},
-                                         predicted=predicted, ax=ax)
 
     def label(self) -> str:
         c = self.config
@@ -191,7 +180,6 @@ def train(nproc: int = 1, progress: bool = True, timeout_s: float = 600.0, **fla
 
 
 # --- collectives: measured time against message size, and the α-β model ---------------------
-
 @dataclass
 class AlphaBetaFit:
     """The α-β model fitted to one collective's measurements."""
@@ -269,7 +257,6 @@ def collectives(nproc: int = 4, min_bytes: int = 2**10, max_bytes: int = 2**22,
 
 
 # --- a small measurement the labs need: this machine's matmul FLOP/s -------------------------
-
 def measure_peak_flops(n: int = 512, repeats: int = 10, threads: int | None = 1) -> float:
     """FLOP/s of an n×n fp32 matmul (2n³ FLOPs) on this process's device, best of `repeats`.
     CPUs publish no "peak FLOP/s" the way GPU data sheets do, so a laptop's MFU is measured
@@ -280,8 +267,7 @@ def measure_peak_flops(n: int = 512, repeats: int = 10, threads: int | None = 1)
     torch.set_num_threads(threads or previous)
     try:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b  # warm-up
-        best = min(timeit.repeat(lambda: a @ b, number=1, repeat=repeats))
+        best = min(timeit.repeat(lambda: a @ b, number=1, repeat=repeats + 1))  # 1 more: a warm-up
     finally:
         torch.set_num_threads(previous)
     return 2 * n**3 / best
@@ -289,7 +275,6 @@ def measure_peak_flops(n: int = 512, repeats: int = 10, threads: int | None = 1)
 
 def mfu(run: Run, peak_flops_per_process: float) -> float:
     """Model FLOPs utilisation: model FLOPs per second / (processes × peak FLOP/s)."""
-    model = run.metrics["model"]
-    per_token = training_flops_per_token(model["num_params"], model["n_layer"], model["n_embd"],
-                                         model["n_positions"])
-    return run.tokens_per_s * per_token / (run.world_size * peak_flops_per_process)
+    m = run.metrics["model"]
+    flops = training_flops_per_token(m["num_params"], m["n_layer"], m["n_embd"], m["n_positions"])
+    return run.tokens_per_s * flops / (run.world_size * peak_flops_per_process)

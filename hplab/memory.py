@@ -1,7 +1,6 @@
 """Where a rank's memory goes, measured from the tensors it really holds.
 
-Training memory has five kinds, and every parallel strategy is a way of moving some of them
-off a device:
+Training memory has five kinds; every parallel strategy moves some of them off a device:
 
     params       the weights the forward pass uses (fp32, or bf16/fp16 copies)
     grads        their gradients
@@ -9,16 +8,15 @@ off a device:
     master       fp32 master weights kept beside low-precision params (mixed precision)
     activation   tensors the forward pass saves for backward (layer inputs, attention, ...)
 
-`MemoryLedger` counts **storages**, not tensors: two views of one buffer (a gradient in a DDP
-bucket, a ZeRO shard of a flat parameter, the tied embedding and LM head) count once, at the
-size really allocated; a storage freed to zero bytes (ZeRO-3 between layers) counts zero.
-Activations are what autograd saves for backward inside `track_activations()`, parameters
-excluded; 0-dim optimizer counters (Adam's `step`) are not counted. Nothing here is a formula:
-those live in `hplab.formulas` / `hplab.plan`, and the labs put both side by side.
+`MemoryLedger` counts **storages**, not tensors: views of one buffer (a gradient in a DDP
+bucket, a ZeRO shard of a flat parameter, the tied embedding and LM head) count once, at the size
+really allocated; a storage freed to zero bytes (ZeRO-3 between layers) counts zero. Activations
+are what autograd saves for backward inside `track_activations()`, parameters excluded; Adam's
+0-dim `step` is not counted. No formulas here: the labs set `hplab.formulas` beside these.
 
-Peak: on CUDA, the caching allocator's `max_memory_allocated`. The CPU allocator keeps no such
-statistics, so on CPU `peak_bytes` is the largest tally this ledger saw (model state plus the
-activations in flight) and `peak_rss_bytes` the process's resident-set peak, PyTorch included.
+Peak: on CUDA, the allocator's `max_memory_allocated`; on CPU, which keeps no such statistics,
+the largest tally this ledger saw (model state plus activations in flight), and `peak_rss_bytes`
+the process's resident-set peak, PyTorch included.
 """
 
 from __future__ import annotations
@@ -88,29 +86,23 @@ class MemoryLedger:
     def measure(self, state: dict[str, Iterable[torch.Tensor | None]]) -> dict[str, int]:
         """Count the storages of each kind (each storage once, in the order of KINDS)."""
         seen: set = set()
-        for kind in KINDS:
-            self.bytes[kind] = storage_bytes(state.get(kind, ()), seen)
+        self.bytes = {kind: storage_bytes(state.get(kind, ()), seen) for kind in KINDS}
         self._note_peak()
         return dict(self.bytes)
 
     @contextlib.contextmanager
     def track_activations(self, exclude: Iterable[torch.Tensor] = ()):
-        """Measure the bytes autograd saves for backward inside this block (one forward pass).
-
-        `exclude`: tensors that are not activations (pass the model's parameters). The block
-        yields a one-element list that holds the count once it is over; the count is kept as
-        `activation_bytes` if the largest seen, and in `activations_in_flight` until
-        `release_activations`. The hook only keeps a reference (it runs for dozens of tensors
-        per layer); storages are looked up once, at the end, so a parameter ZeRO-3 freed
-        meanwhile counts nothing and no freed address is reused inside the block.
-        """
-        saved: list[torch.Tensor] = []
-        counted = [0]
+        """Count the bytes autograd saves for backward inside this block (one forward pass),
+        `exclude` (the parameters) not counted. Yields a one-element list, filled when the block
+        ends; the count is kept as `activation_bytes` if the largest yet, and in
+        `activations_in_flight` until `release_activations`. The hook only keeps references:
+        storages are looked up at the end, so a parameter ZeRO-3 freed meanwhile counts nothing
+        and no freed address is reused inside the block."""
+        saved, counted = [], [0]
         # pack: keep a reference and hand the tensor itself to autograd; unpack: return it
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             yield counted
-        parameters = {_storage_key(t) for t in exclude}
-        counted[0] = storage_bytes(saved, seen=parameters)
+        counted[0] = storage_bytes(saved, seen={_storage_key(t) for t in exclude})
         self.activation_bytes = max(self.activation_bytes, counted[0])
         self.activations_in_flight += counted[0]
         self._note_peak()

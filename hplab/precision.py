@@ -1,33 +1,29 @@
 """Mixed precision: compute in bf16 / fp16, keep the weights that learn in fp32.
 
 Half-precision numbers (2 bytes) halve the memory of parameters, gradients and activations and
-run matrix multiplies several times faster on GPUs. But an optimizer step adds `lr · update`
-to a weight, and that update is often smaller than the gap between two neighbouring
-half-precision numbers (bf16 keeps 8 significant bits: 1 + 2⁻⁸ is already the next number
-after 1). Added to a bf16 weight, small updates round away and the model stops learning.
+run matrix multiplies several times faster on GPUs. But a step's `lr · update` is often smaller
+than the gap between neighbouring half-precision numbers (bf16 keeps 8 significant bits: the
+number after 1 is 1 + 2⁻⁷): added to a bf16 weight it rounds away, and the model stops learning.
 
 The recipe (Micikevicius et al., 2018), used by every large training run:
 
-1. **Master weights.** The optimizer owns an fp32 copy of every parameter ("master weights")
-   and fp32 state (Adam: exp_avg, exp_avg_sq). The model holds bf16/fp16 copies.
-2. **Forward and backward in half precision**: half-precision params, activations, gradients.
-3. **Step in fp32**: gradients are upcast to fp32, the optimizer updates the master weights,
-   and the new master weights are rounded down into the model's half-precision copy.
+1. **Master weights.** The optimizer owns fp32 copies of the parameters and fp32 state (Adam:
+   exp_avg, exp_avg_sq); the model holds bf16/fp16 copies.
+2. **Forward and backward in half precision**: params, activations, gradients.
+3. **Step in fp32**: gradients upcast, the optimizer updates the masters, which are rounded
+   into the model's half-precision copy.
 
-Memory per parameter, as the ZeRO paper counts it for Adam: 2 (params) + 2 (grads) + K, with
-K = 12 bytes of fp32 "optimizer state": master 4 + exp_avg 4 + exp_avg_sq 4. That is 16 bytes
-per parameter — the same as pure fp32 (4 + 4 + 8) — which is why mixed precision alone saves
-activation memory and time but not model-state memory; ZeRO then shards the K part.
+Bytes per parameter, as the ZeRO paper counts them for Adam: 2 (params) + 2 (grads) + K, with
+K = 12 of fp32 "optimizer state" (master, exp_avg, exp_avg_sq): 16, as in pure fp32 (4 + 4 + 8).
+Mixed precision alone saves activation memory and time, not model-state memory; ZeRO shards K.
 
-**fp16 needs a loss scaler.** fp16 has only 5 exponent bits: gradients smaller than ~6e-8
-underflow to zero. Multiplying the loss by a large factor S shifts every gradient up by S
-(backward is linear), the step divides by S again in fp32. Too large an S overflows to inf:
-then the step is skipped and S halved; after a run of good steps S is doubled again. That is
-the *dynamic* loss scaler below. bf16 has fp32's 8 exponent bits: no scaler needed.
+**fp16 needs a loss scaler.** With 5 exponent bits, gradients under ~6e-8 underflow to zero.
+Multiplying the loss by a large S scales every gradient by S (backward is linear); the step
+divides by S again in fp32. Too large an S overflows to inf: the step is skipped and S halved;
+after a run of good steps S doubles (a *dynamic* scaler). bf16 has fp32's 8 exponent bits.
 
-`MixedPrecision` holds the choice and the scaler; `MasterWeightOptimizer` steps fp32 copies for a
-strategy that keeps whole parameters (data parallel). ZeRO keeps its master weights sharded
-(see `hplab.zero`) and only uses the scaler from here.
+`MixedPrecision` holds the choice and the scaler; `MasterWeightOptimizer` steps fp32 copies for
+a strategy that keeps whole parameters (data parallel); ZeRO shards its masters (`hplab.zero`).
 """
 
 from __future__ import annotations
@@ -69,8 +65,7 @@ class MixedPrecision:
     def __init__(self, name: str = "fp32"):
         if name not in DTYPES:
             raise ValueError(f"unknown precision {name!r}: choose fp32, bf16 or fp16")
-        self.name = name
-        self.param_dtype = DTYPES[name]
+        self.name, self.param_dtype = name, DTYPES[name]
         self.mixed = name != "fp32"  # master weights needed
         self.compute_dtype = self.param_dtype if self.mixed else None  # for fully_shard
         self.scaler = DynamicLossScaler() if name == "fp16" else None
@@ -97,14 +92,11 @@ class MixedPrecision:
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
-    """Any torch optimizer, stepping fp32 master copies of half-precision parameters.
-
-    `MasterWeightOptimizer(params, torch.optim.AdamW, lr=...)` is used like the optimizer it
-    wraps. It copies the (half-precision) parameters into fp32 masters once; each step moves
-    the gradients onto the masters in fp32 (`reduce_gradients`, called by `step` unless the
-    caller did it first, e.g. to unscale or clip them there), steps the masters with the inner
-    optimizer (`self.inner`, whose param groups mirror these, extra keys included) and rounds
-    the new values into the parameters. The fp32 gradients exist only during the step.
+    """Any torch optimizer, stepping fp32 master copies of half-precision parameters:
+    `MasterWeightOptimizer(params, torch.optim.AdamW, lr=...)`. Each step puts the gradients on
+    the masters in fp32 (`reduce_gradients`, unless the caller did first, e.g. to unscale or clip
+    them), steps them with `self.inner` (its param groups mirror these, extra keys included) and
+    rounds the new values into the parameters. The fp32 gradients exist only during the step.
     """
 
     def __init__(self, params, optimizer_class, **optimizer_kwargs):

@@ -1,8 +1,6 @@
-"""The plots the labs show: what a run measured, next to what theory predicts.
-
-Each function draws one self-contained figure: a title that says what was run, axes with units,
-a legend that tells measured values (solid markers) from formulas (dashed lines, hatched bars).
-Pass `ax=` to draw into your own axes; each returns its axes. matplotlib loads only to draw.
+"""The plots the labs show: what a run measured (solid markers) next to what theory predicts
+(dashed lines, hatched bars). Each function draws one figure, into `ax=` if given, and returns
+its axes; matplotlib loads only to draw.
 """
 
 import numpy as np
@@ -15,10 +13,10 @@ KIND_LABELS = {"params": "parameters", "grads": "gradients", "optim": "optimizer
 PIPELINE_COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "recv": "#BBBBBB"}
 
 
-def _axes(ax, figsize=(6.4, 4.0)):
+def _axes(ax, figsize=(6.4, 4.0), **grid):  # `ax`, or new axes (`grid`: plt.subplots options)
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=figsize, layout="constrained")[1] if ax is None else ax
+    return plt.subplots(**grid, figsize=figsize, layout="constrained")[1] if ax is None else ax
 
 
 def _finish(ax, grid: dict | None = None, legend: dict | None = None, **settings):
@@ -30,8 +28,7 @@ def _finish(ax, grid: dict | None = None, legend: dict | None = None, **settings
 
 
 def plot_loss_curves(runs: dict, ax=None, title: str = "Training loss"):
-    """One loss curve per run ({label: Run or metrics dict}); equal layouts overlap exactly,
-    so later curves are drawn thinner and dashed to keep the earlier ones visible."""
+    """A loss curve per run ({label: Run or metrics}); later ones thinner, dashed (they overlap)."""
     ax = _axes(ax)
     styles = [dict(lw=3.5, alpha=0.5), dict(lw=1.8, ls="--"), dict(lw=1.2, ls=":"),
               dict(lw=1.0, ls="-.")]
@@ -47,8 +44,7 @@ def plot_memory_breakdown(measured: dict[str, dict[str, float]],
     """Grouped bars in MiB: a group per kind (params, grads, optim, master, activation), a bar
     per measured entry ({label: {kind: bytes}}), a hatched bar for the formula where it has one."""
     ax = _axes(ax, (7.2, 4.0))
-    kinds = [k for k in KIND_LABELS if any(m.get(k, 0) for m in measured.values())
-             or (predicted and predicted.get(k))]
+    kinds = [k for k in KIND_LABELS if any(m.get(k) for m in [*measured.values(), predicted or {}])]
     series = [(label, values, False) for label, values in measured.items()]
     series += [(predicted_label, predicted, True)] if predicted else []
     width, x = 0.8 / len(series), np.arange(len(kinds))
@@ -103,8 +99,7 @@ def plot_throughput(x, series: dict[str, list[float]], xlabel: str, ax=None,
 
 
 def plot_collective_times(result, ops: list[str] | None = None, ax=None):
-    """Seconds per call against message size, log-log: measured points and the fitted α-β
-    model of each operation (`result` is a `hplab.lab.Collectives`)."""
+    """Time per call against message size (log-log) of each op in a `lab.Collectives`, α-β fit."""
     ax = _axes(ax, (7.2, 4.6))
     for i, op in enumerate(ops or result.ops):
         sizes, fit = np.asarray(result.sizes(op), dtype=float), result.fit(op)
@@ -125,7 +120,6 @@ def plot_zero_memory(num_params: float, world_sizes=(1, 2, 4, 8, 16, 32, 64),
     parallel size, a line per ZeRO stage; `highlight=(stage, world_size)` marks one point."""
     def gib(stage: int, n: int) -> float:
         return model_state_bytes(num_params, n, stage, precision)["total_bytes"] / GiB
-
     ax = _axes(ax)
     for stage, name in enumerate(("DDP (stage 0)", "ZeRO-1: optimizer state",
                                   "ZeRO-2: + gradients", "ZeRO-3: + parameters")):
@@ -158,17 +152,15 @@ def plot_bubble_fraction(pp: int, max_microbatches: int = 32, highlight: int = 0
                    title="Pipeline bubble (1f1b), formula (p−1)/(m+p−1)", ylim=(0, 1))
 
 
-def _pipeline(run_or_metrics) -> dict:  # the pipeline trace, `stages`, `virtual_stages` filled
-    p = getattr(run_or_metrics, "metrics", run_or_metrics).get("pipeline")
-    if not p:
-        raise ValueError("this run has no pipeline trace: run train.py with --pp > 1")
-    return {"stages": len(p["trace"]), "virtual_stages": 1, **p}
+def _pipeline(run_or_metrics) -> dict:  # the metrics file's `pipeline` entry
+    if p := getattr(run_or_metrics, "metrics", run_or_metrics).get("pipeline"):
+        return p
+    raise ValueError("this run has no pipeline trace: run train.py with --pp > 1")
 
 
 def _gantt(ax, rows: list[list[tuple]], unit: str, p: dict, about: str, measured: bool):
-    """rows[r] = [(kind, microbatch, local chunk, start, end), ...]: one lane per rank, bars
-    labelled with their microbatch, later model chunks (interleaved) paler; waits for a message
-    are drawn when `measured`. The title names the schedule of `p`, then `about`."""
+    """rows[r] = [(kind, microbatch, local chunk, start, end), ...]: a lane per rank, bars labelled
+    with their microbatch, later (interleaved) chunks paler; titled with `p`'s schedule, `about`."""
     from matplotlib.patches import Patch
 
     ax = _axes(ax, figsize=(9, 0.5 * len(rows) + 1.5))
@@ -176,7 +168,7 @@ def _gantt(ax, rows: list[list[tuple]], unit: str, p: dict, about: str, measured
         for kind, mb, chunk, start, end in events:
             if kind == "send":
                 ax.plot([start, start], [r - 0.42, r + 0.42], color="k", lw=0.6)
-            elif measured or kind != "recv":
+            else:  # F, B, W, or (measured only) a wait for a message
                 wait = kind == "recv"
                 ax.barh(r, end - start, left=start, height=0.3 if wait else 0.8,
                         color=PIPELINE_COLORS[kind], edgecolor="white", lw=0.5,
@@ -186,10 +178,9 @@ def _gantt(ax, rows: list[list[tuple]], unit: str, p: dict, about: str, measured
                             fontsize=6, color="white" if not chunk else "black", clip_on=True)
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
     ax.invert_yaxis()
-    v = p["virtual_stages"]
-    ax.set_title(("measured: " if measured else "") + f"{p['schedule']}, p={p['stages']}, "
-                 f"m={p['microbatches']}" + (f", v={v}" if v > 1 else "") + f" — {about}",
-                 fontsize=9)
+    v = f", v={p['virtual_stages']}" if p["virtual_stages"] > 1 else ""
+    ax.set_title(f"{'measured: ' * measured}{p['schedule']}, p={p['stages']}, "
+                 f"m={p['microbatches']}{v} — {about}", fontsize=9)
     names = dict(F="F forward", B="B backward", W="W weight grads", recv="waiting for a message")
     kinds = [*("FBW" if p["schedule"] == "zb-h1" else "FB")] + ["recv"] * measured
     handles = [Patch(color=PIPELINE_COLORS[k], label=names[k]) for k in kinds]
@@ -211,10 +202,9 @@ def plot_simulated_pipeline(schedule: str, pp: int, microbatches: int, virtual_s
                             unit: str = "time (F = 1)"):
     """The ideal timeline of a schedule (pp.simulate of its action lists, no message cost),
     with the simulated bubble and the formula in the title."""
-    from hplab import pp as pipeline
+    from hplab.pp import build_schedule, simulate
 
-    sim = pipeline.simulate(pipeline.build_schedule(schedule, pp, microbatches, virtual_stages),
-                            f, b, w)
+    sim = simulate(build_schedule(schedule, pp, microbatches, virtual_stages), f, b, w)
     rows = [[(a.kind, a.microbatch, a.chunk // pp, s, e) for a, s, e in lane if a.kind in "FBW"]
             for lane in sim.timeline]
     formula = bubble_formula(schedule, pp, microbatches, virtual_stages, f, b, w)
@@ -224,23 +214,16 @@ def plot_simulated_pipeline(schedule: str, pp: int, microbatches: int, virtual_s
 
 
 def plot_pipeline_gantt(run_or_metrics, axes=None):
-    """Measured timeline (top): the last step's F, B, W on every rank (numbers: microbatches),
-    grey bars where a rank waited for a message, ticks at sends, each rank's bubble (1 − compute
-    / step time) in the title. Ideal (bottom): the same schedule simulated with this run's mean
-    F, B, W and no message cost; the difference is what communication and waiting cost (ms)."""
-    import matplotlib.pyplot as plt
-
+    """Measured (top): the last step's F, B, W per rank (numbers: microbatches), grey waits for a
+    message, ticks at sends, each rank's bubble (1 − compute / step time). Ideal (bottom): the
+    schedule simulated with this run's mean F, B, W, no message cost: the gap is communication."""
     p = _pipeline(run_or_metrics)
-    if axes is None:
-        _, axes = plt.subplots(2, 1, figsize=(10, len(p["trace"]) + 2.5), sharex=True,
-                               layout="constrained")
+    axes = _axes(axes, (10, len(p["trace"]) + 2.5), nrows=2, sharex=True)
     rows = [[(e["kind"], e["microbatch"], e["chunk"] // p["stages"], e["start_s"] * 1e3,
               e["end_s"] * 1e3) for e in events] for events in p["trace"]]
     bubbles = ", ".join(f"{b:.0%}" for b in p["bubble_fraction"])
     _gantt(axes[0], rows, "time (ms)", p, f"bubble per rank {bubbles}", measured=True)
-    costs = {k: c * 1e3 for k, c in simulated_costs(p).items()}
-    if p["schedule"] != "zb-h1":  # the measured B includes the weight gradients
-        costs["w"] = 0.0
+    costs = {k: c * 1e3 for k, c in simulated_costs(p).items()}  # w = 0 unless zb-h1 traced W
     plot_simulated_pipeline(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"],
                             ax=axes[1], unit="time (ms)", **costs)
     axes[1].set_title("ideal (simulated with the measured mean F, B, W): "
@@ -268,11 +251,9 @@ def plot_pipeline_bubbles(runs: dict, ax=None):
 
 
 def plot_rank_grid(dp: int, tp: int, pp: int, ax=None):
-    """Which global rank holds which (dp, tp, pp) coordinate, numbered as `hplab.dist` does
-    (Megatron order: tp, then dp, then pp). A panel per pipeline stage, row = dp rank, column =
-    tp rank: a tp group is a row, a dp group a column, a pp group the same cell in each panel."""
+    """Which global rank holds which (dp, tp, pp) coordinate (`hplab.dist`'s Megatron order: tp,
+    dp, pp): a panel per pipeline stage, a row per dp rank (a tp group), a column per tp rank."""
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
     from matplotlib.patches import Rectangle
 
     from hplab.dist import check_layout, global_rank
@@ -301,8 +282,8 @@ def plot_rank_grid(dp: int, tp: int, pp: int, ax=None):
     ax.axis("off")
     ax.set_title(f"dp{dp} × tp{tp} × pp{pp} on {dp * tp * pp} ranks: "
                  f"rank = pp·{dp * tp} + dp·{tp} + tp", fontsize=10)
-    ax.legend(handles=[Line2D([], [], **tp_line, label="tp group (a row)"),
-                       Line2D([], [], **dp_line, label="dp group (a column)"),
+    ax.legend(handles=[plt.Line2D([], [], **tp_line, label="tp group (a row)"),
+                       plt.Line2D([], [], **dp_line, label="dp group (a column)"),
                        Rectangle((0, 0), 1, 1, facecolor=colours[0], alpha=0.6,
                                  label="pp group (same colour in every stage)")],
               loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7, frameon=False)

@@ -66,7 +66,8 @@ def test_plots_draw_from_a_metrics_dict_without_a_notebook():
     assert run.label() == "dp=1" and run.losses == [2.0, 1.5]
     ax = run.plot_loss()
     assert ax.get_title() and ax.get_ylabel().startswith("loss")
-    ax = run.plot_memory(predicted={"params": 4, "grads": 4, "optim": 8})
+    ax = viz.plot_memory_breakdown({f"measured ({run.label()})": run.memory_bytes()},
+                                   predicted={"params": 4, "grads": 4, "optim": 8})
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["measured (dp=1)", "formula"]
     sizes = [2**k for k in range(10, 16)]
     data = {"world_size": 4, "backend": "gloo", "repeats": 1, "ledger": {}, "demo": [],

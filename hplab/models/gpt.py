@@ -1,9 +1,8 @@
 """A compact GPT-2, in one file, whose parameters are named exactly like Hugging Face's.
 
-Why its own model and not `transformers.GPT2LMHeadModel`? Every parallel strategy in hplab cuts
-this model somewhere: data parallel replicates it, ZeRO shards its flat parameters, tensor
-parallel splits each `Linear` by rows or columns, pipeline parallel splits the list of blocks.
-A learner should be able to see all the pieces being cut on one screen.
+Why not `transformers.GPT2LMHeadModel`? Every strategy in hplab cuts this model somewhere (data
+parallel replicates it, ZeRO shards its parameters, tensor parallel splits each `Linear`, pipeline
+parallel the list of blocks), and a learner should see all the pieces being cut on one screen.
 
 Shape of the network (GPT-2, Radford et al. 2019):
 
@@ -11,9 +10,8 @@ Shape of the network (GPT-2, Radford et al. 2019):
                         └ Block: x + attn(ln_1(x)), then x + mlp(ln_2(x))
 
 Names match `GPT2LMHeadModel` (`transformer.h.0.attn.c_attn.weight`, ...), so weights convert
-both ways with `to_hf_state_dict` / `from_hf_state_dict`. One difference: Hugging Face stores
-its projections as `Conv1D` with weight `[in, out]`; here they are ordinary `nn.Linear` with
-weight `[out, in]`, so conversion transposes those four matrices per block.
+both ways with `to_hf_state_dict` / `from_hf_state_dict`, transposing the four projections per
+block: Hugging Face's `Conv1D` weight is `[in, out]`, an `nn.Linear`'s `[out, in]`.
 """
 
 from __future__ import annotations
@@ -44,9 +42,8 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
-            raise ValueError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
-                "pick a hidden size that is a multiple of the number of heads")
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                             "pick a hidden size that is a multiple of the number of heads")
 
     def num_params(self) -> int:
         """Ψ, counted once for the tied embedding: V·h + S·h + L·(12h² + 13h) + 2h."""
@@ -155,8 +152,7 @@ class GPT(nn.Module):
         if T > self.config.n_positions:
             raise ValueError(f"sequence of {T} tokens is longer than n_positions="
                              f"{self.config.n_positions}")
-        pos = torch.arange(T, device=idx.device)
-        return self.transformer.wte(idx) + self.transformer.wpe(pos)
+        return self.transformer.wte(idx) + self.transformer.wpe(torch.arange(T, device=idx.device))
 
     def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
@@ -171,22 +167,18 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = self.run_block(block, x)
         logits = self.head(x)
-        loss = None if targets is None else self.loss_fn(logits, targets)
-        return logits, loss
+        return logits, None if targets is None else self.loss_fn(logits, targets)
 
 
 def build_model(config: GPTConfig, seed: int = 0) -> GPT:
     """The same initial weights for a given seed on every rank and in every layout: weights
     are drawn on the CPU from a generator seeded only by `seed`, then moved to the device."""
-    devices_rng = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    model = GPT(config)
-    torch.random.set_rng_state(devices_rng)
-    return model
+    with torch.random.fork_rng(devices=[]):  # the caller's CPU generator is left as it was
+        torch.manual_seed(seed)
+        return GPT(config)
 
 
 # --- Hugging Face interop ------------------------------------------------------------------
-
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                     "mlp.c_proj.weight")
 
@@ -214,11 +206,9 @@ def to_hf_config(config: GPTConfig):
     from transformers import GPT2Config
 
     eos = config.vocab_size - 1
-    return GPT2Config(vocab_size=config.vocab_size, n_positions=config.n_positions,
-                      n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
-                      layer_norm_epsilon=config.layer_norm_epsilon, activation_function="gelu_new",
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                      bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
+    shape = {k: v for k, v in asdict(config).items() if k != "tokenizer"}  # GPT2Config's names
+    return GPT2Config(**shape, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                      attn_pdrop=0.0, bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
 
 
 def config_dict(config: GPTConfig) -> dict:
