@@ -9,22 +9,17 @@ Six operations carry all of distributed training:
     send / recv     one rank hands a tensor to another                        (pipeline stages)
 
 A `Communicator` runs them inside one process group (a mesh family: dp, tp, pp or world) and
-records each call in a `CommLedger`: calls, payload bytes and "bus bytes".
-
-Payload bytes: all-reduce and broadcast count the tensor; all-gather counts the gathered
-*output*; reduce-scatter the full *input*; send and recv the tensor sent or received.
-
-Bus bytes follow the nccl-tests convention: what each rank's link carries in a ring
-algorithm. For n ranks and a payload of S bytes:
+records each call in a `CommLedger`: calls, payload bytes (the tensor; all-gather's gathered
+*output*, reduce-scatter's full *input*) and "bus bytes", what each rank's link carries in a
+ring algorithm (the nccl-tests convention). For n ranks and a payload of S bytes:
 
     all_reduce      2(n-1)/n · S     (a reduce-scatter, then an all-gather)
     all_gather      (n-1)/n · S
     reduce_scatter  (n-1)/n · S
     broadcast, send, recv   S
 
-A group of one rank has nothing to exchange: calls on it return at once and are not counted.
-Every collective is bounded by the process group's timeout; when it expires you get a
-`CommTimeout` naming the operation, not an endless hang.
+A group of one rank has nothing to exchange: calls on it return at once, uncounted. Every
+collective is bounded by the group's timeout: a `CommTimeout` naming the operation, not a hang.
 """
 
 from __future__ import annotations
@@ -32,15 +27,12 @@ from __future__ import annotations
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass
 
 import torch
 import torch.distributed as dist
 
 from hplab.formulas import bus_factor  # the factors above, in one home
-
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv")
-
 
 class CommTimeout(RuntimeError):
     """A collective did not complete in time: a peer crashed, or ranks disagree on the order."""
@@ -52,10 +44,6 @@ class OpStats:
     bytes: int = 0
     bus_bytes: float = 0.0
     time_s: float = 0.0  # time the caller spent blocked in the call or its wait()
-
-    def as_dict(self) -> dict:
-        return {"calls": self.calls, "bytes": self.bytes, "bus_bytes": self.bus_bytes,
-                "time_s": self.time_s}
 
 
 class CommLedger:
@@ -79,25 +67,19 @@ class CommLedger:
 
     def totals(self) -> dict[str, OpStats]:
         """Per operation, summed over the families."""
-        out: dict[str, OpStats] = {}
+        out: dict[str, OpStats] = defaultdict(OpStats)
         for ops in self.by_group.values():
             for op, s in ops.items():
-                t = out.setdefault(op, OpStats())
-                t.calls, t.bytes = t.calls + s.calls, t.bytes + s.bytes
-                t.bus_bytes, t.time_s = t.bus_bytes + s.bus_bytes, t.time_s + s.time_s
-        return out
+                out[op] = OpStats(*(a + b for a, b in zip(astuple(out[op]), astuple(s))))
+        return dict(out)
 
     def as_dict(self) -> dict[str, dict]:
         """`{op: {calls, bytes, bus_bytes, time_s}}`, the metrics file's `comm` entry."""
-        return {op: s.as_dict() for op, s in sorted(self.totals().items())}
+        return {op: asdict(s) for op, s in sorted(self.totals().items())}
 
     def by_group_dict(self) -> dict[str, dict[str, dict]]:
-        return {g: {op: s.as_dict() for op, s in sorted(ops.items())}
+        return {g: {op: asdict(s) for op, s in sorted(ops.items())}
                 for g, ops in sorted(self.by_group.items()) if ops}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class Pending:
@@ -122,11 +104,8 @@ OPEN_COMMUNICATORS: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 
 class Communicator:
-    """Collectives within one process group, recorded in a ledger.
-
-    `ranks` are the global ranks of the group in order; `send`/`recv` peers and the
-    `broadcast` source are given as positions in that list (group-local ranks).
-    """
+    """Collectives within one process group, recorded in a ledger. `ranks` are the group's global
+    ranks in order; `send`/`recv` peers and the `broadcast` source are positions in that list."""
 
     def __init__(self, group, name: str, ledger: CommLedger, ranks: list[int] | None = None,
                  device: torch.device | str = "cpu"):
@@ -163,7 +142,7 @@ class Communicator:
     # -- the six operations --
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place: `tensor` becomes the element-wise reduction (sum) over the group."""
-        return self._run("all_reduce", _nbytes(tensor), lambda a: dist.all_reduce(
+        return self._run("all_reduce", tensor.nbytes, lambda a: dist.all_reduce(
             tensor, op=op, group=self.group, async_op=a), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
@@ -175,7 +154,7 @@ class Communicator:
                              f"{self.size} × output of {output.numel()}")
         if self.size == 1:
             output.copy_(input.view_as(output))
-        return self._run("reduce_scatter", _nbytes(input), lambda a: dist.reduce_scatter_single(
+        return self._run("reduce_scatter", input.nbytes, lambda a: dist.reduce_scatter_single(
             output, input, op=op, group=self.group, async_op=a), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
@@ -185,22 +164,22 @@ class Communicator:
                              f"{self.size} × input of {input.numel()}")
         if self.size == 1:
             output.copy_(input.view_as(output))
-        return self._run("all_gather", _nbytes(output), lambda a: dist.all_gather_single(
+        return self._run("all_gather", output.nbytes, lambda a: dist.all_gather_single(
             output, input, group=self.group, async_op=a), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """In place: every rank's `tensor` becomes group-rank `src`'s."""
-        return self._run("broadcast", _nbytes(tensor), lambda a: dist.broadcast(
+        return self._run("broadcast", tensor.nbytes, lambda a: dist.broadcast(
             tensor, src=self.ranks[src], group=self.group, async_op=a), async_op)
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
         """Hand `tensor` to group-rank `dst` (which must call `recv` with this rank as src)."""
-        return self._run("send", _nbytes(tensor), lambda a: (dist.isend if a else dist.send)(
+        return self._run("send", tensor.nbytes, lambda a: (dist.isend if a else dist.send)(
             tensor, dst=self.ranks[dst], group=self.group), async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
         """Fill `tensor` with what group-rank `src` sends."""
-        return self._run("recv", _nbytes(tensor), lambda a: (dist.irecv if a else dist.recv)(
+        return self._run("recv", tensor.nbytes, lambda a: (dist.irecv if a else dist.recv)(
             tensor, src=self.ranks[src], group=self.group), async_op)
 
     # -- helpers that move no payload worth counting --

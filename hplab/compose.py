@@ -1,20 +1,17 @@
 """The one place where the building blocks are put together, and the one training step.
 
-Each strategy file (`ddp.py`, `zero.py`, `fsdp.py`, `tp.py`, `pp.py`) is a building block
-used like PyTorch's own and knows nothing of the others; `parallelize` composes them, in
-torchtitan's order:
+Each strategy file (`ddp`, `zero`, `fsdp`, `tp`, `pp`) is a building block used like PyTorch's
+own, knowing nothing of the others; `parallelize` composes them in torchtitan's order:
 
     pipeline split → tensor parallel → recompute → DDP / ZeroOptimizer / fully_shard (dp group)
 
 Every rank first builds the *whole* model from the seed, so the initial weights never depend on
 the layout. The pipeline split keeps this rank's layers, tensor parallel its slices of them;
-recompute is a flag the blocks read; data parallel wraps *what is left*: the ranks of one dp
-group hold the same slices of the same stage, so each slice's gradient is averaged (or
-reduce-scattered) with exactly its replicas.
+data parallel wraps *what is left*: the ranks of one dp group hold the same slices of the same
+stage, so each slice's gradient is averaged (or reduce-scattered) with exactly its replicas.
 
-`train_step` is one step of any layout: each microbatch's forward + backward (or the pipeline
-schedule), `finalize_grads` (every synchronisation after backward), fp16 unscale and skip on
-overflow, clipping by the global norm (`clip_grad_norm_`), `step()` and `zero_grad()`.
+`train_step`, one step of any layout: forward + backward per microbatch (or the pipeline
+schedule), `finalize_grads`, fp16 unscale and overflow skip, `clip_grad_norm_`, step, zero_grad.
 """
 
 from __future__ import annotations
@@ -97,8 +94,7 @@ def check_config(config: ParallelConfig, model) -> None:
         pp.split_layers(model.n_layer, c.pp * c.virtual_stages)
 
 
-# GPT-style betas; foreach=False: an update element-wise identical on whole tensors and on shards
-ADAMW = dict(betas=(0.9, 0.95), foreach=False)
+ADAMW = dict(betas=(0.9, 0.95), foreach=False)  # foreach=False: the same update on shards
 
 
 def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -138,6 +134,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
     """Compose the layout `config` asks for around `model` (the whole GPT, on mesh.device)."""
     c, gpt, precision = config, model, MixedPrecision(config.precision)
     check_config(c, gpt.config)  # (the schedule too: before any cutting)
+    memory = MemoryLedger(mesh.device)
     params_module, pipeline, tied_comm, tied, is_first = gpt, None, None, None, True
     if c.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
         tp.parallelize(gpt, mesh.tp, tp.GPT_PLAN, sequence_parallel=c.sequence_parallel)
@@ -149,8 +146,9 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
         tied = ends[0].weight if ends else None
         is_first = any(s.is_first for s in stages)
         tied_comm = pp.tied_embedding_group(mesh)
+        plan = pp.build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages)[mesh.pp_rank]
+        pipeline = pp.PipelineExecutor(stages, plan, mesh.pp, memory, precision.param_dtype)
     gpt.recompute = c.recompute  # recompute: a flag the blocks read
-
     # data parallel over mesh.dp: DDP, ZeRO-1/2 as the optimizer, or ZeRO-3 as fully_shard
     settings = dict(lr=c.lr, weight_decay=c.weight_decay, **ADAMW)
     if c.zero == 3:
@@ -169,21 +167,14 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
             wrapped = DDP(params_module, mesh.dp, bucket_mb=c.bucket_mb)
             optimizer = MasterWeightOptimizer(groups, torch.optim.AdamW, **settings) \
                 if precision.mixed else torch.optim.AdamW(groups, **settings)
-    memory = MemoryLedger(mesh.device)
-    if c.pp > 1:  # the pipeline's own schedule for this rank
-        plan = pp.build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages)
-        pipeline = pp.PipelineExecutor(stages, plan[mesh.pp_rank], mesh.pp, memory=memory,
-                                       dtype=precision.param_dtype)
-    return Parallel(wrapped, optimizer, gpt, mesh, config, precision, memory, pipeline,
-                    tied_comm)
+    return Parallel(wrapped, optimizer, gpt, mesh, c, precision, memory, pipeline, tied_comm)
 
 
 def finish_gradient_sync(model: nn.Module) -> None:
     """Wait for DDP's or fully_shard's gradient averaging (each also finishes it by itself)."""
     if isinstance(model, DDP):
-        model.finish_gradient_sync()
-    else:
-        fsdp.finish_gradient_sync(model)
+        return model.finish_gradient_sync()
+    fsdp.finish_gradient_sync(model)
 
 
 def stepped_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -195,8 +186,7 @@ def stepped_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
 def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None) -> None:
     """Every synchronisation after backward (Megatron's `finalize_model_grads`), in order:
     1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished;
-    2. sequence parallel: parameters replicated over tp saw s/tp tokens on each rank, so
-       their gradients are partial sums: add them over the tp group;
+    2. sequence parallel: tp-replicated parameters saw s/tp tokens per rank: sum their grads;
     3. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards;
     4. the pipeline's tied embedding: first and last stage sum its gradients (same step)."""
     finish_gradient_sync(model)
@@ -208,12 +198,11 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None)
         torch._foreach_copy_(partial, _unflatten_dense_tensors(flat, partial))
     if hasattr(optimizer, "reduce_gradients"):  # ZeroOptimizer, MasterWeightOptimizer
         optimizer.reduce_gradients()
-    if tied_comm is not None and optimizer is not None:
-        for group in stepped_groups(optimizer):
-            for t in group["params"] if group.get("tied") else ():
-                if t.grad is None:
-                    t.grad = torch.zeros_like(t)
-                tied_comm.all_reduce(t.grad)
+    for group in stepped_groups(optimizer) if tied_comm and optimizer is not None else ():
+        for t in group["params"] if group.get("tied") else ():
+            if t.grad is None:
+                t.grad = torch.zeros_like(t)
+            tied_comm.all_reduce(t.grad)
 
 
 @torch.no_grad()
@@ -237,12 +226,11 @@ def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
 
 def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     """One optimizer step on this rank's share of the global batch; returns its mean loss."""
-    config, mesh, m = par.config, par.mesh, par.config.microbatches
+    config, mesh, m, scale = par.config, par.mesh, par.config.microbatches, par.precision.loss_scale
     no_sync = par.model.no_sync if isinstance(par.model, DDP) else contextlib.nullcontext
     if x.shape[0] % m:
         raise ValueError(f"this rank's batch of {x.shape[0]} sequences does not split into "
                          f"{m} microbatches: use a batch that is a multiple of dp × microbatches")
-    scale = par.precision.loss_scale
     if par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
         par.pipeline.loss_scale = scale
         par.step_start = time.perf_counter()
@@ -262,8 +250,7 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     finalize_grads(par.model, mesh, par.optimizer, par.tied_comm)
     grads = [t.grad for g in stepped_groups(par.optimizer) for t in g["params"]
              if t.grad is not None]
-    if scale != 1.0:
-        torch._foreach_mul_(grads, 1 / scale)
+    torch._foreach_mul_(grads, 1 / scale)  # (exact when the scale is 1)
     overflow = par.precision.found_overflow(grads, mesh.world)  # fp16: every rank agrees
     if not overflow:
         if config.grad_clip > 0:

@@ -1,10 +1,9 @@
 """Data parallel (DDP), from scratch: `hplab.DDP`, used like `DistributedDataParallel`.
 
-The idea: every rank holds a full copy of the model and processes a different slice of the
-global batch. If the copies start equal and every rank applies the *same* update, they stay
-equal forever. The update is the same when every rank uses the average of all ranks'
-gradients — which is exactly the gradient of the whole global batch, because the loss is a
-mean over samples. So data parallel is three steps:
+Every rank holds a full copy of the model and processes a different slice of the global batch.
+Copies that start equal and apply the *same* update stay equal forever, and the average of all
+ranks' gradients is exactly the gradient of the whole global batch (the loss is a mean over
+samples). So data parallel is three steps:
 
 1. **Start equal**: broadcast rank 0's parameters *and buffers* to everyone — frozen ones
    included: a frozen layer that differs between ranks would never be brought back together.
@@ -32,21 +31,19 @@ it fast, and they are what `torch.nn.parallel.DistributedDataParallel` does too:
 
 **The sync finishes by itself.** The first hook of a backward queues a callback that autograd
 runs when the whole backward ends (`queue_callback`): it sends the buckets that never completed
-(parameters unused in this step), waits for every all-reduce and resets the counters; a sync
-left to the caller is one forgotten call away from a silently stale next step. An explicit
-`finish_gradient_sync()` still exists (it does nothing when there is nothing to sync).
+(parameters unused in this step), waits for every all-reduce and resets the counters: a sync
+left to the caller is one forgotten call away from a stale step. (`finish_gradient_sync()`
+can still be called: it does nothing when there is nothing to sync.)
 
-**Any `zero_grad()`.** `zero_grad()` sets every `.grad` to None by default; the next backward
-then makes fresh gradients that are *not* bucket views, and averaging the buckets regardless
-would let the replicas drift apart silently. So a gradient that is not its slot's view is
-copied into the slot, and `.grad` becomes the view again (one copy, that step only).
+**Any `zero_grad()`.** By default `zero_grad()` sets `.grad` to None, so the next backward makes
+fresh gradients that are *not* bucket views (averaging the buckets regardless would let replicas
+drift apart): such a gradient is copied into its slot, and `.grad` becomes the view again.
 
 Gradient accumulation: inside `with ddp.no_sync():` backward only accumulates locally; the
-next synchronised backward (or an explicit `finish_gradient_sync()`) communicates the sum.
-Parameters without a gradient in a step keep `.grad = None` (as in one process, so the
-optimizer skips them); their slots are sent as zeros. Like PyTorch's DDP by default, this
-assumes every rank uses the same parameters in a step. Tied parameters (GPT's embedding and
-LM head) are one Parameter and are reduced once; frozen ones (requires_grad=False) have no slot.
+next synchronised backward (or `finish_gradient_sync()`) communicates the sum. Parameters
+without a gradient keep `.grad = None` (the optimizer skips them) and their slots are sent as
+zeros; like PyTorch's DDP, every rank must use the same parameters in a step. A tied parameter
+(GPT's embedding and LM head) is reduced once; frozen ones (requires_grad=False) have no slot.
 """
 
 from __future__ import annotations
@@ -55,6 +52,7 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch._utils import _unflatten_dense_tensors
 
 from hplab.comm import communicator
 
@@ -64,10 +62,8 @@ class Bucket:
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                  device=params[0].device)
-        self.views = [v.view_as(p) for p, v in
-                      zip(params, self.buffer.split([p.numel() for p in params]))]
+        self.buffer = params[0].new_zeros(sum(p.numel() for p in params))
+        self.views = _unflatten_dense_tensors(self.buffer, params)  # each param's slot: a view
         self.ready: set[int] = set()  # ids of its params whose gradient is in for this backward
         self.pending = None  # the in-flight all-reduce
 
@@ -82,20 +78,25 @@ def move_grad_in(p: nn.Parameter, view: torch.Tensor) -> None:
         p.grad = view
 
 
-def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:
-    """Group parameters into buckets of at most `bucket_bytes` (a single parameter larger than
-    that gets a bucket of its own), in reverse order of definition: roughly the order in which
-    backward produces their gradients. `bucket_bytes=0` gives one bucket per parameter;
-    `math.inf` one bucket for everything (the naive all-reduce after backward)."""
-    groups, size = [], 0
+def bucket_params(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
+    """Cut params into buckets of at most `bucket_mb` MiB (a larger parameter gets its own; 0:
+    one each; `math.inf`: one for all, the naive all-reduce), in reverse definition order (about
+    the order backward produces gradients), one dtype and device each (ZeRO's buckets too)."""
+    buckets, size = [], 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if not groups or size + nbytes > bucket_bytes or p.dtype != groups[-1][0].dtype:
-            groups.append([])
+        if not buckets or size + nbytes > bucket_mb * 2**20 or \
+                (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device):
+            buckets.append([])
             size = 0
-        groups[-1].append(p)
+        buckets[-1].append(p)
         size += nbytes
-    return [Bucket(group) for group in groups]
+    return buckets
+
+
+def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:
+    """`bucket_params` as gradient `Bucket`s, sized in bytes."""
+    return [Bucket(group) for group in bucket_params(params, bucket_bytes / 2**20)]
 
 
 class DDP(nn.Module):
@@ -109,11 +110,10 @@ class DDP(nn.Module):
         for t in [*module.parameters(), *module.buffers()]:  # start equal: rank 0's values
             self.comm.broadcast(t.data, src=0)
         self.params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
-        self.buckets = make_buckets(self.params, bucket_mb * 2**20)
+        self.buckets = [Bucket(group) for group in bucket_params(self.params, bucket_mb)]
         self.slot_of = {id(p): (b, view) for b in self.buckets
                         for p, view in zip(b.params, b.views)}
-        self.next_to_launch = 0  # buckets before it are in flight
-        self.sync_enabled = True
+        self.next_to_launch, self.sync_enabled = 0, True  # buckets before next_to_launch: sent
         self.started = False  # a synchronised backward has begun (its callback is queued)
         self.unsynced = False  # gradients were accumulated under no_sync()
         for p in self.params:

@@ -21,9 +21,11 @@ inside its own family's group only.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -33,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hplab.comm import OPEN_COMMUNICATORS
+from hplab.comm import OPEN_COMMUNICATORS, CommLedger, Communicator
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HPLAB_TIMEOUT_S", 120))
 TIMEOUT = timedelta(seconds=DEFAULT_TIMEOUT_S)  # of every group: set by init_distributed
@@ -45,13 +47,6 @@ class LayoutError(ValueError):
 
 # --- start-up ------------------------------------------------------------------------------
 
-def pick_device(local_rank: int) -> torch.device:
-    """This rank's GPU when each local rank can have one, the CPU otherwise."""
-    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -59,21 +54,19 @@ def free_port() -> int:
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
-    """Join the process group described by torchrun's environment; returns this rank's device.
-
-    Run without torchrun, it forms a group of one, so the same code path serves a single
-    process. `backend` overrides the choice (e.g. "gloo" on a GPU machine).
-    """
+    """Join the process group described by torchrun's environment; return this rank's device:
+    its own GPU when each local rank can have one, else the CPU. Without torchrun it forms a
+    group of one. `backend` overrides the choice (e.g. "gloo" on a GPU machine)."""
     if not dist.is_initialized():
         die_with_launcher()
         for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                                MASTER_PORT=str(free_port())).items():
             os.environ.setdefault(key, value)
-    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "gloo":
-        device = torch.device("cpu")
-    if device.type == "cuda":
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    on_gpu = backend != "gloo" and local_rank < torch.cuda.device_count()  # 0 without CUDA
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    backend = backend or ("nccl" if on_gpu else "gloo")
+    if on_gpu:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         global TIMEOUT
@@ -94,9 +87,6 @@ def die_with_launcher() -> None:
     """A worker started by a launcher (torchrun, `train.py --nproc`: they set LOCAL_RANK) must
     not outlive it: ask Linux to kill this process when its parent dies (PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux") and "LOCAL_RANK" in os.environ:
-        import ctypes
-        import signal
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
@@ -110,13 +100,11 @@ def import_before_the_group_exists() -> None:
 
 
 def shutdown() -> None:
-    """Destroy the process groups and join gloo's threads while Python is still alive.
-
-    A gloo thread lets go of a collective's tensors just *after* the caller's `wait()` returns,
-    and that takes the GIL: if Python is already finalizing, the process aborts ("terminate
-    called without an active exception"). Threads are joined only when their group is freed, so
-    every Communicator lets go of its group too. `init_distributed` registers this at exit.
-    """
+    """Destroy the process groups and join gloo's threads while Python is still alive: a gloo
+    thread lets go of a collective's tensors just *after* the caller's `wait()` returns, taking
+    the GIL, and aborts the process if Python is already finalizing ("terminate called without
+    an active exception"). Threads are joined only when their group is freed, so every
+    Communicator lets go of its group too. `init_distributed` registers this at exit."""
     if dist.is_initialized():
         dist.destroy_process_group()
     for comm in list(OPEN_COMMUNICATORS):
@@ -160,30 +148,25 @@ def group_ranks(dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
 
 @dataclass
 class Mesh:
-    """This rank's place in the dp × tp × pp grid, and a communicator for each family.
-
-    Build it with `Mesh.create(dp, tp, pp)` after `init_distributed()`. The communicators
-    (`mesh.dp`, `mesh.tp`, `mesh.pp`, and `mesh.world`) all write into one `CommLedger`, so a
-    rank's bytes can be read per operation and per family.
-    """
+    """This rank's place in the dp × tp × pp grid, and a communicator for each family: build it
+    with `Mesh.create(dp, tp, pp)` after `init_distributed()`. `mesh.dp`, `mesh.tp`, `mesh.pp`
+    and `mesh.world` all write into one `CommLedger`: a rank's bytes per operation and family."""
 
     dp_size: int
     tp_size: int
     pp_size: int
     rank: int
     device: torch.device
-    ledger: "CommLedger"
-    world: "Communicator"
-    dp: "Communicator"
-    tp: "Communicator"
-    pp: "Communicator"
+    ledger: CommLedger
+    world: Communicator
+    dp: Communicator
+    tp: Communicator
+    pp: Communicator
     groups: dict = field(repr=False, default_factory=dict)
 
     @classmethod
     def create(cls, dp: int = 1, tp: int = 1, pp: int = 1, device: torch.device | None = None,
-               ledger: "CommLedger | None" = None) -> "Mesh":
-        from hplab.comm import CommLedger, Communicator
-
+               ledger: CommLedger | None = None) -> "Mesh":
         world_size, rank = dist.get_world_size(), dist.get_rank()
         check_layout(world_size, dp, tp, pp)
         ledger = ledger or CommLedger()
@@ -204,8 +187,7 @@ class Mesh:
             self.rank, self.dp_size, self.tp_size, self.pp_size)
 
     def describe(self) -> dict:
-        return {"rank": self.rank, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
-                "pp_rank": self.pp_rank}
+        return {key: getattr(self, key) for key in ("rank", "dp_rank", "tp_rank", "pp_rank")}
 
 
 # --- spawning processes for tests and notebooks --------------------------------------------
@@ -227,14 +209,11 @@ def _child(fn, rank, world_size, port, args, results, backend, timeout_s):
 def run_distributed(fn, world_size: int, *args, backend: str | None = "gloo",
                     timeout_s: float = 300.0) -> list:
     """Run `fn(*args)` on `world_size` fresh processes joined in one process group (gloo by
-    default) on a free local port; return the list of results by rank.
-
-    `fn` must be a module-level function (processes are spawned, so it is pickled by name).
-    A child's exception is re-raised here with its traceback; a hang becomes a TimeoutError.
-    """
+    default) on a free local port; return the results by rank. `fn` must be a module-level
+    function (spawned processes pickle it by name). A child's exception is re-raised here with
+    its traceback; a hang becomes a TimeoutError."""
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
+    results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, backend,
                                               min(timeout_s, DEFAULT_TIMEOUT_S)))
              for r in range(world_size)]

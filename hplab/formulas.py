@@ -1,11 +1,9 @@
 """The formulas of distributed training, each in one place, with no torch.
 
-Everything hplab measures in a run has a formula from the papers next to it: the pipeline
-bubble, what a collective costs, how many parameters and FLOPs a GPT has, how many bytes its
-model states and activations take. They live here, once, and every other module imports them:
-`pp` and `viz` (the bubble), `comm` and `lab` (bus factors, the α-β model), `models.gpt` (Ψ
-and the presets), `plan` (all of them), `train` (the schedule names). This module imports only
-the standard library, so it loads in milliseconds on a machine without a GPU or torch.
+Everything hplab measures has a formula from the papers next to it: the pipeline bubble, the
+cost of a collective, a GPT's parameters and FLOPs, the bytes of its model states and
+activations. They live here once, for `pp`, `viz`, `comm`, `lab`, `models.gpt`, `plan` and
+`train`; only the standard library is imported, so this loads at once without torch.
 
 Sources: [ZeRO] Rajbhandari et al. 2020; [PTD-P] Narayanan et al. 2021 (Megatron-LM);
 [SP] Korthikanti et al. 2022; [ZB] Qi et al. 2024; [Ring] Thakur et al. 2005. See plan.py.
@@ -15,9 +13,7 @@ from __future__ import annotations
 
 import math
 
-# ---------------------------------------------------------------------------------------------
-# 1. Pipeline schedules and the bubble  [PTD-P] Sec. 2.2, [ZB]
-# ---------------------------------------------------------------------------------------------
+# --- 1. Pipeline schedules and the bubble  [PTD-P] Sec. 2.2, [ZB] ---------------------------------
 
 #: The pipeline schedules hplab runs (pp.py), plans (plan.py) and accepts (--schedule).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -25,12 +21,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 def bubble_formula(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0,
                    w: float = 1.0) -> dict:
-    """The textbook bubble of `schedule` with p stages, m microbatches, v chunks per rank
-    (interleaved) and F, B, W costs f, b, w, in two forms:
-
-    `relative` (the **bubble ratio**): idle time / compute time of a rank.
-    `of_step` (the **bubble fraction**, what the plots and the measured traces show): idle
-    time / step time = relative / (1 + relative).
+    """The textbook bubble of `schedule` (p stages, m microbatches, v chunks per rank when
+    interleaved, F/B/W costs f, b, w): `relative`, the **bubble ratio** idle / compute time of a
+    rank, and `of_step`, the **bubble fraction** idle / step time = relative / (1 + relative),
+    which the plots and the measured traces show.
 
         GPipe, 1F1B   (p-1)/m                    of the step: (p-1)/(m+p-1)
         interleaved   (p-1)/(v·m)
@@ -62,13 +56,11 @@ def bubble_ratio(schedule: str, p: int, m: int, v: int = 1, **costs) -> float:
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int,
                            virtual_stages: int = 1) -> float:
-    """How many microbatches' activations the first pipeline stage holds at its peak.
-
-    GPipe runs all m forwards before any backward: m. 1F1B (PipeDream-Flush, [PTD-P] Sec. 2.2)
-    starts backward after pp warm-up forwards: min(pp, m). Interleaved with v chunks per rank
-    holds (L/pp)·(pp + (pp−1)/v) layers' worth, i.e. pp·(1 + (pp−1)/(pp·v)) ([SP] Sec. 4.2.3).
-    ZB-H1 keeps 1F1B's peak ([ZB] Sec. 3). Without a pipeline microbatches run one by one.
-    """
+    """How many microbatches' activations the first pipeline stage holds at its peak. GPipe
+    runs all m forwards before any backward: m. 1F1B (PipeDream-Flush, [PTD-P] Sec. 2.2) starts
+    backward after pp warm-up forwards: min(pp, m). Interleaved with v chunks per rank holds
+    (L/pp)·(pp + (pp−1)/v) layers' worth, i.e. pp·(1 + (pp−1)/(pp·v)) ([SP] Sec. 4.2.3). ZB-H1
+    keeps 1F1B's peak ([ZB] Sec. 3). Without a pipeline, microbatches run one by one."""
     if pp == 1:
         return 1
     if schedule == "gpipe":
@@ -78,10 +70,7 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int,
     return min(pp, microbatches)
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. Collectives: bus bytes and the α-β model of ring algorithms  [Ring]
-# ---------------------------------------------------------------------------------------------
-
+# --- 2. Collectives: bus bytes and the α-β model of ring algorithms  [Ring] -----------------------
 
 def bus_factor(op: str, n: int) -> float:
     """How many payload-sizes cross each rank's link for `op` among n ranks (ring), the
@@ -99,9 +88,8 @@ def alpha_beta_terms(op: str, n: int) -> tuple[float, float]:
 
         T(S) = steps · α + factor · S / β
 
-    all-reduce: 2(n-1) steps; all-gather, reduce-scatter: n-1; broadcast, send/recv: 1.
-    The factor is `bus_factor(op, n)`.
-    """
+    all-reduce: 2(n-1) steps; all-gather, reduce-scatter: n-1; broadcast, send/recv: 1;
+    the factor is `bus_factor(op, n)`."""
     steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}
     return steps.get(op, 1), bus_factor(op, n)
 
@@ -115,10 +103,7 @@ def collective_time_s(op: str, nbytes: float, n: int, bw: float, alpha: float) -
     return steps * alpha + factor * nbytes / bw
 
 
-# ---------------------------------------------------------------------------------------------
-# 3. The model: Ψ, hplab's presets, FLOPs  [PTD-P]
-# ---------------------------------------------------------------------------------------------
-
+# --- 3. The model: Ψ, hplab's presets, FLOPs  [PTD-P] ---------------------------------------------
 
 def gpt_num_params(n_layer: int, n_embd: int, vocab_size: int, seq_len: int) -> int:
     """Ψ of GPT-2 (tied embedding / LM head, learned positions, biases everywhere):
@@ -172,9 +157,7 @@ def flops_per_step(model, batch_size: int, recompute: str = "none") -> dict:
             "block_fwd_flops": block_fwd / B, "head_fwd_flops": head_fwd / B}
 
 
-# ---------------------------------------------------------------------------------------------
-# 4. Memory: model states [ZeRO] and activations [SP]
-# ---------------------------------------------------------------------------------------------
+# --- 4. Memory: model states [ZeRO] and activations [SP] ------------------------------------------
 
 PRECISION_BYTES = {  # bytes per element: (param, grad, master, optimizer state, activation)
     "fp32": (4, 4, 0, 8, 4),
@@ -217,8 +200,7 @@ def model_state_bytes(psi: float, dp: int = 1, zero: int = 0, precision: str = "
     if offload:
         out["cpu_bytes"] = out["optim_bytes"] + out["master_bytes"]
         out["optim_bytes"] = out["master_bytes"] = 0.0
-    out["total_bytes"] = sum(out[k] for k in ("params_bytes", "grads_bytes", "optim_bytes",
-                                               "master_bytes"))
+    out["total_bytes"] = sum(v for k, v in out.items() if k != "cpu_bytes")
     return out
 
 

@@ -1,10 +1,9 @@
 """ZeRO-3 / fully sharded data parallel (FSDP), from scratch: `hplab.fully_shard`.
 
-Data parallel keeps the whole training state on every rank: with Adam in mixed precision a
-parameter costs 2 bytes (half-precision weight) + 2 (gradient) + K = 12 (fp32 master, exp_avg,
-exp_avg_sq) = 16 bytes on *each* of the N ranks. ZeRO stage 3 (Rajbhandari et al., 2020),
-which PyTorch calls FSDP, keeps 1/N of each on a rank and borrows the rest from the peers for
-the moment it is needed:
+Data parallel keeps the whole training state on every rank: with Adam in mixed precision 2
+bytes (half-precision weight) + 2 (gradient) + K = 12 (fp32 master, exp_avg, exp_avg_sq) per
+parameter on *each* of the N ranks. ZeRO stage 3 (Rajbhandari et al., 2020), PyTorch's FSDP,
+keeps 1/N of each on a rank and borrows the rest from the peers for the moment it is needed:
 
     per rank, Ψ parameters     DDP (2 + 2 + K)·Ψ        ZeRO-3 / FSDP (2 + 2 + K)·Ψ / N
 
@@ -32,15 +31,14 @@ outermost unit that holds it. Frozen parameters are sharded and gathered too, wi
 
 **One unit, one message.** A unit's all-gather sends the concatenation of this rank's shards;
 every rank copies each parameter's N chunks into its full-size buffer, which a forward-pre hook
-swaps into the module (a forward hook swaps the shards back). After forward the buffers'
-storage is resized to 0 bytes: the tensors saved for backward still point at it, and the
-gather before backward refills it. When a unit has all its gradients (post-accumulate-grad
-hooks) they are packed the same way (chunk r of every parameter in row r), pre-divided by N,
-reduce-scattered asynchronously and *added* into each shard's fp32 `.grad` (so backwards
-accumulate and any `zero_grad()` works). A callback at the end of backward sends what is left,
-waits for every reduce-scatter and frees what is still gathered: when `loss.backward()` returns,
-every owned `.grad` is the averaged gradient. A parameter without a gradient keeps `.grad`
-None; like FSDP2, every rank must use the same parameters in a step.
+swaps into the module (a forward hook swaps the shards back). After forward the buffers' storage
+is resized to 0 bytes (tensors saved for backward still point at it; the gather before backward
+refills it). When a unit has all its gradients (post-accumulate-grad hooks) they are packed the
+same way (chunk r of every parameter in row r), pre-divided by N, reduce-scattered asynchronously
+and *added* into each shard's fp32 `.grad` (so backwards accumulate and any `zero_grad()` works).
+A callback at the end of backward sends what is left, waits for every reduce-scatter and frees
+what is still gathered, so each owned `.grad` is averaged when `loss.backward()` returns. Like
+FSDP2, every rank must use the same parameters in a step (unused ones keep `.grad` None).
 
 **Mixed precision** (`param_dtype=torch.bfloat16`/`float16`): shards are cast before they are
 gathered, so gather, forward, backward and reduce-scatter run in half precision while the fp32
@@ -59,7 +57,7 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from hplab.comm import communicator, copy_markers
 
@@ -75,12 +73,11 @@ class _Param:
         mine = self.mine(p.detach().float())
         self.shard = nn.Parameter(mine.to(shard_device, copy=True), requires_grad=p.requires_grad)
         copy_markers(p, self.shard)
-        self.shard.dp_sharded = True
+        self.shard.dp_sharded, self.shard._fsdp = True, self  # (`is_shard`)
         self.buffer = torch.empty((comm.size * self.rows, *self.rest), dtype=dtype, device=device)
         self.full = nn.Parameter(self.buffer[:self.d0].view(p.shape), requires_grad=p.requires_grad)
         self.buffer.untyped_storage().resize_(0)
         self.places = places  # [(module, attribute name)], two or more for a tied parameter
-        self.numel = self.shard.numel()
 
     def pad(self, full: torch.Tensor) -> torch.Tensor:
         """`full` (shaped like the parameter), dim 0 zero-padded to N·rows: chunk r is rank r's."""
@@ -109,7 +106,6 @@ class _Unit:
         self.params = [_Param(p, where, comm, self.dtype, self.device, shard_device)
                        for p, where in places.items()]
         for e in self.params:
-            e.shard._fsdp = e
             self._swap(e, e.shard)
             if e.full.requires_grad:
                 e.full.register_post_accumulate_grad_hook(self._on_grad)
@@ -130,7 +126,7 @@ class _Unit:
         """All-gather every rank's shards of this unit, concatenated: one message (async)."""
         if self.gathered or self.gathering is not None or not self.params:
             return
-        send = torch.cat([e.shard.detach().reshape(-1) for e in self.params])
+        send = torch.cat([e.shard.detach().flatten() for e in self.params])
         send = send.to(self.device, self.dtype)
         out = torch.empty(send.numel() * self.comm.size, dtype=self.dtype, device=self.device)
         self.gathering = (out, send, self.comm.all_gather(out, send, async_op=True))
@@ -146,8 +142,8 @@ class _Unit:
         for e in self.params:
             e.buffer.untyped_storage().resize_(e.buffer.numel() * e.buffer.element_size())
             # `.data`: a write autograd does not version, so tensors saved for backward stay valid
-            e.buffer.data.view(self.comm.size, -1).copy_(rows[:, offset:offset + e.numel])
-            offset += e.numel
+            e.buffer.data.view(self.comm.size, -1).copy_(rows[:, offset:offset + e.shard.numel()])
+            offset += e.shard.numel()
         self.gathering, self.gathered = None, True
 
     def release(self) -> None:
@@ -180,7 +176,7 @@ class _Unit:
     def finish_reduce(self) -> None:
         for with_grad, _, out, pending in self.reducing:
             pending.wait()
-            for e, piece in zip(with_grad, out.split([e.numel for e in with_grad])):
+            for e, piece in zip(with_grad, out.split([e.shard.numel() for e in with_grad])):
                 g = piece.view(e.shard.shape).to(e.shard.device, torch.float32, copy=True)
                 e.shard.grad = g if e.shard.grad is None else e.shard.grad.add_(g)
         self.reducing = []
@@ -197,9 +193,8 @@ class _Unit:
             nxt.start_gather()  # prefetch: overlaps with this unit's compute
         if self.param_dtype is None:
             return None
-        cast = lambda t: t.to(self.param_dtype) \
-            if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
-        return tree_map(cast, (args, kwargs))
+        return tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype)
+                             if t.is_floating_point() else t, (args, kwargs))
 
     def _post_forward(self, module, args, output):
         if self.family.in_backward:  # recompute inside backward: keep the parameters gathered

@@ -47,9 +47,7 @@ from hplab.schedule import (COMPUTE, Action, DeadlockError, PipelineError, Simul
                             message_key, one_f_one_b_order, schedule_text, simulate)
 
 
-# =========================================================================================
-# 1. Stages
-# =========================================================================================
+# --- 1. Stages ------------------------------------------------------------------------------------
 
 def split_layers(n_layer: int, num_chunks: int) -> list[range]:
     """Balanced consecutive layer ranges: the first `n_layer % num_chunks` chunks get one
@@ -140,10 +138,7 @@ def sync_tied_gradients(stages: list[Stage], tied_comm) -> None:
     tied_comm.all_reduce(weight.grad)
 
 
-# =========================================================================================
-# 2. Split backward: B (the input's gradient) now, W (the weights' gradients) later
-# =========================================================================================
-#
+# --- 2. Split backward: B (the input's gradient) now, W (the weights' gradients) later ------------
 # ZB-H1 splits each backward in two: B computes what the previous rank waits for, the gradient
 # of this stage's input; W the weight gradients, which nobody waits for, so W fills bubbles.
 # Autograd splits any layer without knowing what it is (a Linear, a tensor-parallel slice, a
@@ -235,9 +230,7 @@ def backward_weight(work) -> None:
                 pin.remove()
 
 
-# =========================================================================================
-# 3. Executor: run this rank's action list for real
-# =========================================================================================
+# --- 3. Executor: run this rank's action list for real --------------------------------------------
 
 @dataclass
 class TraceEvent:
@@ -253,16 +246,14 @@ class TraceEvent:
 
 
 class PipelineExecutor:
-    """Runs one rank's action list for one training step.
-
-    `comm` is the pipeline group's Communicator (peers are pipeline ranks). Sends are
-    asynchronous (isend) and awaited at the end of the step; a receive is posted (irecv) where
-    the list says and awaited by the computation that needs it. A plan with W actions splits
-    each backward (`backward_input` in B, `backward_weight` in W); the first stage has no
-    input gradient (its input is token ids): its B is empty, its W the whole backward.
-    Gradients are left accumulated in `.grad` (None before is fine) for the caller to sync
-    over dp, sum the tied embedding and step. `memory` (a MemoryLedger) measures each
-    forward's saved activations; `trace` gets every action."""
+    """Runs one rank's action list for one training step. `comm`: the pipeline group's
+    Communicator (peers are pipeline ranks). Sends are asynchronous (isend), awaited at the end
+    of the step; a receive is posted (irecv) where the list says and awaited by the computation
+    that needs it. A plan with W actions splits each backward (`backward_input` in B,
+    `backward_weight` in W); the first stage has no input gradient (its input is token ids):
+    its B is empty, its W the whole backward. Gradients are left accumulated in `.grad` for the
+    caller to sync over dp, sum the tied embedding and step. `memory` (a MemoryLedger) measures
+    each forward's saved activations; `trace` gets every action."""
 
     def __init__(self, stages: list[Stage], plan: list[Action], comm, memory=None,
                  dtype=torch.float32):

@@ -50,9 +50,7 @@ def chunk_owner(chunk: int, p: int) -> int:
     return chunk % p
 
 
-# =========================================================================================
-# 1. Schedules: per rank, a plain list of actions
-# =========================================================================================
+# --- 1. Schedules: per rank, a plain list of actions ----------------------------------------------
 
 @dataclass(frozen=True)
 class Action:
@@ -195,9 +193,8 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
              "of at least 2 (with 1 chunk per rank it is plain 1f1b)")):
         if wrong:
             raise PipelineError(message)
-    if name == "interleaved":
-        return add_communication(interleaved_order(p, m, v), p, v)
-    orders = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}[name]
+    orders = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zb_h1_order,
+              "interleaved": lambda p, m: interleaved_order(p, m, v)}[name]
     return add_communication(orders(p, m), p, v)
 
 
@@ -207,9 +204,7 @@ def schedule_text(plans: list[list[Action]]) -> str:
                      for r, plan in enumerate(plans))
 
 
-# =========================================================================================
-# 2. Simulator: the same action lists, with given costs
-# =========================================================================================
+# --- 2. Simulator: the same action lists, with given costs ----------------------------------------
 
 @dataclass
 class Simulation:
@@ -274,9 +269,7 @@ def simulate(plans: list[list[Action]], f: float = 1.0, b: float = 1.0, w: float
     return Simulation(timeline, max(clock))
 
 
-# =========================================================================================
-# 3. The measured bubble: the same idle share, from a real run's timestamps
-# =========================================================================================
+# --- 3. The measured bubble: the same idle share, from a real run's timestamps --------------------
 
 def measured_bubble(trace: list[dict], origin: float = 0.0, end: float | None = None) -> float:
     """1 - compute time / step time, from a rank's trace (times in seconds). The step runs

@@ -1,9 +1,8 @@
 """Tensor parallel (Megatron-LM, Shoeybi et al. 2019), from scratch.
 
 Data parallel copies the whole model to every rank. Tensor parallel cuts every weight matrix
-across the T ranks of a tensor-parallel group: each rank holds and multiplies 1/T of it, and
-the ranks exchange activations inside every layer (so TP groups live on the fastest links,
-the GPUs of one node).
+across the T ranks of a group: each rank holds and multiplies 1/T of it, and the ranks exchange
+activations inside every layer (so TP groups live on the fastest links, one node's GPUs).
 
 **Two ways to cut a linear layer** Y = X·Aᵀ (A stored [out, in] as in `nn.Linear`):
 
@@ -32,13 +31,12 @@ those slices with three all-reduces of b·s numbers, never gathering b·s·V log
 up to a multiple of T; padding rows are never looked up, their logits masked out of the loss.
 
 **Sequence parallel** (Korthikanti et al. 2022). Between the TP regions, layer norms (and
-dropout) run on the full activations, replicated: T copies of the same work and memory.
-Sequence parallel cuts those along the *sequence*: each rank keeps s/T tokens of the residual
-stream; g becomes a reduce-scatter (sum, keep my tokens), f an all-gather (everyone's tokens,
-before the column-parallel matmul). Together they move what one all-reduce moves: the same
-bandwidth, T times less activation memory. Parameters left whole (layer norms, row-parallel
-biases, position embeddings) then see s/T tokens per rank and get partial-sum gradients:
-`parallelize` marks them `p.sequence_parallel_partial = True`, for the gradient sync to add.
+dropout) run replicated on the full activations: T copies of the same work and memory. Sequence
+parallel cuts those along the *sequence*: each rank keeps s/T tokens of the residual stream; g
+becomes a reduce-scatter (sum, keep my tokens), f an all-gather (everyone's tokens, before the
+column-parallel matmul): together what one all-reduce moves, with T times less activation
+memory. Parameters left whole (layer norms, row-parallel biases, position embeddings) see s/T
+tokens per rank: `parallelize` marks them `p.sequence_parallel_partial` (partial-sum grads).
 
 Collectives per transformer block, every payload b·s·h (b sequences of s tokens, hidden h):
 
@@ -47,8 +45,7 @@ Collectives per transformer block, every payload b·s·h (b sequences of s token
     + sequence parallel  2 all-gather, 2 reduce-scatter 4 all-gather, 2 reduce-scatter
 
 Every collective goes through the group's `Communicator` (`mesh.tp`), so the ledger counts it.
-This file knows nothing of data parallel; `hplab.compose` composes the two.
-"""
+This file knows nothing of data parallel; `hplab.compose` composes the two."""
 from __future__ import annotations
 
 import fnmatch
@@ -77,20 +74,20 @@ def _split(x: torch.Tensor, comm: Communicator, dim: int = -1) -> torch.Tensor:
     return x.chunk(comm.size, dim)[comm.rank].contiguous()
 
 
-def _all_gather(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
-    """Every rank's `x`, concatenated along `dim` (by default the sequence) in rank order."""
-    first = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
-    out = first.new_empty((comm.size * first.shape[0], *first.shape[1:]))
-    comm.all_gather(out, first)
-    return out.movedim(0, dim).contiguous()
-
-
-def _reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
-    """The sum over ranks of `x`, of which this rank keeps its 1/T slice along `dim`."""
+def _along(gather: bool, x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
+    """`_all_gather`: every rank's `x`, concatenated along `dim` (by default the sequence) in
+    rank order. `_reduce_scatter`: the sum over ranks of `x`, of which this rank keeps its 1/T
+    slice along `dim`. (The collectives work along dim 0: `dim` moves there and back.)"""
     first = x.movedim(dim, 0).contiguous()
-    out = first.new_empty((first.shape[0] // comm.size, *first.shape[1:]))
-    comm.reduce_scatter(out, first)
+    rows = first.shape[0] * comm.size if gather else first.shape[0] // comm.size
+    out = first.new_empty((rows, *first.shape[1:]))
+    (comm.all_gather if gather else comm.reduce_scatter)(out, first)
     return out.movedim(0, dim).contiguous()
+
+
+_all_gather = functools.partial(_along, True)
+_reduce_scatter = functools.partial(_along, False)
+sequence_slice = _split  # this rank's s/T tokens of a [b, s] batch (sequence-parallel HF GPT-2)
 
 
 def _all_reduce(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
@@ -102,17 +99,12 @@ def _all_reduce(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 # --- 2. The conjugate operators: each backward is the other's forward ------------------------
 
 def _operator(name: str, fwd, bwd, doc: str) -> type[torch.autograd.Function]:
-    class Operator(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, comm):
-            ctx.comm = comm
-            return fwd(x, comm)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return bwd(grad, ctx.comm), None
-    Operator.__name__, Operator.__qualname__, Operator.__doc__ = name, name, doc
-    return Operator
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return fwd(x, comm)
+    return type(torch.autograd.Function)(name, (torch.autograd.Function,), {
+        "__doc__": doc, "forward": staticmethod(forward),
+        "backward": staticmethod(lambda ctx, grad: (bwd(grad, ctx.comm), None))})
 
 
 _identity = lambda x, comm: x.view_as(x)  # noqa: E731
@@ -194,9 +186,8 @@ def _cut(p: nn.Parameter | None, split: Split, comm: Communicator) -> nn.Paramet
 # Hugging Face's `Conv1D` stores its weight [in, out], not [out, in]: cut along the other dim.
 
 class ColumnParallelLinear(nn.Module):
-    """A linear layer whose *outputs* are split. Input: the full activations (with
-    `sequence_parallel`, this rank's tokens, gathered here); output: this rank's slice of the
-    last dimension. `fused` blocks side by side in the outputs (Q | K | V) are cut each."""
+    """Splits the *outputs*: takes the full activations (with `sequence_parallel`, this rank's
+    tokens, gathered here), returns my slice of the last dim; `fused` blocks (Q|K|V) cut each."""
 
     def __init__(self, linear: nn.Module, comm: Communicator, sequence_parallel=False, fused=1):
         super().__init__()
@@ -213,9 +204,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """A linear layer whose *inputs* are split: its input is a column-parallel layer's slice,
-    its partial products are summed over the group (reduce-scattered along the sequence with
-    `sequence_parallel`). The bias is not split: it is added once, after the sum."""
+    """Splits the *inputs*: takes a column-parallel slice; the partial products are summed over
+    the group (reduce-scattered along the sequence with `sequence_parallel`), then the bias."""
 
     def __init__(self, linear: nn.Module, comm: Communicator, sequence_parallel=False):
         super().__init__()
@@ -252,9 +242,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class SequenceParallelPositions(nn.Module):
-    """The whole (replicated) position table, looked up for my s/T tokens under sequence parallel.
-    hplab's GPT hands it all positions 0 … s−1: keep my slice. A model handed only its s/T ids
-    (`given_slice`) numbers them 0 … s/T − 1, though they sit at r·s/T …: shift them."""
+    """The whole position table, looked up for my s/T tokens under sequence parallel: hplab's GPT
+    passes positions 0 … s−1 (keep my slice); a `given_slice` model 0 … s/T − 1 (add r·s/T)."""
 
     def __init__(self, embedding, comm: Communicator, sequence_parallel=False, given_slice=False):
         super().__init__()
@@ -271,14 +260,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
                                  comm: Communicator, vocab_size: int) -> torch.Tensor:
     """The mean cross-entropy, from each rank's slice of the logits [..., V/T]:
     loss = log Σ_v exp(z_v) − z_target, with three all-reduces of b·s numbers:
-      1. m = max_v z_v            all-reduce(max), for numerical stability; a constant
-                                  shift, so no gradient flows through it
+      1. m = max_v z_v            all-reduce(max): a constant shift for stability, no gradient
       2. S = Σ_v exp(z_v − m)     each rank sums its slice; all-reduce (g)
-      3. z_target − m             only the rank owning the target id has it, the others
-                                  contribute 0; all-reduce (g)
+      3. z_target − m             on the rank owning the target id, 0 on the others; all-reduce (g)
     Vocabulary padding (ids ≥ `vocab_size`) is masked to −∞: exp(−∞) = 0, no gradient."""
-    width = logits.shape[-1]
-    first_id = comm.rank * width
+    width, first_id = logits.shape[-1], comm.rank * logits.shape[-1]
     padding = torch.arange(first_id, first_id + width, device=logits.device) >= vocab_size
     logits = logits.float().masked_fill(padding, float("-inf"))
     with torch.no_grad():
@@ -372,13 +358,8 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
         for name in matches:
             old = model.get_submodule(name)
             if (new := style(old, comm, sequence_parallel)) is not old:
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, new)
+                model.set_submodule(name, new)
     for p in model.parameters():
         p.sequence_parallel_partial = sequence_parallel and not is_split(p)
     return model
 
-
-def sequence_slice(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """This rank's s/T tokens of a [b, s] batch (what a sequence-parallel HF GPT-2 is given)."""
-    return _split(x, comm)

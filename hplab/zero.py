@@ -69,26 +69,12 @@ import torch
 import torch.nn as nn
 
 from hplab.comm import Communicator, communicator, copy_markers
+from hplab.ddp import bucket_params  # DDP's buckets: the same cut
 from hplab.memory import optimizer_state_tensors
 
 
 class ZeroError(ValueError):
     """A ZeRO configuration that cannot work; the message says how to fix it."""
-
-
-def bucket_params(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
-    """Cut params into buckets of at most `bucket_mb` MiB (a larger parameter gets one of its
-    own; 0 gives one per parameter), in reverse definition order, one dtype/device each."""
-    buckets, size = [], 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > bucket_mb * 2**20 or \
-                (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
 
 
 class FlatBucket:
@@ -230,15 +216,12 @@ class ShardedState:
 
 
 class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
-    """ZeRO-1/2: `optimizer_class` steps only this rank's fp32 shard of each bucket.
-
-    `params`: parameters or param-group dicts, as for any torch optimizer. `group`: the dp
-    group (an hplab Communicator, a torch ProcessGroup, or None for the world). `stage` 1 or
-    2; `bucket_mb`: bucket size; `offload`: masters and optimizer on the CPU. The rest goes to
-    `optimizer_class`. `self.inner` is that optimizer, over the master shards; its param groups
-    mirror `self.param_groups` (extra keys included) and take their hyperparameters before
-    each step, so an LR scheduler on this optimizer works.
-    """
+    """ZeRO-1/2: `optimizer_class` steps only this rank's fp32 shard of each bucket. `params`: as
+    for any torch optimizer; `group`: the dp group (an hplab Communicator, a torch ProcessGroup
+    or None for the world); `stage` 1 or 2; `offload`: masters and optimizer on the CPU; the rest
+    goes to `optimizer_class`. `self.inner`, that optimizer over the master shards, mirrors
+    `self.param_groups` (extra keys included) and takes their hyperparameters before each step,
+    so an LR scheduler on this optimizer works."""
 
     def __init__(self, params, optimizer_class, group=None, stage: int = 1,
                  bucket_mb: float = 25, offload: bool = False, **optimizer_kwargs):
@@ -264,8 +247,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         for g, inner in zip(self.param_groups, self.inner.param_groups):
             for k, v in inner.items():  # show the inner optimizer's defaults here too
                 g.setdefault(k, v)
-        self.reduced = False  # reduce_gradients done for this step
-        self.callback_queued = False
+        self.reduced = self.callback_queued = False  # reduced: reduce_gradients done this step
         for p in self.bucket_of if stage == 2 else ():
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
