@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 from torch._utils import _unflatten_dense_tensors
 
-from hplab.comm import communicator
+from hplab.comm import bucket_params, communicator
 
 
 class Bucket:
@@ -76,22 +76,6 @@ def move_grad_in(p: nn.Parameter, view: torch.Tensor) -> None:
     elif p.grad is not view:
         view.copy_(p.grad)
         p.grad = view
-
-
-def bucket_params(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
-    """Cut params into buckets of at most `bucket_mb` MiB (a larger parameter gets its own; 0:
-    one each; `math.inf`: one for all, the naive all-reduce), in reverse definition order (about
-    the order backward produces gradients), one dtype and device each (ZeRO's buckets too)."""
-    buckets, size = [], 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > bucket_mb * 2**20 or \
-                (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:

@@ -68,8 +68,7 @@ import math
 import torch
 import torch.nn as nn
 
-from hplab.comm import Communicator, communicator, copy_markers
-from hplab.ddp import bucket_params  # DDP's buckets: the same cut
+from hplab.comm import Communicator, bucket_params, communicator, copy_markers
 from hplab.memory import optimizer_state_tensors
 
 
