@@ -17,7 +17,6 @@ Reference solutions are in `labs/solutions/` (peek only after trying).
 from __future__ import annotations
 
 import argparse
-from collections import namedtuple
 import copy
 import importlib.util
 import itertools
@@ -26,13 +25,13 @@ import os
 import signal
 import sys
 import traceback
+from collections import namedtuple
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 from hplab import formulas, schedule
@@ -42,8 +41,8 @@ from hplab.dist import Mesh, coordinates, group_ranks, run_distributed
 from hplab.memory import MemoryLedger, model_state_tensors
 from hplab.models.gpt import build_model, config_from_preset
 
-REPO_DIR = Path(__file__).resolve().parent.parent
-EXERCISES_DIR, SOLUTIONS_DIR = REPO_DIR / "labs" / "exercises", REPO_DIR / "labs" / "solutions"
+EXERCISES_DIR, SOLUTIONS_DIR = (Path(__file__).resolve().parent.parent / "labs" / folder
+                                for folder in ("exercises", "solutions"))
 RTOL, ATOL = 1e-5, 1e-6  # fp32 sums added in a different order agree to about this
 FILE_LIMIT_S = 120.0  # for one file's whole check; the solutions need a few seconds
 
@@ -56,20 +55,11 @@ class CheckTimeout(BaseException):
     """A file ran past its time limit (not an Exception: a learner's `except` cannot eat it)."""
 
 
+def _expire(*_):  # SIGALRM's handler while a file is checked
+    raise CheckTimeout
+
+
 Result = namedtuple("Result", "name passed message")  # one check on one file, and what was seen
-
-
-def describe(err: BaseException, path: str, hint: str = "") -> str:
-    """One line for an exception the learner's code raised."""
-    if isinstance(err, NotImplementedError):
-        return f"not implemented yet ({err})"
-    if isinstance(err, SystemExit):
-        return f"your file called sys.exit({err.code!r}): a checked file must not exit"
-    if isinstance(err, CommTimeout):
-        return f"{err} — {hint}" if hint else str(err)
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == str(path)]
-    where = f" at line {frames[-1].lineno}: {frames[-1].line}" if frames else ""
-    return f"raised {type(err).__name__}: {err}{where}"
 
 
 def differs(got, expected) -> str | None:
@@ -99,15 +89,19 @@ def first(problems) -> str | None:
     return next(filter(None, problems), None)
 
 
+def ops_used(ledger) -> dict[str, tuple[int, int]]:
+    """What the CommLedger counted since its last reset: {op: (calls, bytes)}."""
+    return {op: (v["calls"], v["bytes"]) for op, v in ledger.as_dict().items()}
+
+
 class Report:
     """One file's Results. `with report.case(label):` runs one case: an exception from the
-    learner's code (SystemExit too) becomes that case's failure, and the next case runs. On
-    several processes the others may be left waiting, so a distributed check only sets
-    `report.label`: an exception ends the file's check, failing that case (check_files)."""
+    learner's code (SystemExit too) fails it, and the next case runs. On several processes the
+    others could be left waiting: a distributed check only sets `report.label`, and an exception
+    ends the file's check, failing that case (check_files)."""
 
     def __init__(self, path: str, hint: str = ""):  # hint: what a CommTimeout usually means
-        self.path, self.hint, self.results = path, hint, []
-        self.label = "import"
+        self.path, self.hint, self.results, self.label = path, hint, [], "import"
 
     def add(self, label: str, problem: str | None, success: str) -> None:
         self.results.append(Result(label, not problem, problem or success))
@@ -120,27 +114,19 @@ class Report:
         except (KeyboardInterrupt, CheckTimeout):
             raise
         except BaseException as err:  # self.label: the innermost case it came from
-            self.add(self.label, describe(err, self.path, self.hint), "")
+            self.add(self.label, self.describe(err), "")
 
-
-@contextmanager
-def time_limit(seconds: float):
-    """Raise CheckTimeout after `seconds` (SIGALRM: checks run in a process's main thread)."""
-    def expire(*_):
-        raise CheckTimeout
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def ops_used(ledger) -> dict[str, tuple[int, int]]:
-    """What the CommLedger counted since its last reset: {op: (calls, bytes)}."""
-    return {op: (v["calls"], v["bytes"]) for op, v in ledger.as_dict().items()}
+    def describe(self, err: BaseException) -> str:
+        """One line for an exception the learner's code raised."""
+        if isinstance(err, NotImplementedError):
+            return f"not implemented yet ({err})"
+        if isinstance(err, SystemExit):
+            return f"your file called sys.exit({err.code!r}): a checked file must not exit"
+        if isinstance(err, CommTimeout):
+            return f"{err} — {self.hint}" if self.hint else str(err)
+        lines = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == self.path]
+        where = f" at line {lines[-1].lineno}: {lines[-1].line}" if lines else ""
+        return f"raised {type(err).__name__}: {err}{where}"
 
 
 # --- lab 00: memory by hand (one process: nothing is distributed yet) ------------------------
@@ -148,26 +134,18 @@ def ops_used(ledger) -> dict[str, tuple[int, int]]:
 MEMORY_SHAPES = [(4, 64, 4, 64), (2, 32, 2, 16), (3, 48, 3, 40)]  # n_layer, n_embd, n_head, S
 
 
-def memory_reference() -> list:
-    """Per shape: the config, Ψ counted on the model, the MemoryLedger's bytes after AdamW."""
-    out = []
-    for L, h, a, S in MEMORY_SHAPES:
-        config = config_from_preset("tiny", n_layer=L, n_embd=h, n_head=a, seq_len=S)
-        model = build_model(config, seed=0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        x = torch.randint(0, config.vocab_size, (2, S))
-        model(x, x)[1].backward()
-        opt.step()
-        out.append((config, sum(p.numel() for p in model.parameters()),
-                    MemoryLedger().measure(model_state_tensors(model, opt))))
-    return out
-
-
-def check_memory(module, report: Report, shapes: list) -> None:
+def check_memory(module, report: Report, _=None) -> None:
     """The learner's Ψ and model-state bytes against the model's parameters and what the
     MemoryLedger measures after one AdamW step, for three model shapes."""
-    for config, psi, measured in shapes:
-        h, L, V, S = config.n_embd, config.n_layer, config.vocab_size, config.n_positions
+    for L, h, a, S in MEMORY_SHAPES:
+        config = config_from_preset("tiny", n_layer=L, n_embd=h, n_head=a, seq_len=S)
+        V, model = config.vocab_size, build_model(config, seed=0)
+        x = torch.randint(0, V, (2, S))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        model(x, x)[1].backward()
+        opt.step()
+        psi, measured = (sum(p.numel() for p in model.parameters()),
+                         MemoryLedger().measure(model_state_tensors(model, opt)))
         label = f"V={V} S={S} h={h} L={L}"
         with report.case(f"num_params({label})"):
             mine = module.num_params(config)
@@ -177,7 +155,7 @@ def check_memory(module, report: Report, shapes: list) -> None:
                     -L * 4 * h: "each block has two layer norms of 2h parameters",
                     -L * 9 * h: "every linear layer has a bias"}.get(mine - psi)
             report.add(report.label, mine != psi and f"you count {mine:,}, the model has {psi:,} "
-                       f"(you are off by {mine - psi:+,})" + (f" — {hint}" if hint else ""),
+                       f"(you are off by {mine - psi:+,})" + f" — {hint}" * bool(hint),
                        f"Ψ = {mine:,}")
         with report.case(f"model_state_bytes({label})"):
             claimed = module.model_state_bytes(config)
@@ -202,13 +180,12 @@ def check_ring(module, report: Report, mesh: Mesh) -> None:
     ranks, only send and recv were used, and each rank sent 2(n-1) chunks of S/n bytes."""
     comm, n, r = mesh.world, mesh.world.size, mesh.world.rank
     for shape, dtype in RING_CASES:
-        case = f"{'×'.join(map(str, shape))} {dtype}"
+        report.label = case = f"{'×'.join(map(str, shape))} {dtype}"  # an exception ends the file
         inputs = [torch.randn(shape, dtype=getattr(torch, dtype),
                               generator=torch.Generator().manual_seed(100 * k + len(shape)))
                   for k in range(n)]
         expected, tensor = sum(inputs[1:], inputs[0].clone()), inputs[r].clone()
         mesh.ledger.reset()
-        report.label = case  # an exception stops the file (see Report)
         module.ring_all_reduce(tensor, comm)
         used = ops_used(mesh.ledger)
         others, sent = sorted(set(used) - {"send", "recv"}), used.get("send", (0, 0))[1]
@@ -231,7 +208,7 @@ ZERO1_LR, ZERO1_STEPS = 1e-2, 3
 def gpt_reference(steps: int, lr: float = 0.0) -> SimpleNamespace:
     """A dp mesh, `steps` global batches of 2 sequences per rank (`rows`: this rank's) and one
     process's result on each: the global-batch gradient (the ranks' parts added in rank order like
-    a reduce-scatter, so fp32 agrees to the last bits) and, with an lr, the params after AdamW."""
+    a reduce-scatter, so fp32 agrees to the last bits) and the params after AdamW with `lr`."""
     mesh = Mesh.create(dp=dist.get_world_size())
     n, r = mesh.world.size, mesh.world.rank
     config = config_from_preset("tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16)
@@ -248,26 +225,23 @@ def gpt_reference(steps: int, lr: float = 0.0) -> SimpleNamespace:
             model(rows[:, :-1], rows[:, 1:])[1].backward()
             parts.append([p.grad / n for p in model.parameters()])
         grads.append([sum(g[1:], g[0]) for g in zip(*parts)])
-        if lr:
-            for p, g in zip(model.parameters(), grads[-1]):
-                p.grad = g
-            opt.step()
-            params.append([p.detach().clone() for p in model.parameters()])
+        for p, g in zip(model.parameters(), grads[-1]):
+            p.grad = g
+        opt.step()  # lr = 0 (lab 02) leaves the parameters as they are
+        params.append([p.detach().clone() for p in model.parameters()])
     return SimpleNamespace(mesh=mesh, config=config, grads=grads, params=params,
                            names=[name for name, _ in model.named_parameters()],
                            rows=[(b[r, :, :-1], b[r, :, 1:]) for b in batches])
 
 
 def check_buckets(module, report: Report, ref: SimpleNamespace) -> None:
-    """Lab 02, with one bucket, one per parameter and a middle size, two steps each: gradients
-    equal one process's, one all-reduce per bucket (hplab.ddp's rule) of each gradient byte
-    once, and (with several buckets) the first launched before backward returned."""
+    """One bucket, one per parameter, a middle size: one process's gradients, one all-reduce per
+    bucket (hplab.ddp's rule), each byte once, with several buckets the first during backward."""
     for bucket_bytes in (math.inf, 0, 20_000):
-        label, model = f"bucket_bytes={bucket_bytes}", build_model(ref.config, seed=0)
-        params = list(model.parameters())
+        report.label = label = f"bucket_bytes={bucket_bytes}"  # an exception ends the file
+        params = list((model := build_model(ref.config, seed=0)).parameters())
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
-        buckets, problem = len(make_buckets(params, bucket_bytes)), None
-        report.label = label  # an exception stops the file (see Report)
+        buckets = len(make_buckets(params, bucket_bytes))
         sync = module.BucketedAllReduce(params, ref.mesh.world, bucket_bytes)
         for step, rows in enumerate(ref.rows):
             model.zero_grad()
@@ -287,22 +261,19 @@ def check_buckets(module, report: Report, ref: SimpleNamespace) -> None:
                 "the first all-reduce started after backward returned: launch each bucket "
                 "from a gradient hook as soon as it is complete"])
             if problem:
-                problem = f"step {step + 1}: {problem}"
                 break
-        report.add(label, problem, f"gradients equal one process's, {buckets} all-reduce(s) "
-                   f"of {grad_bytes:,} bytes per step"
+        report.add(label, problem and f"step {step + 1}: {problem}", f"gradients equal one "
+                   f"process's, {buckets} all-reduce(s) of {grad_bytes:,} bytes per step"
                    + ", first launched during backward" * (buckets > 1))
 
 
 def check_zero1(module, report: Report, ref: SimpleNamespace) -> None:
-    """Lab 03: the learner's ZeRO1 on this rank's part of each batch against one process's AdamW
-    on the whole batch: my shard's gradient, every parameter, the Adam state held (2 × Ψ/n),
-    one reduce-scatter and one all-gather of the padded flat buffer."""
-    n, r = ref.mesh.world.size, ref.mesh.world.rank
-    numel = sum(g.numel() for g in ref.grads[0])
-    shard = math.ceil(numel / n)
-    flat_bytes, model = 4 * shard * n, build_model(ref.config, seed=0)
-    report.label = "ZeRO1(params, comm, lr)"  # an exception stops the file (see Report)
+    """ZeRO1 on this rank's rows against one process's AdamW on the whole batch: my shard's grad,
+    the params, Adam state 2 × Ψ/n, one reduce-scatter and one all-gather of the padded buffer."""
+    n, r, model = ref.mesh.world.size, ref.mesh.world.rank, build_model(ref.config, seed=0)
+    numel = sum(p.numel() for p in model.parameters())
+    shard, flat_bytes = math.ceil(numel / n), 4 * n * math.ceil(numel / n)  # padded, fp32
+    report.label = "ZeRO1(params, comm, lr)"  # an exception ends the file's check (see Report)
     opt = module.ZeRO1(list(model.parameters()), ref.mesh.world, lr=ZERO1_LR)
     for step, rows in enumerate(ref.rows):
         model.zero_grad()
@@ -312,20 +283,18 @@ def check_zero1(module, report: Report, ref: SimpleNamespace) -> None:
         opt.step()
         used = ops_used(ref.mesh.ledger)
         others = sorted(set(used) - {"reduce_scatter", "all_gather"})
-        want = torch.cat([g.reshape(-1) for g in ref.grads[step]]
-                         + [torch.zeros(shard * n - numel)])[r * shard:(r + 1) * shard]
+        want = F.pad(torch.cat([g.reshape(-1) for g in ref.grads[step]]),
+                     (0, shard * n - numel)).view(n, shard)[r]
         got = getattr(getattr(opt, "master", None), "grad", None)
-        wrong_grad = differs(got, want)
-        ratio = float(got.norm() / want.norm()) if wrong_grad and got.shape == want.shape else 0
         state = sum(t.numel() for s in opt.optimizer.state.values() for t in s.values()
                     if torch.is_tensor(t) and t.dim() > 0)
         problem = first([
             others and f"used {', '.join(others)}: ZeRO-1 needs only a reduce-scatter of the "
             "gradients and an all-gather of the parameters",
             got is None and "self.master.grad is None: give my shard its gradient before stepping",
-            wrong_grad and "self.master.grad is not my shard of the global-batch average "
-            f"gradient: {wrong_grad}" + (f" — it is {ratio:.3g}× too large: divide by n"
-                                        if abs(ratio - n) < 1e-3 else ""),
+            (d := differs(got, want)) and "self.master.grad is not my shard of the global-batch "
+            f"average gradient: {d}" + f" — it is {n}× too large: divide by n"
+            * (not differs(got, n * want)),
             first_wrong(ref.names, list(model.parameters()), ref.params[step],
                         "parameters differ from one process's AdamW"),
             state != 2 * shard and f"the optimizer holds {state:,} state elements; AdamW on my "
@@ -346,15 +315,14 @@ TP_CASES = [(2, 8, 16), (3, 5, 24)]  # (b, s, h): the MLP is h → 4h → h
 
 
 def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
-    """On every rank: the learner's column → GeLU → row MLP against the whole MLP in one
-    process (the same weights, the same X): output, X.grad (f's backward), each parameter's
-    gradient (this rank's slice) and one all-reduce of Z in forward and one in backward."""
+    """Column → GeLU → row against the whole MLP in one process (same weights, same X): Z,
+    X.grad (f's backward), this rank's slice of each gradient, one all-reduce of Z each way."""
     comm, n, r = mesh.tp, mesh.tp.size, mesh.tp.rank
     for b, s, h in TP_CASES:
         case, g = f"b={b} s={s} h={h}", torch.Generator().manual_seed(b * s * h)
         x, weights = torch.randn(b, s, h, generator=g), torch.randn(b, s, h, generator=g)
         torch.manual_seed(h)
-        fc, proj = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)  # the reference, one process
+        fc, proj = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)  # the whole MLP
         mine = copy.deepcopy((fc, proj))  # the learner's copies
         x_ref, x = x.clone().requires_grad_(), x.requires_grad_()
         z_ref = proj(F.gelu(fc(x_ref)))
@@ -362,7 +330,7 @@ def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
         z_ref, bias = z_ref.detach(), proj.bias.detach()
         rows = slice(r * 4 * h // n, (r + 1) * 4 * h // n)  # this rank's slice of the 4h
         mesh.ledger.reset()
-        report.label = case  # an exception stops the file (see Report)
+        report.label = case  # an exception ends the file's check (see Report)
         column, row = (module.ColumnParallelLinear(mine[0], comm),
                        module.RowParallelLinear(mine[1], comm))
         z = row(F.gelu(column(x)))
@@ -383,15 +351,12 @@ def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
                    f"{wrong} — f's backward must all-reduce: each rank holds only its slice's "
                    "contribution", "equals the single-process gradient (f summed the ranks' "
                    "contributions)")
-        expected = {"column.weight": fc.weight.grad[rows], "column.bias": fc.bias.grad[rows],
-                    "row.weight": proj.weight.grad[:, rows], "row.bias": proj.bias.grad}
-        wrong = []
-        for name, want in expected.items():
-            p = getattr(column if name.startswith("column") else row, name.split(".")[1])
-            d = differs(p.grad, want) if isinstance(p, nn.Parameter) else "not a Parameter"
-            wrong += [f"{name}.grad: {d}"] if d else []
-        report.add(f"{case}: parameter gradients", "; ".join(wrong),
-                   "each equals this rank's slice of the single-process gradient")
+        report.add(f"{case}: parameter gradients", first_wrong(
+            ["column.weight.grad", "column.bias.grad", "row.weight.grad", "row.bias.grad"],
+            [getattr(p, "grad", None) for p in (column.weight, column.bias, row.weight, row.bias)],
+            [fc.weight.grad[rows], fc.bias.grad[rows], proj.weight.grad[:, rows], proj.bias.grad],
+            "gradients are not this rank's slice of the single-process gradient"),
+            "each equals this rank's slice of the single-process gradient")
         z_bytes = z_ref.numel() * 4
         bad = [f"{phase}: {ops or 'nothing'}" for phase, ops in used.items()
                if ops != {"all_reduce": (1, z_bytes)}]
@@ -424,26 +389,22 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
         return f"{where}: {err}"
     best = schedule.simulate(schedule.build_schedule("1f1b", p, m), f=1, b=1, w=0)
     held, limit = [run.in_flight_max(r) for r in range(p)], [min(p - r, m) for r in range(p)]
-    if run.makespan > best.makespan:
-        return (f"{where}: the step takes {run.makespan:g} time units, 1F1B {best.makespan:g} "
-                "(= 2(m+p-1)): too few forwards in flight before the first backward")
-    if held != limit:
-        return (f"{where}: ranks hold at most {held} microbatches' activations, 1F1B {limit} "
-                "(min(p-r, m)): " + ("more warm-up forwards than needed" if any(
-                    a > b for a, b in zip(held, limit)) else "fewer than needed"))
-    for r, reference in enumerate(schedule.one_f_one_b_order(p, m)):
-        want = [(kind, i) for kind, i, _ in reference]
-        if orders[r] != want:
-            k = next(j for j, (a, b) in enumerate(zip(orders[r], want)) if a != b)
-            return (f"{where}, rank {r}: action {k} is {''.join(map(str, orders[r][k]))}, 1F1B "
-                    f"runs {want[k][0]}{want[k][1]} (same step time and memory, another order)")
-    return None
+    reference = [[(kind, i) for kind, i, _ in order] for order in schedule.one_f_one_b_order(p, m)]
+    other_order = [f"{where}, rank {r}: action {k} is {a[0]}{a[1]}, 1F1B runs {b[0]}{b[1]} (same "
+                   "step time and memory, another order)" for r in range(p)
+                   for k, (a, b) in enumerate(zip(orders[r], reference[r])) if a != b]
+    return first([
+        run.makespan > best.makespan and f"{where}: the step takes {run.makespan:g} time units, "
+        f"1F1B {best.makespan:g} (= 2(m+p-1)): too few forwards in flight before the first "
+        "backward",
+        held != limit and f"{where}: ranks hold at most {held} microbatches' activations, 1F1B "
+        f"{limit} (min(p-r, m)): " + ("more warm-up forwards than needed" if any(
+            a > b for a, b in zip(held, limit)) else "fewer than needed"), *other_order])
 
 
 def check_one_f_one_b(module, report: Report, _=None) -> None:
-    """The learner's per-rank orders, run by `hplab.schedule.simulate` with their sends and
-    receives, against its reference 1F1B schedule over a grid of (p, m): all the work once,
-    no deadlock, the step time 2(m+p-1), min(p-r, m) microbatches held, 1F1B's order."""
+    """The orders, run by `hplab.schedule.simulate` with their sends and receives, against 1F1B
+    over (p, m): the work once, no deadlock, step 2(m+p-1), min(p-r, m) held, 1F1B's order."""
     for name, ps in (("p=2", (2,)), ("p=3, 4", (3, 4)), ("p=8", (8,))):
         with report.case(name):
             report.add(name, first(_one_f_one_b_problem(module, p, m)
@@ -462,20 +423,16 @@ FAMILIES = ("dp", "tp", "pp")
 def _mesh_hint(mine: list) -> str:
     """Name the numbering (which family varies fastest) or the tuple order the learner's
     coordinates of MESH_RANKS follow, if they follow another one consistently."""
-    def numbered(order, rank, *layout):  # order[0] varies fastest; Megatron: tp, dp, pp
-        sizes, coords = dict(zip(FAMILIES, layout)), {}
-        for family in order:
-            rank, coords[family] = divmod(rank, sizes[family])
-        return tuple(coords[family] for family in FAMILIES)
+    def numbering(slots):  # hplab's (tp fastest, then dp, then pp) with the families renamed
+        return [dict(zip(slots, coordinates(rank, *(lay[FAMILIES.index(f)] for f in slots))))
+                for rank, lay in MESH_RANKS]
 
-    wanted = [coordinates(r, *lay) for r, lay in MESH_RANKS]
+    megatron = numbering(FAMILIES)
     for order in itertools.permutations(FAMILIES):
-        if order != ("tp", "dp", "pp") and mine == [numbered(order, r, *lay)
-                                                   for r, lay in MESH_RANKS]:
-            return (f" — you number {order[0]} fastest, then {order[1]}, then {order[2]}; "
+        if order != FAMILIES and mine == [tuple(c[f] for f in FAMILIES) for c in numbering(order)]:
+            return (f" — you number {order[1]} fastest, then {order[0]}, then {order[2]}; "
                     "Megatron's order is tp fastest, then dp, then pp")
-        where = [FAMILIES.index(family) for family in order]
-        if order != FAMILIES and mine == [tuple(c[i] for i in where) for c in wanted]:
+        if order != FAMILIES and mine == [tuple(c[f] for f in order) for c in megatron]:
             return (f" — you return ({', '.join(order)}); return (dp_rank, tp_rank, pp_rank) in "
                     "that order")
     return ""
@@ -483,25 +440,21 @@ def _mesh_hint(mine: list) -> str:
 
 def _group_problem(layout: tuple, family: str, mine) -> str | None:
     where, want = "dp{}×tp{}×pp{}".format(*layout), group_ranks(*layout)[family]
-    if not isinstance(mine, dict) or family not in mine:
-        return (f"{where}: groups() returned {mine!r:.60}, expected a dict with keys 'tp', 'dp' "
-                "and 'pp'")
     try:
         got = [list(g) for g in mine[family]]
-    except TypeError:
-        return f"{where}: {family} should be a list of lists of ranks, got {mine[family]!r:.60}"
+    except (TypeError, KeyError, IndexError):
+        return (f"{where}: groups()[{family!r}] should be a list of lists of ranks; groups() "
+                f"returned {mine!r:.60}")
     unsorted = [g for g in got if g != sorted(g)]
     if unsorted:
         return (f"{where}: {family} group {unsorted[0]} is not in increasing order (a group's "
                 "rank 0 is its smallest global rank)")
-    for rank in range(math.prod(layout)):
+    for rank in range(math.prod(layout)):  # in exactly one group: the one hplab.dist builds
         holding, expected = [g for g in got if rank in g], next(g for g in want if rank in g)
-        if len(holding) != 1:
-            return (f"{where}: rank {rank} is in {len(holding)} {family} groups, expected "
-                    f"exactly one: {expected}")
-        if holding[0] != expected:
+        if holding != [expected]:
             shared = " and ".join(f for f in FAMILIES if f != family)
-            return (f"{where}: rank {rank}'s {family} group is {holding[0]}, expected {expected} "
+            return (f"{where}: rank {rank}'s {family} group is "
+                    f"{' and '.join(map(str, holding)) or 'missing'}, expected {expected} "
                     f"(the ranks that share its {shared} coordinates)")
     if sorted(got) != sorted(want):
         return f"{where}: {len(got)} {family} groups, expected {len(want)}: {want}"
@@ -564,7 +517,7 @@ Exercise = namedtuple("Exercise", "lab file nproc check reference hint", default
 
 SAME_ORDER = "do all ranks call the same collectives in the same order?"
 EXERCISES = {
-    "memory": Exercise("00", "lab00_memory.py", 0, check_memory, memory_reference),
+    "memory": Exercise("00", "lab00_memory.py", 0, check_memory),
     "ring_allreduce": Exercise("01", "lab01_ring_allreduce.py", 4, check_ring,
                                lambda: Mesh.create(dp=dist.get_world_size()),
                                "did a send wait for a receive that never came? start sends "
@@ -592,11 +545,12 @@ def check_files(name: str, paths: list[str], limit_s: float) -> list[list[Result
     """Per file, its Results as this process sees them; each file gets `limit_s` seconds."""
     exercise = EXERCISES[name]
     reference = exercise.reference() if exercise.reference else None
-    out = []
+    out, previous = [], signal.signal(signal.SIGALRM, _expire)  # checks run in a main thread
     for path in paths:
         report = Report(path, exercise.hint)
         try:
-            with time_limit(limit_s), report.case("import"):
+            signal.setitimer(signal.ITIMER_REAL, limit_s)
+            with report.case("import"):
                 spec = importlib.util.spec_from_file_location(f"exercise_{Path(path).stem}", path)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)  # the learner's file, by path
@@ -604,7 +558,10 @@ def check_files(name: str, paths: list[str], limit_s: float) -> list[list[Result
         except CheckTimeout:
             report.add(report.label, f"did not finish in {limit_s:g} s — an endless loop, or a "
                        "rank waiting for the others?", "")
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         out.append(report.results)
+    signal.signal(signal.SIGALRM, previous)
     return out
 
 
@@ -635,7 +592,7 @@ def run_check(name: str, paths: list[str | Path],
         line = str(err).strip().splitlines()[-1]
         return [[Result("run", False, f"the {nproc}-process check ended early: {line}")]
                 for _ in paths]
-    return [_merge([rows[f] for rows in by_rank]) for f in range(len(paths))]
+    return [_merge(per_rank) for per_rank in zip(*by_rank)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -653,14 +610,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hplab: error: {err}", file=sys.stderr)
         return 2
     shown, failed = os.path.relpath(path), sum(not r.passed for r in results)
-    print(f"check {args.name} (lab {lab}) " + (f"on {nproc} processes" if nproc else
-                                               "in this process")
-          + f": {shown if not shown.startswith('..') else path}")
+    where = f"on {nproc} processes" if nproc else "in this process"
+    print(f"check {args.name} (lab {lab}) {where}: {path if shown.startswith('..') else shown}")
     for r in results:
         print(f"  {'✓' if r.passed else '✗'} {r.name}: {r.message}")
     print(f"FAIL: {failed} of {len(results)} checks failed" if failed else
           f"PASS: all {len(results)} checks passed")
-    return 0 if all(r.passed for r in results) and results else 1
+    return int(failed > 0 or not results)
 
 
 if __name__ == "__main__":
