@@ -459,15 +459,14 @@ def test_train_resume_under_another_layout_continues_the_run(world2):
     assert "all_gather" not in metrics["resumed"]["comm"][0]
 
 
-def test_resume_past_the_end_is_one_clear_line(tmp_path, capsys):
+def test_resume_past_the_end_is_one_clear_line(world2, tmp_path, capsys):
     from hplab import train
 
     assert train.main(["--resume", str(tmp_path / "none")]) == 2
     assert "no checkpoint in" in capsys.readouterr().err
-    (tmp_path / "c").mkdir()
-    (tmp_path / "c" / "trainer_state.json").write_text('{"step": 5}')
-    assert train.main(["--resume", str(tmp_path / "c"), "--steps", "5"]) == 2
-    assert "already at step 5" in capsys.readouterr().err
+    saved_at_step_4 = world2[1] / "a"
+    assert train.main(["--resume", str(saved_at_step_4), "--steps", "4", "--n-layer", "2"]) == 2
+    assert "already at step 4" in capsys.readouterr().err
 
 
 # A real `torchrun hplab/train.py` killed with SIGKILL in the middle of its second save. The
