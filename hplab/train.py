@@ -16,9 +16,8 @@ if __name__ == "__main__" and not __package__:  # run as a script: import hplab 
     import sys
     from pathlib import Path
 
-    here = str(Path(__file__).resolve().parent)
-    sys.path[:] = [p for p in sys.path if p not in ("", here)]
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [str(here.parent)] + [p for p in sys.path if p not in ("", str(here))]
 
 import argparse
 import json
@@ -40,105 +39,86 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see --help)")
 
 
-def at_least(low: float, kind=int):
-    """An argparse type: a number of `kind` that is at least `low`."""
+def at_least(low: float, kind=int, above: bool = False):
+    """An argparse type: a number of `kind` that is at least `low` (`above`: more than `low`)."""
     def parse(text: str):
         value = kind(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        if value < low or above and not value > low:
+            raise argparse.ArgumentTypeError(
+                f"must be {'a positive number' if above else f'at least {low}'}, got {text}")
         return value
-    parse.__name__ = kind.__name__  # argparse names it in "invalid int value"
+    parse.__name__ = "positive_float" if above else kind.__name__  # "invalid int value"
     return parse
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="torchrun --nproc_per_node N hplab/train.py",
         description="Train hplab's GPT with any dp × tp × pp layout (dp × tp × pp = N).")
-    layout = p.add_argument_group("layout")
-    layout.add_argument("--dp", type=at_least(1), default=None,
-                        help="data-parallel size (default: N / (tp × pp))")
-    layout.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel size")
-    layout.add_argument("--pp", type=at_least(1), default=1, help="pipeline-parallel stages")
-    layout.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
-                        help="ZeRO stage over the data-parallel group")
-    layout.add_argument("--schedule", default="1f1b",
-                        choices=SCHEDULES,
-                        help="pipeline schedule")
-    layout.add_argument("--virtual-stages", type=at_least(1), default=1,
-                        help="model chunks per pipeline rank (interleaved schedule)")
-    layout.add_argument("--microbatches", type=at_least(1), default=1,
-                        help="microbatches per step (gradient accumulation, pipeline fill)")
-    layout.add_argument("--sequence-parallel", action="store_true",
-                        help="with --tp: split layer norms and dropout along the sequence")
-    layout.add_argument("--bucket-mb", type=at_least(0, float), default=25.0,
-                        help="data-parallel gradient bucket size in MiB")
-    model = p.add_argument_group("model")
-    model.add_argument("--model", default="tiny", help="preset: tiny, gpt2, gpt2-medium")
-    model.add_argument("--n-layer", type=at_least(1))
-    model.add_argument("--n-embd", type=at_least(1))
-    model.add_argument("--n-head", type=at_least(1))
-    model.add_argument("--seq-len", type=at_least(1))
-    train = p.add_argument_group("training")
-    train.add_argument("--data", default="shakespeare",
-                       help="token file name in data/ or path (see python -m hplab.data)")
-    train.add_argument("--batch-size", type=at_least(1), default=16, help="global batch, in sequences")
-    train.add_argument("--steps", type=at_least(1), default=100)
-    train.add_argument("--lr", type=positive_float, default=1e-3)
-    train.add_argument("--weight-decay", type=at_least(0, float), default=0.0)
-    train.add_argument("--grad-clip", type=at_least(0, float), default=0.0,
-                       help="clip gradients to this global L2 norm (0: off)")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    train.add_argument("--recompute", action="store_true",
-                       help="recompute each block's activations in backward")
-    train.add_argument("--offload", action="store_true",
-                       help="keep optimizer state and step on the CPU (with --zero)")
-    out = p.add_argument_group("output")
-    out.add_argument("--metrics", help="write the metrics JSON here (rank 0)")
-    out.add_argument("--save", help="save a unified checkpoint to this directory at the end "
-                                    "(one single-device, Hugging Face-loadable layout)")
-    out.add_argument("--save-every", type=at_least(0), default=0,
-                     help="with --save: also save every N steps (0: only at the end)")
-    out.add_argument("--resume", help="resume from a unified checkpoint directory, under any "
-                                      "layout; --steps counts from the start of the first run")
-    out.add_argument("--config", help="a recipe file from configs/")
-    out.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    out.add_argument("--nproc", type=at_least(1), default=None,
-                     help="launch N local processes yourself (checks the flags first, then "
-                          "runs torch.distributed.run); not needed under torchrun")
-    out.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    n, on, nonneg = dict(type=at_least(1)), dict(action="store_true"), dict(type=at_least(0, float))
+    for title, flags in {
+        "layout": {
+            "--dp": dict(n, help="data-parallel size (default: N / (tp × pp))"),
+            "--tp": dict(n, default=1, help="tensor-parallel size"),
+            "--pp": dict(n, default=1, help="pipeline-parallel stages"),
+            "--zero": dict(type=int, default=0, choices=[0, 1, 2, 3],
+                           help="ZeRO stage over the data-parallel group"),
+            "--schedule": dict(default="1f1b", choices=SCHEDULES, help="pipeline schedule"),
+            "--virtual-stages": dict(n, default=1, help="model chunks per pipeline rank "
+                                     "(interleaved schedule)"),
+            "--microbatches": dict(n, default=1, help="microbatches per step (gradient "
+                                   "accumulation, pipeline fill)"),
+            "--sequence-parallel": dict(on, help="with --tp: split layer norms and dropout "
+                                        "along the sequence"),
+            "--bucket-mb": dict(nonneg, default=25.0,
+                                help="data-parallel gradient bucket size in MiB")},
+        "model": {"--model": dict(default="tiny", help="preset: tiny, gpt2, gpt2-medium"),
+                  "--n-layer": n, "--n-embd": n, "--n-head": n, "--seq-len": n},
+        "training": {
+            "--data": dict(default="shakespeare", help="token file name in data/ or path "
+                           "(see python -m hplab.data)"),
+            "--batch-size": dict(n, default=16, help="global batch, in sequences"),
+            "--steps": dict(n, default=100),
+            "--lr": dict(type=at_least(0, float, above=True), default=1e-3),
+            "--weight-decay": dict(nonneg, default=0.0),
+            "--grad-clip": dict(nonneg, default=0.0,
+                                help="clip gradients to this global L2 norm (0: off)"),
+            "--seed": dict(type=int, default=0),
+            "--precision": dict(default="fp32", choices=["fp32", "bf16", "fp16"]),
+            "--recompute": dict(on, help="recompute each block's activations in backward"),
+            "--offload": dict(on, help="keep optimizer state and step on the CPU (with --zero)")},
+        "output": {
+            "--metrics": dict(help="write the metrics JSON here (rank 0)"),
+            "--save": dict(help="save a unified checkpoint to this directory at the end "
+                           "(one single-device, Hugging Face-loadable layout)"),
+            "--save-every": dict(type=at_least(0), default=0,
+                                 help="with --save: also save every N steps (0: only at the end)"),
+            "--resume": dict(help="resume from a unified checkpoint directory, under any "
+                             "layout; --steps counts from the start of the first run"),
+            "--config": dict(help="a recipe file from configs/"),
+            "--backend": dict(default="auto", choices=["auto", "gloo", "nccl"]),
+            "--nproc": dict(n, help="launch N local processes yourself (checks the flags "
+                            "first, then runs torch.distributed.run); not needed under torchrun"),
+            "--no-progress": dict(on, help="no tqdm bar")}}.items():
+        group = p.add_argument_group(title)
+        for flag, kwargs in flags.items():
+            group.add_argument(flag, **kwargs)
     return p
 
 
 def parse_args(argv: list[str]):
     """Flags, with `--config FILE` (a TOML recipe from configs/) supplying defaults that the
-    command line overrides. Keys are flag names (`batch-size` or `batch_size`)."""
-    parser = build_parser()
-    first = parser.parse_args(argv)
-    if not first.config:
-        return first
-    recipe = recipe_flags(Path(first.config), parser)
-    try:
-        parser.parse_args(recipe)
-    except ValueError as err:
-        raise ValueError(f"{first.config}: {err}") from None
-    return parser.parse_args(recipe + argv)  # a flag given twice: the last one wins
-
-
-def recipe_flags(path: Path, parser) -> list[str]:
-    """A recipe as the flags it stands for, so its values pass the same checks as typed ones."""
+    command line overrides. Keys are flag names (`batch-size` or `batch_size`); the recipe
+    becomes the flags it stands for, so its values pass the same checks as typed ones."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
+    parser = build_parser()
+    first = parser.parse_args(argv)
+    if not first.config:
+        return first
+    path = Path(first.config)
     if not path.is_file():
         raise ValueError(f"config file {path} not found: see configs/ for the recipes")
     try:
@@ -159,12 +139,22 @@ def recipe_flags(path: Path, parser) -> list[str]:
             want = "true or false" if switch else "a single value"
             raise ValueError(f"{path}: {key} = {value!r} should be {want}")
         flags += ([flag] if value else []) if switch else [flag, str(value)]
-    return flags
+    try:
+        parser.parse_args(flags)
+    except ValueError as err:
+        raise ValueError(f"{first.config}: {err}") from None
+    return parser.parse_args(flags + argv)  # a flag given twice: the last one wins
 
 
-def resolve_layout(args, world_size: int) -> None:
-    """Fill in --dp when omitted and check dp × tp × pp = world size (LayoutError if not)."""
+def preflight(args, world_size: int):
+    """Every check that needs no process group, so a bad command line fails at once with one
+    line (LayoutError / ValueError) instead of after N processes have started. Fills in --dp;
+    returns the model config, the dataset and the checkpoint to resume (None without one)."""
+    from hplab import checkpoint
+    from hplab.compose import ParallelConfig, check_config
+    from hplab.data import TokenDataset
     from hplab.dist import LayoutError, check_layout
+    from hplab.models.gpt import config_from_preset
 
     if args.dp is None:
         if world_size % (args.tp * args.pp):
@@ -172,11 +162,8 @@ def resolve_layout(args, world_size: int) -> None:
                               f"pp={args.pp} groups: make tp × pp divide --nproc_per_node")
         args.dp = world_size // (args.tp * args.pp)
     check_layout(world_size, args.dp, args.tp, args.pp)
-
-
-def check_batch(args) -> None:
     per_rank, rest = divmod(args.batch_size, args.dp)
-    if rest or per_rank == 0:
+    if rest:
         raise ValueError(f"--batch-size {args.batch_size} does not split over dp={args.dp} "
                          f"ranks: use a multiple of {args.dp}")
     if per_rank % args.microbatches:
@@ -185,24 +172,10 @@ def check_batch(args) -> None:
                          "multiple of the microbatch count")
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
-
-
-def preflight(args, world_size: int):
-    """Every check that needs no process group, so a bad command line fails at once with one
-    line (LayoutError / ValueError) instead of after N processes have started. Returns the
-    model config, the dataset and the checkpoint to resume (None without --resume)."""
-    from hplab.data import TokenDataset
-    from hplab.models.gpt import config_from_preset
-    from hplab.compose import ParallelConfig, check_config
-
-    resolve_layout(args, world_size)
-    check_batch(args)
     config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
     check_config(ParallelConfig.from_namespace(args), config)
     saved = None
     if args.resume:  # damaged, of another shape, or already done: say so before starting
-        from hplab import checkpoint
-
         saved = checkpoint.load(args.resume)
         checkpoint.check_compatible(saved["config"], config)
         step = saved["trainer_state"]["step"]
@@ -210,9 +183,8 @@ def preflight(args, world_size: int):
             raise checkpoint.CheckpointError(
                 f"{saved['directory']} is already at step {step}: ask for more with --steps "
                 "(it counts from the first run's start)")
-    check_outputs(args)
-    check_backend(args, world_size)
-    check_memory(args, config, world_size)
+    check_outputs(args, checkpoint)
+    check_machine(args, config, world_size)
     dataset = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions)
     if dataset.vocab_size > config.vocab_size:
         raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
@@ -220,14 +192,10 @@ def preflight(args, world_size: int):
     return config, dataset, saved
 
 
-def check_outputs(args) -> None:
+def check_outputs(args, checkpoint) -> None:
     """An output that cannot be written fails now, not after all the steps have run."""
-    from hplab import checkpoint
-
-    for flag, path in (("--metrics", args.metrics), ("--save", args.save)):
-        if not path:
-            continue
-        path = Path(path)
+    outputs = {"--metrics": args.metrics, "--save": args.save}
+    for flag, path in ((flag, Path(path)) for flag, path in outputs.items() if path):
         if flag == "--metrics" and path.is_dir():
             raise ValueError(f"--metrics {path} is a folder: give a file name, e.g. "
                              f"{path / 'metrics.json'}")
@@ -245,29 +213,23 @@ def check_outputs(args) -> None:
             raise ValueError(f"{flag} {path}: cannot write in {base} ({err.strerror})") from None
 
 
-def check_backend(args, world_size: int) -> None:
+def check_machine(args, config, world_size: int) -> None:
+    """Refuse --backend nccl without a GPU per process, and a run whose memory, estimated with
+    the planner's formulas, cannot fit here."""
     import torch
-    import torch.distributed as dist
 
-    gpus = torch.cuda.device_count() if dist.is_nccl_available() else 0
+    from hplab.formulas import activation_bytes_per_layer, in_flight_microbatches, model_state_bytes
+
+    gpus = torch.cuda.device_count() if torch.distributed.is_nccl_available() else 0
     if args.backend == "nccl" and gpus < world_size:
         raise ValueError(f"--backend nccl needs one GPU per process: {world_size} processes, "
                          f"{gpus} GPU(s) usable by NCCL here: use --backend gloo")
-
-
-def check_memory(args, config, world_size: int) -> None:
-    """Refuse a run whose memory, estimated with the planner's formulas, cannot fit here."""
-    import torch
-
-    from hplab.formulas import activation_bytes_per_layer, in_flight_microbatches
-    from hplab.formulas import model_state_bytes
-
     b = args.batch_size // args.dp // args.microbatches  # sequences per microbatch
     s, t = config.n_positions, args.tp
-    act = 4 if args.precision == "fp32" else 2
     per_layer = activation_bytes_per_layer(
         s, b, config.n_embd, config.n_head, t, args.sequence_parallel,
-        "full" if args.recompute else "none", act, dropout=False)
+        "full" if args.recompute else "none", 4 if args.precision == "fp32" else 2,
+        dropout=False)
     in_flight = in_flight_microbatches(args.schedule, args.pp, args.microbatches,
                                        args.virtual_stages)
     logits = 3 * b * s * config.vocab_size / t * 4  # fp32 logits, softmax, their gradient
@@ -295,9 +257,8 @@ def launch(args, argv: list[str]) -> int:
 
     from hplab.dist import free_port
 
-    i = argv.index("--nproc") if "--nproc" in argv else None
-    rest = argv[:i] + argv[i + 2:] if i is not None else [a for a in argv
-                                                          if not a.startswith("--nproc=")]
+    i = argv.index("--nproc") if "--nproc" in argv else None  # the workers' argv: no --nproc
+    rest = argv[:i] + argv[i + 2:] if i is not None else [a for a in argv if a[:8] != "--nproc="]
     env = dict(os.environ, WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.setdefault("OMP_NUM_THREADS", "1")  # N processes share the cores, as under torchrun
@@ -319,10 +280,8 @@ def launch(args, argv: list[str]) -> int:
                 w.kill()
                 w.wait()
 
-    try:
-        while any(w.poll() is None for w in workers):
-            if any(w.returncode for w in workers if w.returncode is not None):
-                break
+    try:  # until one fails or all have finished
+        while not any(w.poll() for w in workers) and any(w.returncode is None for w in workers):
             time.sleep(0.1)
     except KeyboardInterrupt:
         stop_all()
@@ -341,46 +300,28 @@ def launch(args, argv: list[str]) -> int:
 def summary_table(metrics: dict) -> str:
     """The end-of-run report: loss, throughput; per rank its mesh coordinates, memory by kind,
     and communication by dimension (dp / tp / pp / world) as calls and MiB."""
-    MiB = 2**20
-    steps = metrics["steps"]
+    MiB, steps, memory = 2**20, metrics["steps"], metrics["memory"]
+    mesh = metrics.get("mesh") or [{"dp_rank": 0, "tp_rank": 0, "pp_rank": 0}] * len(memory)
+    heads = [f"  rank {r} {'dp{dp_rank} tp{tp_rank} pp{pp_rank}'.format(**c):<15}"
+             for r, c in enumerate(mesh)]
     lines = [f"loss {steps[0]['loss']:.4f} → {steps[-1]['loss']:.4f} over {len(steps)} steps; "
              f"{metrics['tokens_per_s']:,.0f} tokens/s on {metrics['world_size']} processes "
              f"({metrics['backend']})", "",
              "memory per rank (MiB)   params    grads    optim   master  activ.     peak"]
-    coords = [f"dp{c['dp_rank']} tp{c['tp_rank']} pp{c['pp_rank']}"
-              for c in metrics.get("mesh") or [{"dp_rank": 0, "tp_rank": 0, "pp_rank": 0}] *
-              len(metrics["memory"])]
-    for r, m in enumerate(metrics["memory"]):
-        lines.append(f"  rank {r} {coords[r]:<15}" + "".join(
-            f"{m[k] / MiB:9.2f}" for k in ("params_bytes", "grads_bytes", "optim_bytes",
-                                           "master_bytes", "activation_bytes", "peak_bytes")))
+    lines += [head + "".join(f"{m[k + '_bytes'] / MiB:9.2f}" for k in (
+        "params", "grads", "optim", "master", "activation", "peak"))
+        for head, m in zip(heads, memory)]
     by_group = metrics.get("comm_by_group") or [{"all": c} for c in metrics["comm"]]
     for family in ("dp", "tp", "pp", "world", "all"):
         rows = [g.get(family, {}) for g in by_group]
         ops = sorted({op for row in rows for op in row})
-        if not ops:
-            continue
-        lines += ["", f"communication over {family} (calls / MiB)".ljust(25) +
-                  "".join(f"{op:>22}" for op in ops)]
-        for r, c in enumerate(rows):
-            cells = [f"{c[op]['calls']:>8} / {c[op]['bytes'] / MiB:10.2f}" if op in c else
-                     f"{'-':>21}" for op in ops]
-            lines.append(f"  rank {r} {coords[r]:<15} " + " ".join(cells))
+        if ops:
+            lines += ["", f"communication over {family} (calls / MiB)".ljust(25) +
+                      "".join(f"{op:>22}" for op in ops)]
+            lines += [head + " " + " ".join(
+                f"{c[op]['calls']:>8} / {c[op]['bytes'] / MiB:10.2f}" if op in c else
+                f"{'-':>21}" for op in ops) for head, c in zip(heads, rows)]
     return "\n".join(lines)
-
-
-def resume(par, saved: dict) -> int:
-    """Load a checkpoint (read by every rank: the files are local) into this layout; return
-    the step to continue from."""
-    from hplab import checkpoint
-
-    state = saved["trainer_state"]
-    checkpoint.load_full_state(par, saved["model"], saved["optimizer"])
-    checkpoint.restore_rng(saved["rng"])
-    scaler = par.precision.scaler
-    if scaler is not None and "loss_scale" in state:
-        scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
-    return state["step"]
 
 
 def save(par, args, config, step: int, steps: list) -> None:
@@ -397,8 +338,7 @@ def save(par, args, config, step: int, steps: list) -> None:
     ledger.by_group = training_traffic
     if dist.get_rank() == 0:
         scaler = par.precision.scaler
-        trainer_state = {"step": step, "config": vars(args),
-                         "losses": [s["loss"] for s in steps]}
+        trainer_state = {"step": step, "config": vars(args), "losses": [s["loss"] for s in steps]}
         if scaler is not None:
             trainer_state.update(loss_scale=scaler.scale, good_steps=scaler.good_steps)
         checkpoint.save(args.save, config, model_state, optimizer_state, trainer_state)
@@ -406,21 +346,27 @@ def save(par, args, config, step: int, steps: list) -> None:
 
 
 def run(args) -> dict | None:
-    import torch
     import torch.distributed as dist
     from tqdm import tqdm
 
+    from hplab import checkpoint
+    from hplab.compose import ParallelConfig, parallelize, pipeline_report, train_step
     from hplab.data import get_batch, global_batch_indices, shard_for_rank
     from hplab.dist import Mesh, init_distributed
     from hplab.models.gpt import build_model
-    from hplab.compose import ParallelConfig, parallelize, pipeline_report, train_step
 
     config, dataset, saved = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
     device = init_distributed(None if args.backend == "auto" else args.backend)
     mesh = Mesh.create(args.dp, args.tp, args.pp, device)
     model = build_model(config, args.seed).to(device)
     par = parallelize(model, mesh, ParallelConfig.from_namespace(args))
-    first_step = resume(par, saved) if saved else 0
+    first_step, scaler = 0, par.precision.scaler
+    if saved:  # every rank loads it (the files are local) into this layout
+        state, first_step = saved["trainer_state"], saved["trainer_state"]["step"]
+        checkpoint.load_full_state(par, saved["model"], saved["optimizer"])
+        checkpoint.restore_rng(saved["rng"])
+        if scaler is not None and "loss_scale" in state:
+            scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
 
     is_rank0 = mesh.rank == 0
     bar = tqdm(range(first_step, args.steps), disable=not is_rank0 or args.no_progress,
@@ -449,23 +395,17 @@ def run(args) -> dict | None:
     dist.gather_object(per_rank, gathered, dst=0)
     if not is_rank0:
         return None
+    pipeline = gathered[0]["pipeline"]
     return {
-        "version": METRICS_VERSION,
-        "config": vars(args),
-        "world_size": dist.get_world_size(),
-        "backend": dist.get_backend(),
-        "device": device.type,
-        "model": {"num_params": config.num_params(), **vars(config)},
-        "steps": steps,
+        "version": METRICS_VERSION, "config": vars(args), "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(), "device": device.type,
+        "model": {"num_params": config.num_params(), **vars(config)}, "steps": steps,
         "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["time_s"] for s in timed),
-        "memory": [g["memory"] for g in gathered],
-        "comm": [g["comm"] for g in gathered],
-        "comm_by_group": [g["comm_by_group"] for g in gathered],
-        "mesh": [g["mesh"] for g in gathered],
-        "pipeline": None if gathered[0]["pipeline"] is None else {
+        **{key: [g[key] for g in gathered] for key in ("memory", "comm", "comm_by_group", "mesh")},
+        "pipeline": None if pipeline is None else {
             "schedule": args.schedule, "stages": args.pp, "microbatches": args.microbatches,
             "virtual_stages": args.virtual_stages,
-            **{key: [g["pipeline"][key] for g in gathered] for key in gathered[0]["pipeline"]}},
+            **{key: [g["pipeline"][key] for g in gathered] for key in pipeline}},
     }
 
 
@@ -518,19 +458,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if metrics is not None:
         print("\n" + summary_table(metrics))
-        if args.metrics:
-            write_atomically(Path(args.metrics), json.dumps(metrics, indent=1))
+        if args.metrics:  # atomically: readers never see half a file
+            path = Path(args.metrics)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(metrics, indent=1))
+            os.replace(tmp, path)
             print(f"metrics written to {args.metrics}")
     shutdown()
     return 0
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Readers never see half a file: write a sibling, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
