@@ -199,6 +199,9 @@ def check_outputs(args, checkpoint) -> None:
         if flag == "--metrics" and path.is_dir():
             raise ValueError(f"--metrics {path} is a folder: give a file name, e.g. "
                              f"{path / 'metrics.json'}")
+        if flag == "--metrics" and path.is_file() and not is_metrics_file(path):
+            raise ValueError(f"--metrics {path} exists and is not an hplab metrics file: "
+                             "choose another name (it was not changed)")
         if flag == "--save":
             try:
                 checkpoint.check_save_target(path)  # never replaces someone's own files
@@ -211,6 +214,13 @@ def check_outputs(args, checkpoint) -> None:
             tempfile.TemporaryFile(dir=base if base.is_dir() else base.parent).close()
         except OSError as err:
             raise ValueError(f"{flag} {path}: cannot write in {base} ({err.strerror})") from None
+
+
+def is_metrics_file(path: Path) -> bool:
+    try:
+        return "version" in json.loads(path.read_text()) and path.suffix == ".json"
+    except (ValueError, TypeError, OSError):
+        return False
 
 
 def check_machine(args, config, world_size: int) -> None:

@@ -192,6 +192,8 @@ def test_save_never_replaces_someone_elses_files(tmp_path, capsys, monkeypatch):
     for target, says in ((mine, "not part of an hplab checkpoint"), (a_file, "is a file")):
         code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--save", str(target))
         assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--metrics", str(a_file))
+    assert code == 2 and "not an hplab metrics file" in err, err
     assert fingerprint(mine) == before and a_file.read_bytes() == b"%PDF"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my-project", "report.pdf"]
     from hplab import checkpoint  # the library refuses too, not only the command line
