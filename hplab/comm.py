@@ -35,7 +35,8 @@ import torch.distributed as dist
 from hplab.formulas import bus_factor  # the factors above, in one home
 
 class CommTimeout(RuntimeError):
-    """A collective did not complete in time: a peer crashed, or ranks disagree on the order."""
+    """A collective that cannot complete: it timed out (a peer froze or crashed, or ranks
+    disagree on the order of collectives), or a peer process ended."""
 
 
 @dataclass
@@ -124,10 +125,13 @@ class Communicator:
         try:
             return call()
         except RuntimeError as err:
-            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
-                raise CommTimeout(
-                    f"{op} in the {self.name} group (ranks {self.ranks}) timed out: a peer "
-                    "probably crashed or called collectives in a different order") from None
+            text = str(err).lower()
+            why = ("timed out: a peer probably crashed or called collectives in a different "
+                   "order" if "timed out" in text or "timeout" in text else
+                   "lost its connection: a peer process ended" if "connection" in text else None)
+            if why:
+                raise CommTimeout(f"{op} in the {self.name} group (ranks {self.ranks}) {why}") \
+                    from None
             raise
 
     def _run(self, op: str, nbytes: int, call, async_op: bool):

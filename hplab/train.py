@@ -293,13 +293,16 @@ def launch(args, argv: list[str]) -> int:
     try:  # until one fails or all have finished
         while not any(w.poll() for w in workers) and any(w.returncode is None for w in workers):
             time.sleep(0.1)
+        first = next(((r, w.returncode) for r, w in enumerate(workers) if w.returncode), None)
+        deadline = time.monotonic() + 3  # the others, cut off from it, say why and exit
+        while first and any(w.poll() is None for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
     except KeyboardInterrupt:
         stop_all()
         print(f"hplab: interrupted: stopped all {args.nproc} processes", file=sys.stderr)
         return 130
     stop_all()
-    failed = [(r, w.returncode) for r, w in enumerate(workers) if w.returncode]
-    rank, code = min(failed, key=lambda f: f[1] < 0) if failed else (0, 0)
+    rank, code = first or (0, 0)
     if code < 0:  # killed: it could not say why
         print(f"hplab: error: process {rank} was killed by {signal.Signals(-code).name}"
               + (" (out of memory?)" if code == -signal.SIGKILL else ""), file=sys.stderr)

@@ -137,6 +137,18 @@ def test_a_frozen_rank_ends_the_job_within_the_timeout_with_one_line():
 
 
 @LINUX
+def test_a_killed_rank_is_named_and_the_job_ends():
+    tag = uuid.uuid4().hex
+    launcher, workers = start_training(tag)
+    os.kill(max(workers), signal.SIGKILL)  # e.g. the out-of-memory killer
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0
+    assert any("was killed by SIGKILL" in line for line in hplab_lines(err)), err[-2000:]
+    assert no_hplab_traceback(err) and "Traceback" not in err, err[-2000:]
+    assert wait_gone(workers, 10) == []
+
+
+@LINUX
 @pytest.mark.parametrize("torchrun", [False, True], ids=["--nproc", "torchrun"])
 def test_workers_die_with_their_launcher(torchrun):
     tag = uuid.uuid4().hex
