@@ -152,7 +152,7 @@ def load(directory: str | Path) -> dict:
 
 def restore_rng(rng: dict[str, torch.Tensor]) -> None:
     torch.random.set_rng_state(rng["cpu"])
-    cuda = [rng[k] for k in sorted(rng) if k.startswith("cuda")]
+    cuda = [rng[f"cuda{i}"] for i in range(sum(k.startswith("cuda") for k in rng))]  # in order
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
 

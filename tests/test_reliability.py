@@ -69,7 +69,7 @@ def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int
     while len(workers := tagged_processes(tag)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(workers) == 2, "the workers did not start"
-    time.sleep(6)  # well into training
+    time.sleep(3)  # into training
     return launcher, workers
 
 
