@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--config": dict(help="a recipe file from configs/"),
             "--backend": dict(default="auto", choices=["auto", "gloo", "nccl"]),
             "--nproc": dict(n, help="launch N local processes yourself (checks the flags "
-                            "first, then runs torch.distributed.run); not needed under torchrun"),
+                            "first, then starts and watches them); not needed under torchrun"),
             "--no-progress": dict(on, help="no tqdm bar")}}.items():
         group = p.add_argument_group(title)
         for flag, kwargs in flags.items():
