@@ -224,28 +224,27 @@ def is_metrics_file(path: Path) -> bool:
 
 
 def check_machine(args, config, world_size: int) -> None:
-    """Refuse --backend nccl without a GPU per process, and a run whose memory, estimated with
-    the planner's formulas, cannot fit here."""
+    """Refuse --backend nccl without a GPU per process, and a run whose memory, as the planner
+    estimates it, cannot fit here."""
     import torch
 
-    from hplab.formulas import activation_bytes_per_layer, in_flight_microbatches, model_state_bytes
+    from hplab.formulas import model_state_bytes
+    from hplab.plan import Layout, ModelShape, activation_memory
 
     gpus = torch.cuda.device_count() if torch.distributed.is_nccl_available() else 0
     if args.backend == "nccl" and gpus < world_size:
         raise ValueError(f"--backend nccl needs one GPU per process: {world_size} processes, "
                          f"{gpus} GPU(s) usable by NCCL here: use --backend gloo")
-    b = args.batch_size // args.dp // args.microbatches  # sequences per microbatch
-    s, t = config.n_positions, args.tp
-    per_layer = activation_bytes_per_layer(
-        s, b, config.n_embd, config.n_head, t, args.sequence_parallel,
-        "full" if args.recompute else "none", 4 if args.precision == "fp32" else 2,
-        dropout=False)
-    in_flight = in_flight_microbatches(args.schedule, args.pp, args.microbatches,
-                                       args.virtual_stages)
-    logits = 3 * b * s * config.vocab_size / t * 4  # fp32 logits, softmax, their gradient
-    states = model_state_bytes(config.num_params() / (t * args.pp), args.dp, args.zero,
+    model = ModelShape(args.model, config.n_layer, config.n_embd, config.n_head,  # hplab's GPT:
+                       config.n_positions, config.vocab_size, dropout=False, flash_attention=True)
+    layout = Layout(args.dp, args.tp, args.pp, args.zero, args.schedule, args.virtual_stages,
+                    args.microbatches, args.batch_size, args.precision,
+                    "full" if args.recompute else "none", args.sequence_parallel, args.offload)
+    activations = activation_memory(model, layout)  # the planner's, checked against real runs
+    states = model_state_bytes(model.num_params() / (args.tp * args.pp), args.dp, args.zero,
                                args.precision)["total_bytes"]
-    need = states + in_flight * (config.n_layer / args.pp * per_layer + logits)
+    need = states + max(activations["first_stage_bytes"], activations["last_stage_bytes"]) \
+        + activations["recompute_working_bytes"]
     if torch.cuda.is_available() and args.backend != "gloo":
         have, per = torch.cuda.get_device_properties(0).total_memory, "per GPU"
     else:

@@ -24,7 +24,7 @@ LIBRARY_BUDGET = 6200
 # Where the library stands now: it may only shrink until the budget is met. (From 7,545: the
 # engines are gone, every module was simplified; plan.py and check.py still hold ~1,300 lines,
 # and issue 13's safety checks added ~200; see the issues' closing notes.)
-LIBRARY_NOW = 6375
+LIBRARY_NOW = 6374
 
 
 def test_import_hplab_is_cheap_and_lazy():
