@@ -226,18 +226,20 @@ class Simulation:
         return max(itertools.accumulate((k == "F") - (k == release) for k in actions))
 
 
-def simulate(plans: list[list[Action]], f: float = 1.0, b: float = 1.0, w: float = 1.0,
-             latency: float = 0.0) -> Simulation:
+def simulate(plans: list[list[Action]], f: float | list = 1.0, b: float | list = 1.0,
+             w: float | list = 1.0, latency: float = 0.0) -> Simulation:
     """Run the action lists with costs per whole stage and microbatch: F = f, B = b (input
     gradient), W = w (weight gradients); a schedule without W runs b + w in its B. A chunk of
-    an interleaved stage costs 1/v of that. A message arrives `latency` after its send.
+    an interleaved stage costs 1/v of that. Unequal stages: f, b, w as lists, each chunk's
+    own cost (as a real run measures them). A message arrives `latency` after its send.
 
     Sends never wait. A computation waits for its input message. If no rank can move and some
     are not finished, the schedule deadlocks: DeadlockError names where each rank is stuck."""
     p = len(plans)
     v = 1 + max(a.chunk for plan in plans for a in plan) // p
     split = any(a.kind == "W" for plan in plans for a in plan)
-    cost = {"F": f / v, "B": (b if split else b + w) / v, "W": w / v}
+    f, b, w = ([c / v] * p * v if isinstance(c, (int, float)) else c for c in (f, b, w))
+    cost = {"F": f, "B": b if split else [x + y for x, y in zip(b, w)], "W": w}
     arrival: dict[tuple, float] = {}  # message key -> when it arrives
     finished: set[tuple] = set()
     pos, clock = [0] * p, [0.0] * p
@@ -257,7 +259,7 @@ def simulate(plans: list[list[Action]], f: float = 1.0, b: float = 1.0, w: float
                 start = clock[r] if key is None else max(clock[r], arrival[key])
                 if a.kind.startswith("send"):
                     arrival[message_key(a)] = start + latency
-                clock[r] = start + cost.get(a.kind, 0.0)
+                clock[r] = start + (cost[a.kind][a.chunk] if a.kind in cost else 0.0)
                 finished.add((a.kind, a.microbatch, a.chunk))
                 timeline[r].append((a, start, clock[r]))
                 pos[r] += 1
