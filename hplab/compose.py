@@ -281,7 +281,7 @@ def pipeline_report(par: Parallel) -> dict:
     Times are seconds from the earliest stage's step start (one clock: one machine)."""
     comm, executor = par.mesh.pp, par.pipeline
     shift = par.step_start - comm.all_reduce_scalar(par.step_start, op=dist.ReduceOp.MIN)
-    trace = [{**e.as_dict(), "start_s": e.start_s + shift, "end_s": e.end_s + shift}
+    trace = [{**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift}
              for e in executor.trace]
     end = max((e["end_s"] for e in trace if e["kind"] in pp.COMPUTE), default=0.0)
     end = comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)

@@ -30,9 +30,7 @@ This file reads in three parts:
 
 from __future__ import annotations
 
-import contextlib
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
@@ -41,6 +39,7 @@ from torch.autograd.graph import GradientEdge
 from hplab.comm import Communicator
 from hplab.dist import new_group
 from hplab.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_formula: labs)
+from hplab.memory import MemoryLedger
 from hplab.models.gpt import cross_entropy as loss_fn  # noqa: F401 (for torch's pipelining)
 from hplab.schedule import (COMPUTE, Action, DeadlockError, PipelineError, Simulation,  # noqa: F401
                             add_communication, build_schedule, chunk_owner, measured_bubble,
@@ -232,19 +231,6 @@ def backward_weight(work) -> None:
 
 # --- 3. Executor: run this rank's action list for real --------------------------------------------
 
-@dataclass
-class TraceEvent:
-    """One action of the trace: F, B, W, send or recv (a wait); seconds from the step start."""
-    kind: str
-    microbatch: int
-    chunk: int
-    start_s: float
-    end_s: float
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
 class PipelineExecutor:
     """Runs one rank's action list for one training step. `comm`: the pipeline group's
     Communicator (peers are pipeline ranks). Sends are asynchronous (isend), awaited at the end
@@ -252,16 +238,17 @@ class PipelineExecutor:
     that needs it. A plan with W actions splits each backward (`backward_input` in B,
     `backward_weight` in W); the first stage has no input gradient (its input is token ids):
     its B is empty, its W the whole backward. Gradients are left accumulated in `.grad` for the
-    caller to sync over dp, sum the tied embedding and step. `memory` (a MemoryLedger) measures
-    each forward's saved activations; `trace` gets every action."""
+    caller to sync over dp, sum the tied embedding and step. `memory` (a MemoryLedger; a new
+    one by default) measures each forward's saved activations; `trace` gets every action."""
 
     def __init__(self, stages: list[Stage], plan: list[Action], comm, memory=None,
                  dtype=torch.float32):
         self.stages = {s.chunk: s for s in stages}
-        self.plan, self.comm, self.memory, self.dtype = plan, comm, memory, dtype
+        self.plan, self.comm, self.dtype = plan, comm, dtype
+        self.memory = memory or MemoryLedger(comm.device)
         self.split_backward = any(a.kind == "W" for a in plan)
         self.loss_scale = 1.0  # fp16: the loss is multiplied by this before backward
-        self.trace: list[TraceEvent] = []
+        self.trace: list[dict] = []  # kind, microbatch, chunk, start_s, end_s (from step start)
         self.in_flight_max = self.activation_bytes_in_flight_max = 0  # over every step run
 
     def backward(self, stage: Stage, out, grad, x):
@@ -289,8 +276,8 @@ class PipelineExecutor:
         t0 = time.perf_counter()
 
         def record(kind, a, start):
-            self.trace.append(TraceEvent(kind, a.microbatch, a.chunk, start - t0,
-                                         time.perf_counter() - t0))
+            self.trace.append({"kind": kind, "microbatch": a.microbatch, "chunk": a.chunk,
+                               "start_s": start - t0, "end_s": time.perf_counter() - t0})
 
         for a in self.plan:
             sends = [s for s in sends if not s[1].is_completed()]  # free delivered buffers
@@ -304,9 +291,7 @@ class PipelineExecutor:
                 start = time.perf_counter()
             if a.kind == "F":
                 x = inputs[mb] if stage.is_first else message.requires_grad_()
-                tracker = (self.memory.track_activations(exclude=stage.parameters())
-                           if self.memory is not None else contextlib.nullcontext([0]))
-                with tracker as counted:
+                with self.memory.track_activations(exclude=stage.parameters()) as counted:
                     out = stage(x)
                     if stage.is_last:
                         loss = stage.gpt.loss_fn(out, targets[mb])  # vocab-parallel under TP
@@ -332,9 +317,7 @@ class PipelineExecutor:
                 record("send" if a.kind.startswith("send") else a.kind, a, start)
             if a.kind == release:  # this microbatch's activations are gone
                 stage_in.pop((mb, c))
-                freed = act_bytes.pop((mb, c))
-                if self.memory is not None:
-                    self.memory.release_activations(freed)
+                self.memory.release_activations(act_bytes.pop((mb, c)))
         for _, pending in sends:
             pending.wait()
         return [float(loss) for loss in step_losses]

@@ -226,7 +226,7 @@ def exec_run(mesh, schedule, layers, tp_plan=False):
     during = {}
 
     def now():  # the compute action running: the next one the trace has not finished
-        return compute[sum(e.kind in pp.COMPUTE for e in executor.trace)]
+        return compute[sum(e["kind"] in pp.COMPUTE for e in executor.trace)]
 
     hooks = [p.register_post_accumulate_grad_hook(
         lambda p, n=n: during.setdefault(n, set()).add(now())) for n, p in params.items()]
