@@ -16,19 +16,11 @@ Names are imported on first use, so `import hplab` stays cheap (torch loads when
 
 import importlib
 
-_PUBLIC = {
-    "DDP": "hplab.ddp",
-    "ZeroOptimizer": "hplab.zero",
-    "fully_shard": "hplab.fsdp",
-    "full_parameters": "hplab.fsdp",
-    "finish_gradient_sync": "hplab.compose",
-    "parallelize": "hplab.compose",
-    "finalize_grads": "hplab.compose",
-    "ParallelConfig": "hplab.compose",
-    "train_step": "hplab.compose",
-    "Mesh": "hplab.dist",
-    "init_distributed": "hplab.dist",
-}
+_PUBLIC = {name: module for module, names in {  # name -> the module that defines it
+    "hplab.ddp": ["DDP"], "hplab.zero": ["ZeroOptimizer"],
+    "hplab.fsdp": ["fully_shard", "full_parameters"], "hplab.dist": ["Mesh", "init_distributed"],
+    "hplab.compose": ["finish_gradient_sync", "parallelize", "finalize_grads", "ParallelConfig",
+                      "train_step"]}.items() for name in names}
 _MODULES = {"tp", "pp", "comm", "dist", "memory", "plan", "formulas", "lab", "viz",
             "checkpoint", "data", "precision", "ddp", "zero", "fsdp", "models", "check",
             "compose", "schedule"}

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hplab import fsdp, tp
-from hplab.models.gpt import GPTConfig, config_dict, from_hf_state_dict, to_hf_state_dict
+from hplab.models.gpt import GPTConfig, from_hf_state_dict, to_hf_config, to_hf_state_dict
 from hplab.zero import ZeroOptimizer
 
 FORMAT_VERSION = 1
@@ -54,8 +55,6 @@ def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.
     `model_state` {hplab name: fp32 tensor} (tied weights once or twice, either works),
     `optimizer_state` {hplab name: {state name: tensor}}, `trainer_state` JSON-able, with
     "step": the number of steps already taken."""
-    from hplab.models.gpt import to_hf_config
-
     directory = Path(directory)
     check_save_target(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +69,7 @@ def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.
     hf_state.pop("lm_head.weight", None)  # tied to transformer.wte.weight: HF re-ties on load
     save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
     hf_config = {**to_hf_config(config).to_dict(), "architectures": ["GPT2LMHeadModel"],
-                 "hplab": {"format_version": FORMAT_VERSION, "config": config_dict(config)}}
+                 "hplab": {"format_version": FORMAT_VERSION, "config": asdict(config)}}
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
 
     flat_optimizer = {f"{name}::{key}": t.detach().cpu().contiguous()
@@ -159,7 +158,7 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
 
 def check_compatible(saved: GPTConfig, wanted: GPTConfig) -> None:
     """A run resumes only into the model it saved (the layout may change, the model not)."""
-    a, b = config_dict(saved), config_dict(wanted)
+    a, b = asdict(saved), asdict(wanted)
     if a != b:
         diffs = "; ".join(f"{k}: saved {a[k]}, asked {b[k]}" for k in a if a[k] != b[k])
         raise CheckpointError(f"the checkpoint holds a different model ({diffs}): resume with "

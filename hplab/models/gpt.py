@@ -209,7 +209,3 @@ def to_hf_config(config: GPTConfig):
     shape = {k: v for k, v in asdict(config).items() if k != "tokenizer"}  # GPT2Config's names
     return GPT2Config(**shape, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
                       attn_pdrop=0.0, bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
-
-
-def config_dict(config: GPTConfig) -> dict:
-    return asdict(config)
