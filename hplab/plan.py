@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass, fields, replace
 
 # The formulas live in hplab.formulas; `plan.model_state_bytes` & co. are the same objects.
 from hplab.formulas import (HPLAB_PRESETS, PRECISION_BYTES, SCHEDULES,  # noqa: F401
-                            activation_bytes_per_layer, bubble_ratio, collective_time_s,
-                            flops_per_step, gpt_num_params, in_flight_microbatches,
-                            model_state_bytes)
+                            activation_bytes_per_layer, bubble_formula, bubble_ratio,
+                            collective_time_s, flops_per_step, gpt_num_params,
+                            in_flight_microbatches, model_state_bytes)
 
 bubble_fraction = bubble_ratio  # lab 07's checker's name for the ratio (p−1)/m, idle / compute
 GB, GIB = 1e9, 2**30
@@ -327,7 +327,7 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     # --- pipeline: bubble and point-to-point sends ([PTD-P] Sec. 4.1 scatter/gather: each of
     # the tp ranks sends 1/tp of the activation, then they all-gather over NVLink) --------------
     work_mb = compute_mb + tp_mb
-    bubble = bubble_ratio(lay.schedule, pp, m, v)  # idle / compute
+    bubble = bubble_formula(lay.schedule, pp, m, v)  # idle / compute, idle / step
     pp_bw, pp_alpha, pp_cross = group_link(cluster, pp, dp * tp, eff)
     p2p_s = 2 * (m * v + pp - 1) * (pp_alpha + tp_msg / tp / pp_bw) if pp > 1 else 0.0
 
@@ -348,7 +348,7 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     offload_s = (shard * (g_bytes + p_bytes) / (cluster.gpu.pcie_gbps * GB)  # Adam on the host
                  + shard / eff.cpu_adam_params_per_s) if lay.offload else 0.0
 
-    step = m * work_mb + bubble * m * work_mb + p2p_s + dp_exposed + offload_s
+    step = m * work_mb + bubble["relative"] * m * work_mb + p2p_s + dp_exposed + offload_s
     tflops = flops["hardware_flops"] / (step * lay.gpus) / 1e12
     model_tflops = flops["model_flops"] / (step * lay.gpus) / 1e12
     return {"model": model.name, "params": model.num_params(), "layout": lay.short(), **asdict(lay),
@@ -366,8 +366,8 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
             "worst_stage": worst, "usable_bytes_per_gpu": usable, "fits": memory <= usable,
             "step_time_s": step, "compute_s": m * compute_mb, "gemm_s": m * gemm_s,
             "elementwise_s": m * elementwise_s, "tp_comm_s": m * tp_mb,
-            "bubble_s": bubble * m * work_mb,
-            "bubble_ratio": bubble, "bubble_fraction": bubble / (1 + bubble),  # of the pipeline
+            "bubble_s": bubble["relative"] * m * work_mb, "bubble_ratio": bubble["relative"],
+            "bubble_fraction": bubble["of_step"],  # of the pipeline
             "pp_comm_s": p2p_s, "dp_comm_s": dp_s, "dp_comm_exposed_s": dp_exposed,
             "offload_s": offload_s, "tp_crosses_nodes": tp_cross, "dp_crosses_nodes": dp_cross,
             "pp_crosses_nodes": pp_cross, "model_flops_per_step": flops["model_flops"],
@@ -512,17 +512,16 @@ def _neighbours(w: dict, plans: list[dict], knob: str, value) -> list[dict]:
     """Plans equal to the winner except for `knob` = value (dp and the number of microbatches
     follow from tp, pp and the micro-batch size). If there are none (say sequence parallel
     without tensor parallel), relax one more choice at a time, then all of them."""
-    with_value = [p for p in plans if p[knob] == value]
+    keys = ("tp", "pp", "zero", "recompute", "sequence_parallel", "schedule", "virtual_stages",
+            "micro_batch_size", "offload")
     free = {knob, "virtual_stages"} if knob == "schedule" else {knob}
     for relax in ((), ("sequence_parallel",), ("virtual_stages",), ("schedule", "virtual_stages"),
-                  ("micro_batch_size",)):
-        keys = [k for k in ("tp", "pp", "zero", "recompute", "sequence_parallel", "schedule",
-                            "virtual_stages", "micro_batch_size", "offload")
-                if k not in free and k not in relax]
-        found = [p for p in with_value if all(p[k] == w[k] for k in keys)]
+                  ("micro_batch_size",), keys):
+        found = [p for p in plans if p[knob] == value
+                 and all(p[k] == w[k] for k in keys if k not in free.union(relax))]
         if found:
             return found
-    return with_value
+    return []
 
 
 # --- 6. Reports for humans, and the command line ---------------------------------------------
@@ -543,10 +542,8 @@ def format_plan(p: dict) -> str:
                 f"activations ({p['in_flight_microbatches']:g} mb in flight)",
             "recompute_working_bytes": "recompute working block",
             "zero3_gather_bytes": "ZeRO-3 gathered blocks", "memory_bytes_per_gpu": "total",
-            "usable_bytes_per_gpu": f"usable ({p['gpu']})"}
-    always = ("params_bytes", "activation_bytes_per_gpu", "memory_bytes_per_gpu",
-              "usable_bytes_per_gpu")
-    out += _rows((label, p[k]) for k, label in rows.items() if p[k] or k in always)
+            "usable_bytes_per_gpu": f"usable ({p['gpu']})"}  # (params, acts, totals: never 0)
+    out += _rows((label, p[k]) for k, label in rows.items() if p[k])
     out[-1] += "  fits" if p["fits"] else "  DOES NOT FIT"
     out += _rows([("offloaded to host", p["cpu_offload_bytes"])] * bool(p["cpu_offload_bytes"]))
     if p.get("activation_variants"):
@@ -554,7 +551,7 @@ def format_plan(p: dict) -> str:
                 *_rows(p["activation_variants"].items())]
     out.append(f"time per step: {p['step_time_s']:.4g} s")
     out += [f"  {label:<34s}{p[key]:10.4g} s  {p[key] / p['step_time_s']:6.1%}"
-            for key, label in TIME_PARTS.items() if p[key] or key == "compute_s"]
+            for key, label in TIME_PARTS.items() if p[key]]  # (compute: never 0)
     if p["dp_comm_s"] and p["dp_comm_exposed_s"] < p["dp_comm_s"]:
         out.append(f"  (data-parallel traffic {p['dp_comm_s']:.3g} s, of which hidden "
                    f"{p['dp_comm_s'] - p['dp_comm_exposed_s']:.3g} s)")
@@ -577,10 +574,23 @@ def format_search(res: dict, top: int = 10) -> str:
     return "\n".join(out + res["explanation"])
 
 
+def _positive(kind):
+    """An argparse type: a number above 0 (a count: at least 1), else one line and exit 2."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text!r}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m hplab.plan", description=__doc__.split("\n\n")[0])
     ap.error = lambda message: ap.exit(2, f"hplab.plan: error: {message}\n")  # one line, exit 2
-    n, on = dict(type=int), dict(action="store_true")
+    n, real, on = dict(type=_positive(int)), dict(type=_positive(float)), dict(action="store_true")
     preset = dict(action=argparse.BooleanOptionalAction, default=None)
     for title, flags in {
         "model (as hplab/train.py)": {
@@ -590,11 +600,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--dropout": dict(preset, help="count dropout masks (default: as the preset)"),
             "--flash-attention": dict(preset, help="attention keeps no s×s matrices "
                                       "(default: as the preset)"),
-            "--params": dict(type=float, help="only the model-state memory of this many "
+            "--params": dict(real, help="only the model-state memory of this many "
                              "parameters (with --dp, --zero, --precision)")},
         "layout (as hplab/train.py)": {
             "--dp": n, "--tp": dict(n, default=1), "--pp": dict(n, default=1),
-            "--zero": dict(n, default=0, choices=(0, 1, 2, 3)),
+            "--zero": dict(type=int, default=0, choices=(0, 1, 2, 3)),
             "--schedule": dict(default="1f1b", choices=SCHEDULES),
             "--virtual-stages": dict(n, default=1), "--microbatches": n,
             "--batch-size": dict(n, help="global, in sequences"),
@@ -609,10 +619,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--gpu": dict(default="a100-80g", choices=tuple(GPU_PRESETS)),
             "--gpus": dict(n, help="total GPUs (required with --search)"),
             "--gpus-per-node": dict(n, default=8),
-            "--intra-bw": dict(type=float, help="GB/s per GPU inside a node (default NVLink)"),
-            "--inter-bw": dict(type=float, help="GB/s per GPU between nodes (default its NIC)")},
-        "efficiency assumptions": {"--eff-" + f.name.replace("_", "-"): dict(
-            type=float, default=f.default, dest="eff_" + f.name) for f in fields(Efficiency)},
+            "--intra-bw": dict(real, help="GB/s per GPU inside a node (default NVLink)"),
+            "--inter-bw": dict(real, help="GB/s per GPU between nodes (default its NIC)")},
+        "efficiency assumptions": {"--eff-" + f.name.replace("_", "-"): dict(  # overlaps may be 0
+            type=_positive(float) if f.default else float, default=f.default,
+            dest="eff_" + f.name) for f in fields(Efficiency)},
         "output": {"--search": dict(on, help="rank every layout of --gpus GPUs"),
                    "--top": dict(n, default=10), "--json": on}}.items():
         group = ap.add_argument_group(title)
@@ -624,8 +635,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args) -> tuple[dict, str]:
     """The result of the command line (its JSON) and the report for humans."""
     if args.params is not None:  # model states of a bare parameter count
-        if args.params <= 0:
-            raise PlanError("--params must be positive")
         dp, precision = args.dp or 1, args.precision or "bf16"
         st = model_state_bytes(args.params / (args.tp * args.pp), dp, args.zero, precision,
                                args.offload, args.padded)
@@ -645,8 +654,6 @@ def _run(args) -> tuple[dict, str]:
     check_layout(model, Layout())  # the model's own sizes, before any search
     precision = args.precision or ("bf16" if args.model.startswith(("gpt3-", "megatron-"))
                                    else "fp32")
-    if args.gpus_per_node < 1:
-        raise PlanError("--gpus-per-node must be at least 1")
     cluster = Cluster(GPU_PRESETS[args.gpu], args.gpus_per_node, args.intra_bw, args.inter_bw)
     eff = Efficiency(**{f.name: getattr(args, "eff_" + f.name) for f in fields(Efficiency)})
     batch = args.batch_size or model.default_batch_size
@@ -660,8 +667,6 @@ def _run(args) -> tuple[dict, str]:
         # the headline numbers of the winner, at top level for notebooks
         return {**res, **{k: res["winner"][k] for k in HEADLINE if res["winner"]}}, text
     tp, pp = args.tp, args.pp
-    if tp < 1 or pp < 1:
-        raise PlanError("--tp and --pp must be at least 1")
     dp = args.dp or (args.gpus // (tp * pp) if args.gpus else 1)
     if args.gpus and dp * tp * pp != args.gpus:
         raise PlanError(f"dp×tp×pp = {dp}×{tp}×{pp} = {dp * tp * pp} but --gpus is {args.gpus}")
@@ -670,11 +675,11 @@ def _run(args) -> tuple[dict, str]:
     lay = Layout(dp, tp, pp, args.zero, args.schedule, args.virtual_stages, m, batch, precision,
                  recompute, args.sequence_parallel, args.offload)
     res = plan(model, lay, cluster, eff, args.padded)
-    acts = {f"recompute {rc}" + ", sequence parallel" * sp: activation_memory(model, replace(
-        lay, recompute=rc, sequence_parallel=sp)) for rc, sp in itertools.product(
-            RECOMPUTE, (False, True)[:1 + (tp > 1)])}  # what recompute and sp would save
-    res["activation_variants"] = {k: max(a["first_stage_bytes"], a["last_stage_bytes"])
-                                  for k, a in acts.items()}
+    res["activation_variants"] = {  # what recompute and sequence parallel would save
+        f"recompute {rc}" + ", sequence parallel" * sp: max(a["first_stage_bytes"],
+                                                            a["last_stage_bytes"])
+        for rc, sp in itertools.product(RECOMPUTE, (False, True)[:1 + (tp > 1)])
+        for a in [activation_memory(model, replace(lay, recompute=rc, sequence_parallel=sp))]}
     return res, format_plan(res)
 
 
