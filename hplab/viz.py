@@ -3,6 +3,8 @@
 its axes; matplotlib loads only to draw.
 """
 
+from statistics import median
+
 import numpy as np
 
 from hplab.formulas import bubble_formula, bubble_fraction, model_state_bytes
@@ -188,13 +190,36 @@ def _gantt(ax, rows: list[list[tuple]], unit: str, p: dict, about: str, measured
                                             framealpha=0.9), xlabel=unit)
 
 
-def simulated_costs(pipeline: dict) -> dict:
+def simulated_costs(pipeline: dict, per_chunk: bool = False) -> dict:
     """F, B, W costs per whole stage (seconds) for pp.simulate, from a measured trace: the mean
-    duration of each kind over all ranks, times the chunks per rank."""
-    durations = {k: [e["end_s"] - e["start_s"] for events in pipeline["trace"] for e in events
-                     if e["kind"] == k] for k in "FBW"}
-    return {k.lower(): sum(d) / len(d) * pipeline.get("virtual_stages", 1) if d else 0.0
-            for k, d in durations.items()}
+    duration of each kind over all ranks, times the chunks per rank. `per_chunk`: instead, the
+    median of each model chunk (real stages differ: the last runs the LM head and the loss),
+    and `latency`, the median delay from a send to the end of the wait it ended."""
+    events = [e for rank in pipeline["trace"] for e in rank]
+    if not per_chunk:
+        durations = {k: [e["end_s"] - e["start_s"] for e in events if e["kind"] == k] for k in "FBW"}
+        return {k.lower(): sum(d) / len(d) * pipeline.get("virtual_stages", 1) if d else 0.0
+                for k, d in durations.items()}
+    chunks = range(1 + max(e["chunk"] for e in events))
+    costs = {k.lower(): [median([e["end_s"] - e["start_s"] for e in events
+                                 if (e["kind"], e["chunk"]) == (k, c)] or [0.0]) for c in chunks]
+             for k in "FBW"}
+    return {**costs, "latency": median(_message_delays(pipeline["trace"]) or [0.0])}
+
+
+def _message_delays(trace: list[list[dict]]) -> list[float]:
+    """Seconds from each send to the end of a receiver's wait for it (when it arrived)."""
+    sent = {}  # (microbatch, sending chunk) -> send times: its activation's, then its gradient's
+    for e in (e for rank in trace for e in rank if e["kind"] == "send"):
+        sent.setdefault((e["microbatch"], e["chunk"]), []).append(e["start_s"])
+    delays = []
+    for rank in trace:
+        for wait, then in zip(rank, rank[1:]):  # a wait comes right before the F or B it feeds
+            if wait["kind"] == "recv" and wait["end_s"] - wait["start_s"] > 1e-4:  # it waited
+                forward = then["kind"] == "F"  # an activation from the chunk before, else a grad
+                times = sent[wait["microbatch"], wait["chunk"] + (-1 if forward else 1)]
+                delays.append(wait["end_s"] - (times[0] if forward else times[-1]))
+    return delays
 
 
 def plot_simulated_pipeline(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
@@ -231,23 +256,41 @@ def plot_pipeline_gantt(run_or_metrics, axes=None):
     return axes
 
 
+def replayed_bubbles(run_or_metrics) -> list[float]:
+    """Each rank's bubble when pp.simulate replays the run's schedule with the costs it measured
+    (`simulated_costs(per_chunk=True)`: each chunk's F, B, W and the message delay)."""
+    from hplab.pp import build_schedule, simulate
+
+    p = _pipeline(run_or_metrics)
+    sim = simulate(build_schedule(p["schedule"], p["stages"], p["microbatches"],
+                                  p["virtual_stages"]), **simulated_costs(p, per_chunk=True))
+    return [sim.bubble_fraction(r) for r in range(p["stages"])]
+
+
 def plot_pipeline_bubbles(runs: dict, ax=None):
-    """Measured bubble per run (bars: mean over ranks, whiskers: min and max rank) next to
-    the formula (hatched), for runs {label: Run or metrics dict} with a pipeline trace."""
+    """Per run {label: Run or metrics dict with a pipeline trace}: the measured bubble, the
+    schedule replayed with the run's own costs (`replayed_bubbles`) and the formula for equal
+    stages and free messages. Bars: mean over ranks; whiskers: the least and most idle rank."""
     ax = _axes(ax, figsize=(max(6.4, 1.1 * len(runs) + 2), 4.0))
     for i, run in enumerate(runs.values()):
         p = _pipeline(run)
-        measured = p["bubble_fraction"]
-        mean = sum(measured) / len(measured)
-        ax.bar(i - 0.2, mean, 0.4, color="#4C72B0", label="measured" if i == 0 else None,
-               yerr=[[mean - min(measured)], [max(measured) - mean]], capsize=3)
         formula = bubble_fraction(p["schedule"], p["stages"], p["microbatches"],
                                   p["virtual_stages"])
-        ax.bar(i + 0.2, formula, 0.4, color="white", edgecolor="#4C72B0", hatch="//",
-               label="formula (F = B = W)" if i == 0 else None)
+        for dx, ranks, style, label in (
+                (-0.27, p["bubble_fraction"], dict(color="#4C72B0"), "measured"),
+                (0, replayed_bubbles(run), dict(color="#A1C9F4"),
+                 "simulated with this run's F, B, W per stage and message delay"),
+                (0.27, [formula], dict(color="white", edgecolor="#4C72B0", hatch="//"),
+                 "formula: equal stages, free messages")):
+            mean = sum(ranks) / len(ranks)
+            ax.bar(i + dx, mean, 0.27, **style, label=None if i else label,
+                   yerr=[[mean - min(ranks)], [max(ranks) - mean]] if len(ranks) > 1 else None,
+                   capsize=3)
+    ax.plot([], [], "k|", ms=10, label="whiskers: least and most idle rank")
     ax.set_xticks(range(len(runs)), list(runs), rotation=20, ha="right", fontsize=8)
-    return _finish(ax, dict(axis="y"), dict(fontsize=8), ylabel="idle fraction of the step",
-                   ylim=(0, 1), title="Pipeline bubble: measured per run vs formula")
+    return _finish(ax, dict(axis="y"), dict(fontsize=7, loc="upper left"), ylim=(0, 1.3),
+                   ylabel="idle fraction of the step (bars: mean over ranks)",
+                   title="Pipeline bubble: measured, replayed, formula")
 
 
 def plot_rank_grid(dp: int, tp: int, pp: int, ax=None):
