@@ -11,9 +11,11 @@ Reported per model:
 * peak memory ratio: CUDA's `max_memory_allocated` on GPU; on CPU, the growth of the process's
   peak resident set over its size right before the model was built (the CPU allocator keeps
   no statistics; the baseline removes the PyTorch runtime both share),
-* how much of the all-reduce time hplab's buckets hid behind backward: the all-reduces timed
-  alone (c), backward timed alone without communication (b), and the overlapped backward +
-  sync (a); hidden = (b + c − a) / c.
+* how much of the all-reduce time hplab's buckets hid behind backward, read from a timeline
+  of two more steps (`hplab.timeline`, the same measurement as `train.py --trace` and the labs):
+  of the time the all-reduces ran, from launch to completion on gloo's thread, the share during
+  which the rank was still computing backward (`timeline.hidden_fraction`), mean over ranks.
+  One bucket is launched when backward ends: nothing can hide, and ~0% is the check.
 
 Results go to bench/results/ddp.json and a markdown table on stdout.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +49,7 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
     from hplab.ddp import DDP
     from hplab.dist import init_distributed
     from hplab.models.gpt import build_model, config_from_preset
+    from hplab.timeline import Recorder, hidden_fraction, read_timeline
 
     device = init_distributed()
     config = config_from_preset("tiny", **{k: v for k, v in MODELS[model_name].items()})
@@ -84,34 +88,16 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
                              else peak_rss_bytes() - baseline),
               "num_params": config.num_params()}
 
-    if impl == "hplab":  # how much communication the buckets hid behind backward
-        x, y = batches[0]
-
-        def timed(fn, repeats=5):
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            return statistics.median(times)
-
-        def backward_alone():
-            with wrapped.no_sync():
-                wrapped(x, y)[1].backward()
-            opt.zero_grad()
-
-        def comm_alone():
-            for b in wrapped.buckets:
-                wrapped.comm.all_reduce(b.buffer)
-
-        def overlapped():  # the sync finishes inside backward()
-            wrapped(x, y)[1].backward()
-            opt.zero_grad()
-
-        b, c, a = timed(backward_alone), timed(comm_alone), timed(overlapped)
-        result.update(backward_s=b, allreduce_s=c, overlapped_s=a,
-                      hidden_fraction=max(0.0, b + c - a) / c, buckets=len(wrapped.buckets))
+    if impl == "hplab":  # how much communication the buckets hid behind backward: a timeline
+        trace_dir = f"{out}.trace"  # of steps 2 and 3 of three, one Chrome trace per rank
+        recorder = Recorder(model, trace_dir, rank, range(3))
+        for i, (x, y) in enumerate(batches[:3]):
+            with recorder.step(i):
+                step(x, y)
+        dist.barrier()  # every rank's trace is written
+        spans = read_timeline(trace_dir)[rank]
+        result.update(hidden_fraction=hidden_fraction(spans, ops=("all_reduce",)),
+                      buckets=len(wrapped.buckets))
     gathered = [None] * n
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -131,6 +117,7 @@ def launch(nproc, impl, model_name, steps, batch, bucket_mb) -> list[dict]:
         sys.exit(f"{impl} on {model_name} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(out.read_text())
     out.unlink()
+    shutil.rmtree(f"{out}.trace", ignore_errors=True)  # the worker's own timeline
     return result
 
 
@@ -160,7 +147,8 @@ def main() -> None:
                                          bucket_mb))
         med = lambda impl, key: statistics.median(  # noqa: E731
             statistics.mean(r[key] for r in run) for run in runs[impl])
-        ours = runs["hplab"][-1][0]
+        ours_all = runs["hplab"][-1]  # the last repeat, per rank
+        ours = ours_all[0]
         rows.append({
             "model": model_name, "num_params": ours["num_params"], "nproc": args.nproc,
             "bucket_mb": bucket_mb,
@@ -171,8 +159,8 @@ def main() -> None:
             "torch_peak_bytes": med("torch", "peak_bytes"),
             "peak_memory_ratio": med("hplab", "peak_bytes") / med("torch", "peak_bytes"),
             "allreduce_hidden_fraction": med("hplab", "hidden_fraction"),
-            "allreduce_s": med("hplab", "allreduce_s"), "backward_s": med("hplab", "backward_s"),
-            "overlapped_s": med("hplab", "overlapped_s"), "buckets": ours["buckets"],
+            "allreduce_hidden_fraction_per_rank": [r["hidden_fraction"] for r in ours_all],
+            "buckets": ours["buckets"],
         })
     results = {"benchmark": "hplab DDP vs torch DistributedDataParallel",
                "command": "python bench/bench_ddp.py", "repeats": args.repeats,

@@ -31,6 +31,7 @@ from dataclasses import asdict, astuple, dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from hplab.formulas import bus_factor  # the factors above, in one home
 
@@ -93,7 +94,7 @@ class Pending:
         if self.work is None:
             return
         start = time.perf_counter()
-        self.comm._guard(self.op, self.work.wait)
+        self.comm._guard(self.op, self.work.wait, f"wait {self.op} {self.comm.name}")
         self.comm.ledger.add_time(self.op, self.comm.name, time.perf_counter() - start)
         self.work = None
 
@@ -121,9 +122,12 @@ class Communicator:
         """Let go of the process group (at shutdown), so that it can be freed."""
         self.group = None
 
-    def _guard(self, op: str, call):
+    def _guard(self, op: str, call, label: str = ""):
+        """Run `call` inside a profiler range named `label` (a timeline shows it); a timeout or
+        a lost peer becomes a CommTimeout naming the operation and the group."""
         try:
-            return call()
+            with record_function(label or f"{op} {self.name}"):
+                return call()
         except RuntimeError as err:
             text = str(err).lower()
             why = ("timed out: a peer probably crashed or called collectives in a different "
@@ -138,7 +142,8 @@ class Communicator:
         if self.size == 1:
             return Pending(None, self, op) if async_op else None
         start = time.perf_counter()
-        work = self._guard(op, lambda: call(async_op))
+        label = f"{op} {self.name} {nbytes:,} B"  # its range in a timeline
+        work = self._guard(op, lambda: call(async_op), label)
         seconds = time.perf_counter() - start
         self.ledger.record(op, self.name, nbytes, self.size, seconds)
         return Pending(work, self, op) if async_op else None
@@ -196,7 +201,8 @@ class Communicator:
         bookkeeping (the loss shown on the progress bar), not the algorithm being taught."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         if self.size > 1:
-            self._guard("all_reduce", lambda: dist.all_reduce(t, op=op, group=self.group))
+            self._guard("all_reduce", lambda: dist.all_reduce(t, op=op, group=self.group),
+                        f"all_reduce_scalar {self.name}")
         return float(t.item())
 
 

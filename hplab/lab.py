@@ -32,6 +32,7 @@ import numpy as np
 from hplab import viz  # plots; matplotlib itself loads only when one is drawn
 # in one home, hplab.formulas; lab 00 and tests call them as lab.<name>
 from hplab.formulas import alpha_beta_terms, training_flops_per_token
+from hplab.timeline import read_timeline
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 _TQDM_COUNT = re.compile(r"(\d+)/(\d+) \[")  # rank 0's tqdm bar: "12/20 [00:03<..., loss=4.1]"
@@ -138,6 +139,7 @@ class Run:
     metrics: dict
     seconds: float = 0.0
     output: str = field(default="", repr=False)
+    trace_dir: str | None = None  # with `train(trace=True)`: rank0.json, ... (see timeline.py)
 
     world_size = property(lambda self: self.metrics["world_size"])
     config = property(lambda self: self.metrics["config"])
@@ -161,6 +163,10 @@ class Run:
 
         return summary_table(self.metrics)
 
+    def timeline(self) -> list[list[dict]]:
+        """Per rank, the traced spans (`hplab.timeline.read_timeline`); plot: viz.plot_timeline."""
+        return read_timeline(self.trace_dir)
+
     def plot_loss(self, ax=None, label: str | None = None):
         return viz.plot_loss_curves({label or self.label(): self}, ax=ax)
 
@@ -170,13 +176,17 @@ class Run:
                         (("tp", 1), ("pp", 1), ("zero", 0)) if c.get(k) and c[k] != default])
 
 
-def train(nproc: int = 1, progress: bool = True, timeout_s: float = 600.0, **flags) -> Run:
+def train(nproc: int = 1, progress: bool = True, timeout_s: float = 600.0,
+          trace: bool | str = False, **flags) -> Run:
     """Run `torchrun --nproc_per_node nproc hplab/train.py` with `flags` (python names:
-    `bucket_mb=1` is `--bucket-mb 1`, `recompute=True` is `--recompute`) and return its Run."""
+    `bucket_mb=1` is `--bucket-mb 1`, `recompute=True` is `--recompute`) and return its Run.
+    `trace=True` (or a folder) adds `--trace` (a new temporary folder): see `Run.timeline()`."""
     shown = _flags({k: v for k, v in flags.items() if k in ("dp", "tp", "pp", "zero", "bucket_mb")})
     label = " ".join([f"train.py on {nproc} process{'es' if nproc > 1 else ''}", *shown])
-    args = _flags({k: v for k, v in flags.items() if k != "metrics"})
-    return Run(*_launch_json(nproc, "train.py", args, "--metrics", label, progress, timeout_s))
+    trace = tempfile.mkdtemp(prefix="hplab-trace-") if trace is True else trace or None
+    args = _flags({k: v for k, v in flags.items() if k != "metrics"} | {"trace": trace})
+    return Run(*_launch_json(nproc, "train.py", args, "--metrics", label, progress, timeout_s),
+               trace_dir=trace)
 
 
 # --- collectives: measured time against message size, and the α-β model ---------------------

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from hplab.formulas import SCHEDULES
+from hplab.timeline import Recorder, is_trace_folder
 
 METRICS_VERSION = 1
 
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--metrics": dict(help="write the metrics JSON here (rank 0)"),
             "--save": dict(help="save a unified checkpoint to this directory at the end "
                            "(one single-device, Hugging Face-loadable layout)"),
+            "--trace": dict(metavar="DIR", help="write a Chrome trace per rank, DIR/rank0.json, "
+                            "... (ui.perfetto.dev) of the run's 2nd and 3rd steps: forward per "
+                            "block, backward, every collective from launch to completion"),
             "--save-every": dict(type=at_least(0), default=0,
                                  help="with --save: also save every N steps (0: only at the end)"),
             "--resume": dict(help="resume from a unified checkpoint directory, under any "
@@ -194,7 +198,7 @@ def preflight(args, world_size: int):
 
 def check_outputs(args, checkpoint) -> None:
     """An output that cannot be written fails now, not after all the steps have run."""
-    outputs = {"--metrics": args.metrics, "--save": args.save}
+    outputs = {"--metrics": args.metrics, "--save": args.save, "--trace": args.trace}
     for flag, path in ((flag, Path(path)) for flag, path in outputs.items() if path):
         if flag == "--metrics" and path.is_dir():
             raise ValueError(f"--metrics {path} is a folder: give a file name, e.g. "
@@ -202,6 +206,9 @@ def check_outputs(args, checkpoint) -> None:
         if flag == "--metrics" and path.is_file() and not is_metrics_file(path):
             raise ValueError(f"--metrics {path} exists and is not an hplab metrics file: "
                              "choose another name (it was not changed)")
+        if flag == "--trace" and path.exists() and not (path.is_dir() and is_trace_folder(path)):
+            raise ValueError(f"--trace {path} exists and holds other files than hplab's traces: "
+                             "choose a new or empty folder (nothing was changed)")
         if flag == "--save":
             try:
                 checkpoint.check_save_target(path)  # never replaces someone's own files
@@ -384,11 +391,13 @@ def run(args) -> dict | None:
     bar = tqdm(range(first_step, args.steps), disable=not is_rank0 or args.no_progress,
                unit="step", dynamic_ncols=True, file=sys.stdout)
     steps, tokens_per_step = [], args.batch_size * config.n_positions
+    recorder = Recorder(par.gpt, args.trace, mesh.rank, range(first_step, args.steps))
     for step in bar:
         indices = global_batch_indices(len(dataset), step, args.batch_size, args.seed)
         x, y = get_batch(dataset, shard_for_rank(indices, mesh.dp_rank, mesh.dp_size))
         start = time.perf_counter()
-        loss = train_step(par, x.to(device), y.to(device))
+        with recorder.step(step):  # profiles two steps with --trace
+            loss = train_step(par, x.to(device), y.to(device))
         elapsed = time.perf_counter() - start
         steps.append({"step": step, "loss": loss, "time_s": elapsed, "tokens": tokens_per_step})
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")

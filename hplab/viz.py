@@ -13,6 +13,8 @@ MiB, GiB = 2**20, 2**30
 KIND_LABELS = {"params": "parameters", "grads": "gradients", "optim": "optimizer state",
                "master": "master weights", "activation": "activations"}
 PIPELINE_COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "recv": "#BBBBBB"}
+TIMELINE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "wait": "#BBBBBB",
+                   "comm": "#DD8452"}
 
 
 def _axes(ax, figsize=(6.4, 4.0), **grid):  # `ax`, or new axes (`grid`: plt.subplots options)
@@ -291,6 +293,49 @@ def plot_pipeline_bubbles(runs: dict, ax=None):
     return _finish(ax, dict(axis="y"), dict(fontsize=7, loc="upper left"), ylim=(0, 1.3),
                    ylabel="idle fraction of the step (bars: mean over ranks)",
                    title="Pipeline bubble: measured, replayed, formula")
+
+
+def plot_timeline(trace, ax=None, during=("backward",)):
+    """A run traced with `--trace DIR` (the folder, a `lab.Run` or `read_timeline`'s spans): per
+    rank a compute lane (forward, backward; grey: waiting for a collective) above a communication
+    lane (each collective from launch to completion, numbered within its step), and in the title
+    each rank's hidden fraction: the share of communication that ran during `during`."""
+    from matplotlib.patches import Patch
+
+    from hplab.timeline import _union, hidden_fraction, read_timeline
+
+    ranks = trace if isinstance(trace, list) else read_timeline(getattr(trace, "trace_dir", trace))
+    ax = _axes(ax, (10, 0.9 * len(ranks) + 1.6))
+    end = max(s["end_s"] for spans in ranks for s in spans) * 1e3
+    for r, spans in enumerate(ranks):
+        for kind, y, height in (("forward", r - .2, .34), ("backward", r - .2, .34),
+                                ("wait", r - .2, .1)):
+            ax.broken_barh([(s * 1e3, (e - s) * 1e3) for s, e in _union(
+                x for x in spans if x["kind"] == kind)], (y - height / 2, height),
+                color=TIMELINE_COLORS[kind])
+        comm = [s for s in spans if s["kind"] == "comm"]  # one by one: they may overlap
+        ax.broken_barh([(s["start_s"] * 1e3, (s["end_s"] - s["start_s"]) * 1e3) for s in comm],
+                       (r + .05, .3), color=TIMELINE_COLORS["comm"], edgecolor="white", lw=.4)
+        free = 0.0  # labels where they fit: op and number in the step ("all_reduce #3")
+        for s in comm:
+            text = f"{s['name'].split()[0]} #{s['name'].rsplit('#')[-1]}"
+            if s["start_s"] * 1e3 >= free and (s["end_s"] - s["start_s"]) * 1e3 > end / 30:
+                ax.text(s["start_s"] * 1e3, r + .2, " " + text, va="center", fontsize=6)
+                free = s["start_s"] * 1e3 + len(text) * end / 140
+        for s in spans:
+            if s["kind"] == "step":
+                ax.axvline(s["start_s"] * 1e3, color="k", lw=.6, ls=":")
+    ax.set_yticks([y for r in range(len(ranks)) for y in (r - .2, r + .2)],
+                  [f"rank {r} {lane}" for r in range(len(ranks)) for lane in ("compute", "comm")])
+    ax.invert_yaxis()
+    hidden = ", ".join(f"{hidden_fraction(spans, during):.0%}" for spans in ranks)
+    names = dict(forward="forward", backward="backward", wait="waiting for a collective",
+                 comm="collective, launch to completion")
+    return _finish(ax, dict(axis="x"), dict(handles=[Patch(color=c, label=names[k]) for k, c in
+                                                    TIMELINE_COLORS.items()], fontsize=7, ncol=4,
+                                            loc="upper center", bbox_to_anchor=(.5, -.18)),
+                   xlabel="time (ms; dotted: step starts)", title=f"hidden behind "
+                   f"{' + '.join(during)}, per rank: {hidden}")
 
 
 def plot_rank_grid(dp: int, tp: int, pp: int, ax=None):

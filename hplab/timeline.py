@@ -1,0 +1,160 @@
+"""Timelines of a real run: when each rank computed, and when its collectives really ran.
+
+`train.py --trace DIR` records two steps with `torch.profiler`: a Chrome trace per rank,
+`DIR/rank0.json`, ... (open it in https://ui.perfetto.dev or chrome://tracing). In it:
+
+    step 1, forward block 2    hplab's ranges: per step, per forward of the model and its blocks
+    autograd::engine::...      backward: autograd's own event per function it evaluates
+    all_reduce dp 4,096 B      the Communicator's range around a launch (and `wait all_reduce dp`)
+    gloo:all_reduce            gloo's thread: the collective from launch to completion
+
+An asynchronous collective runs on gloo's threads while the caller computes on; its wait is only
+where the caller needed the result. `hidden_fraction` measures that overlap from the spans.
+gloo runs a reduce-scatter as an all-reduce of the whole input (its event: gloo:all_reduce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+SPAN_KINDS = {"forward": "forward", "wait": "wait", "step": "step",
+              "autograd::engine::evaluate_function:": "backward", "gloo:": "comm"}
+COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier")
+RUN_AS = {"all_reduce": ("all_reduce", "reduce_scatter")}  # gloo reduce-scatters by all-reducing
+
+
+class Recorder:
+    """Profiles the 2nd and 3rd of `steps` (the first pays one-time costs; a 1-step run: that
+    one) into `directory`/rank{rank}.json, with a range per step and per forward of the model,
+    its embedding, each block and its head (hooks). Without a `directory` it does nothing."""
+
+    def __init__(self, model, directory: str | None, rank: int, steps: range):
+        self.path = Path(directory or ".") / f"rank{rank}.json"
+        self.window = (steps[1:3] or steps[:1]) if directory else range(0)
+        self.modules = [("model", model), ("embedding", model.transformer.wte),
+                        *((f"block {i}", b) for i, b in enumerate(model.transformer.h)),
+                        ("head", model.lm_head)]
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        import torch
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        if step not in self.window:
+            yield
+            return
+        if step == self.window[0]:
+            self.hooks = [h for name, m in self.modules for h in label_forward(m, name)]
+            self.profiler = profile(activities=[ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
+            self.profiler.start()
+        with record_function(f"step {step}"):
+            yield
+        if step == self.window[-1]:
+            self.profiler.stop()
+            for hook in self.hooks:
+                hook.remove()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(self.path))
+
+
+def label_forward(module, name: str) -> list:
+    """Hooks that open a range `forward {name}` when `module`'s forward starts, close it after."""
+    from torch.profiler import record_function
+
+    open_ranges = []  # a stack: recompute runs a forward again inside backward
+
+    def enter(*_):
+        open_ranges.append(record_function(f"forward {name}").__enter__())
+
+    def leave(*_):
+        open_ranges.pop().__exit__(None, None, None)
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+
+
+def is_trace_folder(path: Path) -> bool:
+    """Whether `path` holds nothing but Chrome traces named rank<N>.json (a previous --trace)."""
+    def is_trace(file: Path) -> bool:
+        with contextlib.suppress(ValueError, OSError):
+            return file.stem[4:].isdigit() and "traceEvents" in json.loads(file.read_text())
+        return False
+    return all(f.name.startswith("rank") and is_trace(f) for f in path.iterdir())
+
+
+def read_timeline(directory) -> list[list[dict]]:
+    """Per rank, its spans `{kind, name, start_s, end_s}` (kind: step, forward, backward, wait,
+    comm), seconds from the earliest event of any rank (one machine: one clock). A comm span is
+    named by the Communicator's launch it belongs to, its bucket numbered within the step."""
+    first = Path(directory) / "rank0.json"
+    if not first.is_file():
+        raise ValueError(f"{directory}: no rank0.json (write traces with train.py --trace DIR)")
+    world = json.loads(first.read_text()).get("distributedInfo", {}).get("world_size", 1)
+    ranks = []
+    for rank in range(world):
+        events = sorted((e for e in json.loads((Path(directory) / f"rank{rank}.json").read_text())
+                         ["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+        if any(e.get("cat") == "kernel" for e in events):
+            raise ValueError(f"{directory} holds GPU traces: open them in ui.perfetto.dev (the "
+                             "timeline's spans are read from CPU / gloo runs)")
+        spans, launches, numbers = [], [], {}
+        for e in events:
+            name, start = e["name"], e["ts"] / 1e6
+            kind = next((k for p, k in SPAN_KINDS.items() if name.startswith(p)), None)
+            if kind is None and e.get("cat") == "user_annotation" and name.startswith(COMM_OPS):
+                kind = "launch"  # the Communicator's range: "all_reduce dp 262,144 B"
+                launches.append(name)
+            if kind == "step":
+                numbers = {}  # buckets are numbered within a step
+            if kind == "comm":  # named after the first launch of its op not yet matched
+                ops = RUN_AS.get(name[5:], name[5:])
+                i = next((i for i, la in enumerate(launches) if la.startswith(ops)), None)
+                launch = name[5:] if i is None else launches.pop(i)
+                key = " ".join(launch.split()[:2])
+                numbers[key] = numbers.get(key, 0) + 1
+                name = f"{launch} #{numbers[key]}"
+            if kind:
+                spans.append(dict(kind=kind, name=name, start_s=start,
+                                  end_s=start + e.get("dur", 0) / 1e6))
+        ranks.append(spans)
+    t0 = min((s["start_s"] for spans in ranks for s in spans), default=0.0)
+    return [[{**s, "start_s": s["start_s"] - t0, "end_s": s["end_s"] - t0} for s in spans]
+            for spans in ranks]
+
+
+def _union(spans) -> list[tuple[float, float]]:
+    """The intervals covered by `spans`, as sorted disjoint (start, end) pairs."""
+    merged = []
+    for start, end in sorted((s["start_s"], s["end_s"]) for s in spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _intersect(a, b) -> list[tuple[float, float]]:
+    return [(max(s, t), min(e, f)) for s, e in a for t, f in b if max(s, t) < min(e, f)]
+
+
+def _length(intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def seconds(spans: list[dict], kinds=("forward", "backward")) -> float:
+    """The time covered by spans of these kinds (overlapping spans count once)."""
+    return _length(_union(s for s in spans if s["kind"] in kinds))
+
+
+def hidden_fraction(spans: list[dict], during=("backward",), ops=COMM_OPS) -> float:
+    """Of the time this rank's communication (collectives of `ops`; not the scalar all-reduces of
+    hplab's own bookkeeping) ran, the share during which it also computed `during` rather than
+    waiting or launching: |comm ∩ (compute − waits)| / |comm|, on one rank's spans from
+    `read_timeline`. Collectives that overlap each other count once."""
+    comm = _union(s for s in spans if s["kind"] == "comm" and s["name"].split()[0] in ops)
+    if not comm:
+        raise ValueError(f"no communication of {', '.join(ops)} in this timeline")
+    computing = _intersect(comm, _union(s for s in spans if s["kind"] in during))
+    waiting = _intersect(computing, _union(s for s in spans if s["kind"] in ("wait", "launch")))
+    return (_length(computing) - _length(waiting)) / _length(comm)

@@ -1,0 +1,108 @@
+"""`train.py --trace DIR`: a Chrome trace per rank of a real run, read back as a timeline, and the
+overlap of communication with backward that it measures (`hplab.timeline.hidden_fraction`)."""
+
+import json
+
+import pytest
+
+from hplab.dist import run_distributed
+from hplab.timeline import hidden_fraction, read_timeline
+
+FLAGS = ["--dp", "2", "--steps", "3", "--batch-size", "8", "--no-progress"]
+
+
+def _train_twice(folder):
+    """Both runs in one 2-process launch: one bucket (sent when backward ends), then one bucket
+    per parameter (sent as backward produces them)."""
+    from hplab.train import parse_args, run
+
+    for name, bucket_mb in (("one", "1000"), ("many", "0")):
+        run(parse_args(FLAGS + ["--bucket-mb", bucket_mb, "--trace", f"{folder}/{name}"]))
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("traces")
+    run_distributed(_train_twice, 2, str(folder))
+    return folder
+
+
+def test_a_chrome_trace_per_rank_with_hplab_and_gloo_events(traced):
+    for rank in (0, 1):
+        trace = json.loads((traced / "one" / f"rank{rank}.json").read_text())
+        names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+        assert {"step 1", "step 2", "forward model", "forward block 0", "forward head",
+                "gloo:all_reduce", "wait all_reduce dp"} <= names  # step 0 is not traced
+        assert "step 0" not in names and "step 3" not in names
+        assert any(n.startswith("autograd::engine::evaluate_function:") for n in names)
+        assert any(n.startswith("all_reduce dp ") and n.endswith(" B") for n in names)
+        assert trace["distributedInfo"]["world_size"] == 2
+    assert sorted(p.name for p in (traced / "many").iterdir()) == ["rank0.json", "rank1.json"]
+
+
+def test_timeline_names_each_bucket_by_its_launch(traced):
+    from hplab.models.gpt import build_model, config_from_preset
+
+    model = build_model(config_from_preset("tiny"), 0)
+    one, many = read_timeline(traced / "one"), read_timeline(traced / "many")
+    for spans in one:  # one per traced step, of 4 × Ψ bytes (fp32 gradients)
+        buckets = [s["name"] for s in spans if s["kind"] == "comm" and " B #" in s["name"]]
+        assert buckets == [f"all_reduce dp {4 * model.config.num_params():,} B #1"] * 2
+    for spans in many:  # a bucket per parameter tensor (the tied one once), two steps
+        buckets = [s for s in spans if s["kind"] == "comm" and " B #" in s["name"]]
+        assert len(buckets) == 2 * len(list(model.parameters()))
+        assert all(s["end_s"] > s["start_s"] >= 0 for s in spans)
+
+
+def test_one_bucket_hides_nothing_many_buckets_hide_some(traced):
+    """One bucket starts when the last gradient is in: what remains of backward is the end of
+    one hook, so ~0% (a few % of slack for a loaded machine). With a bucket per parameter the
+    first ones run under the rest of backward on every rank."""
+    one = [hidden_fraction(s, ops=("all_reduce",)) for s in read_timeline(traced / "one")]
+    many = [hidden_fraction(s, ops=("all_reduce",)) for s in read_timeline(traced / "many")]
+    assert max(one) < 0.1, one
+    assert min(many) > 0.05 and min(many) > max(one), (one, many)
+
+
+def test_plot_timeline_draws_each_rank_and_its_hidden_fraction(traced):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from hplab import viz
+
+    ax = viz.plot_timeline(traced / "many")
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"]
+    assert ax.get_title().startswith("hidden behind backward, per rank: ")
+    assert ax.get_title().count("%") == 2
+
+
+def test_hidden_fraction_on_hand_made_spans():
+    span = lambda kind, a, b, name="all_reduce dp 4 B #1": dict(kind=kind, name=name,  # noqa
+                                                               start_s=a, end_s=b)
+    spans = [span("backward", 0, 10), span("wait", 8, 10), span("comm", 6, 12),
+             span("comm", 7, 9), span("comm", 20, 22, "all_gather dp 4 B #1")]
+    # all_reduce ran 6..12 (6 s); backward without waiting covers 6..8 (2 s)
+    assert hidden_fraction(spans, ops=("all_reduce",)) == pytest.approx(2 / 6)
+    assert hidden_fraction(spans) == pytest.approx(2 / 8)
+    with pytest.raises(ValueError, match="no communication"):
+        hidden_fraction(spans, ops=("send",))
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda d: d.write_text("mine"), "holds other files than hplab's traces"),
+    (lambda d: (d.mkdir(), (d / "notes.txt").write_text("mine")), "holds other files"),
+])
+def test_a_trace_target_holding_other_files_is_refused_before_launch(tmp_path, capsys,
+                                                                    monkeypatch, make, says):
+    from hplab.train import main
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    target = tmp_path / "trace"
+    make(target)
+    before = sorted(p.read_text() for p in tmp_path.rglob("*") if p.is_file())
+    assert main(["--nproc", "2", "--steps", "1", "--trace", str(target)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hplab: error: --trace") and says in lines[0]
+    assert sorted(p.read_text() for p in tmp_path.rglob("*") if p.is_file()) == before
