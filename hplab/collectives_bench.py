@@ -5,8 +5,11 @@
 Every process calls the collective on S bytes of fp32 (S = min..max in powers of two, the payload
 as `hplab.comm` counts it). A call's time is the slowest rank's (barrier, clock, call, clock); a
 size reports the best of `--repeats` calls after a warm-up, the least disturbed by the machine (4
-processes on 2 cores often wait for a core). Rank 0 writes JSON: `world_size`, `backend`,
-`repeats`, `results` {op: [{bytes, time_s, median_s}]}, `ledger` (rank 0's CommLedger), `demo`.
+processes on 2 cores often wait for a core), the median, and `core_wait`: the seconds a rank
+spent waiting for a free core per second of those calls, averaged over the ranks. Rank 0
+writes JSON: `world_size`, `backend`, `repeats`, `results` {op: [{bytes, time_s, median_s,
+core_wait}]}, `runs` {op: what the backend ran inside one call}, `ledger` (rank 0's
+CommLedger, timed calls only), `demo`.
 """
 
 import sys
@@ -25,15 +28,22 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv", "ring_step")
 
 
-def one_call(comm, op: str, big, small) -> None:
-    """`op` once among the ranks of `comm` on the payload `big` (`small`: this rank's slice)."""
+def one_call(comm, op: str, big, small, inbox) -> None:
+    """`op` once among the ranks of `comm` on the payload `big` (`small`: this rank's slice;
+    `inbox`: room to receive a `big`). A ring step is what each of a ring's 2(n-1) steps does:
+    every rank sends to its right neighbour while it receives from its left one."""
     if op == "send_recv":
         partner = comm.rank ^ 1  # 0↔1, 2↔3, ...
         if partner < comm.size:
             (comm.send if comm.rank % 2 == 0 else comm.recv)(big, partner)
+        return
+    if op == "ring_step":
+        sending = comm.send(big, (comm.rank + 1) % comm.size, async_op=True)
+        comm.recv(inbox, (comm.rank - 1) % comm.size)
+        sending.wait()
         return
     {"all_reduce": lambda: comm.all_reduce(big), "broadcast": lambda: comm.broadcast(big, src=0),
      "reduce_scatter": lambda: comm.reduce_scatter(small, big),
@@ -42,22 +52,42 @@ def one_call(comm, op: str, big, small) -> None:
 
 def demo(comm) -> dict:
     """{op: (before, after)} of each collective once, to *see* it: rank r starts with
-    [10r+1, ..., 10r+n] (all-gather: [10r+1]; send/recv: even ranks send to the next odd rank)."""
+    [10r+1, ..., 10r+n] (all-gather: [10r+1]; send/recv: even ranks send to the next odd rank;
+    ring step: what each rank received)."""
     shown = {}
     for op in OPS:
         start = 10 * comm.rank + torch.arange(1, comm.size + 1.0, device=comm.device)
-        big, small = start.clone(), start[:1].clone()
-        one_call(comm, op, big, small)
-        shown[op] = ((small if op == "all_gather" else start).tolist(),
-                     (small if op == "reduce_scatter" else big).tolist())
+        big, small, inbox = start.clone(), start[:1].clone(), torch.zeros_like(start)
+        one_call(comm, op, big, small, inbox)
+        after = {"reduce_scatter": small, "ring_step": inbox}.get(op, big)
+        shown[op] = ((small if op == "all_gather" else start).tolist(), after.tolist())
     return shown
 
 
-def time_call(comm, op: str, big, small) -> float:
+def inside(comm, op: str, *message) -> list[str]:
+    """What the backend really runs for one call (torch.profiler): its own collectives and
+    the copies around them (gloo's reduce-scatter turns out to be a whole all-reduce)."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        one_call(comm, op, *message)
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("gloo:")
+                   or e.key in ("aten::clone", "aten::copy_", "aten::cat", "aten::add_")})
+
+
+def waited_for_a_core_s() -> float:
+    """Seconds this process's threads have spent ready to run but waiting for a free core
+    (Linux's /proc schedstat; 0 where it does not exist): what oversubscription costs."""
+    tasks = Path("/proc/self/task")
+    return sum(int((t / "schedstat").read_text().split()[1]) for t in tasks.iterdir()
+               if (t / "schedstat").exists()) / 1e9 if tasks.exists() else 0.0
+
+
+def time_call(comm, op: str, *message) -> float:
     """Seconds of one call, as the slowest rank saw it."""
     comm.barrier()
     start = time.perf_counter()
-    one_call(comm, op, big, small)
+    one_call(comm, op, *message)
     return comm.all_reduce_scalar(time.perf_counter() - start, op=dist.ReduceOp.MAX)
 
 
@@ -81,22 +111,29 @@ def main(argv=None) -> int:
     mesh = Mesh.create(dp=n, device=init_distributed())
     comm = mesh.world
     sizes = [args.min_bytes << k for k in range((args.max_bytes // args.min_bytes).bit_length())]
-    buffer = torch.ones(args.max_bytes // 4, device=comm.device)
+    buffer, inbox = torch.ones(args.max_bytes // 4, device=comm.device), torch.empty(
+        args.max_bytes // 4, device=comm.device)
     shown = demo(comm)
+    runs = {op: inside(comm, op, buffer, buffer[:buffer.numel() // n].clone(), inbox)
+            for op in args.ops}
     mesh.ledger.reset()  # the ledger below counts the timed calls only
     results = {op: [] for op in args.ops}
     for op, nbytes in tqdm([(op, s) for op in args.ops for s in sizes], disable=comm.rank != 0,
                            unit="size", file=sys.stdout):
         numel = (nbytes - nbytes % (4 * n)) // 4  # whole fp32 slices for every rank
-        message = (comm, op, buffer[:numel], buffer[:numel // n].clone())
+        message = (comm, op, buffer[:numel], buffer[:numel // n].clone(), inbox[:numel])
+        waited, wall = waited_for_a_core_s(), time.perf_counter()
         times = [time_call(*message) for _ in range(1 + args.repeats)][1:]  # [0]: warm-up
-        results[op].append(dict(bytes=4 * numel, time_s=min(times), median_s=median(times)))
+        waited = (waited_for_a_core_s() - waited) / (time.perf_counter() - wall)
+        results[op].append(dict(bytes=4 * numel, time_s=min(times), median_s=median(times),
+                                core_wait=comm.all_reduce_scalar(waited) / n))
     demos = [None] * n if comm.rank == 0 else None
     dist.gather_object(shown, demos, dst=0)
     if comm.rank == 0 and args.out:
         Path(args.out).write_text(json.dumps(
             {"world_size": n, "backend": dist.get_backend(), "repeats": args.repeats,
-             "results": results, "ledger": mesh.ledger.as_dict(), "demo": demos}, indent=1))
+             "results": results, "runs": runs, "ledger": mesh.ledger.as_dict(), "demo": demos},
+            indent=1))
     shutdown()
     return 0
 
