@@ -144,8 +144,7 @@ def plot_zero_memory(num_params: float, world_sizes=(1, 2, 4, 8, 16, 32, 64),
 def plot_bubble_fraction(pp: int, max_microbatches: int = 32, highlight: int = 0, ax=None):
     """1F1B's pipeline bubble (p−1)/(m+p−1) of the step time against microbatches m (formula,
     [PTD-P] Sec. 2.2: idle (p−1) slots out of m+p−1; `formulas.bubble_fraction`)."""
-    ax = _axes(ax)
-    ms = list(range(1, max_microbatches + 1))
+    ax, ms = _axes(ax), list(range(1, max_microbatches + 1))
     for p in sorted({2, 4, 8, pp}):
         ax.plot(ms, [bubble_fraction("1f1b", p, m) for m in ms], lw=2.5 if p == pp else 1,
                 label=f"pp = {p}")
@@ -376,3 +375,29 @@ def plot_rank_grid(dp: int, tp: int, pp: int, ax=None):
                                  label="pp group (same colour in every stage)")],
               loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7, frameon=False)
     return ax
+
+
+def explore(draw, **controls):
+    """Controls (ipywidgets, by keyword) that redraw the figure `draw(**their values)` draws on
+    each change, as a PNG in an Image widget (any backend; what `draw` returns is not printed).
+    The starting figure also stays as a plain image, for views without widgets (GitHub)."""
+    import base64
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+    from IPython.core.pylabtools import print_figure
+    from IPython.display import display
+    image = widgets.Image(format="png")
+
+    def redraw(_=None):
+        draw(**{name: control.value for name, control in controls.items()})
+        image.value = print_figure(plt.gcf(), "png", bbox_inches="tight")
+        plt.close(plt.gcf())
+
+    for control in controls.values():
+        control.style.description_width = "initial"  # whole labels, never "microbatc..."
+        control.observe(redraw, "value")
+    redraw()
+    row = widgets.HBox(list(controls.values()), layout=dict(flex_flow="row wrap"))
+    starting_figure = base64.b64encode(image.value).decode()
+    display({**widgets.VBox([row, image])._repr_mimebundle_(), "image/png": starting_figure,
+             "text/plain": "(controls that redraw this figure: run the notebook)"}, raw=True)
