@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import traceback
-from collections import namedtuple
+from collections import Counter, namedtuple
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,8 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hplab import formulas, schedule
-from hplab.comm import CommTimeout
-from hplab.ddp import make_buckets
+from hplab.comm import CommTimeout, bucket_params
 from hplab.dist import Mesh, coordinates, group_ranks, run_distributed
 from hplab.memory import MemoryLedger, model_state_tensors
 from hplab.models.gpt import build_model, config_from_preset
@@ -234,37 +233,61 @@ def gpt_reference(steps: int, lr: float = 0.0) -> SimpleNamespace:
                            rows=[(b[r, :, :-1], b[r, :, 1:]) for b in batches])
 
 
+def launch_problem(started: list, params: list, arrived: list, bucket_bytes: float) -> str | None:
+    """Where the (all-reduces, bytes) started before each gradient hook, when backward returned
+    and after wait() first differ from hplab.ddp's: bucket j (parameters in reverse) started by
+    the hook that completes it, once buckets 0 ... j-1 have started."""
+    ready, buckets = {id(p): k + 1 for k, p in enumerate(arrived)}, bucket_params(
+        params, bucket_bytes / 2**20)
+    at = list(itertools.accumulate((max(ready[id(p)] for p in b) for b in buckets), max))
+    rule = [(sum(t <= k for t in at), sum(p.nbytes for b, t in zip(buckets, at) if t <= k
+                                          for p in b)) for k in range(len(started))]
+    k, P = next((k for k, (a, b) in enumerate(zip(started, rule)) if a != b), None), len(params)
+    return k is not None and (
+        (f"when {k} of {P} gradients were ready" if k < P else ("when backward returned",
+                                                                 "after wait()")[k - P])
+        + f", {started[k][0]} all-reduce(s) of {started[k][1]:,} B had started, hplab.ddp's "
+        f"{rule[k][0]} of {rule[k][1]:,} B — its buckets take the parameters in reverse "
+        "(backward produces the last layers' gradients first), each started by the hook that "
+        "completes it")
+
+
 def check_buckets(module, report: Report, ref: SimpleNamespace) -> None:
-    """One bucket, one per parameter, a middle size: one process's gradients, one all-reduce per
-    bucket (hplab.ddp's rule), each byte once, with several buckets the first during backward."""
+    """One bucket, one per parameter, a middle size: one process's gradients, and the
+    all-reduces of hplab.ddp's rule (buckets in reverse parameter order), each started by the
+    gradient hook that completes its bucket: the overlap with backward."""
     for bucket_bytes in (math.inf, 0, 20_000):
         report.label = label = f"bucket_bytes={bucket_bytes}"  # an exception ends the file
         params = list((model := build_model(ref.config, seed=0)).parameters())
-        grad_bytes = sum(p.numel() * p.element_size() for p in params)
-        buckets = len(make_buckets(params, bucket_bytes))
+        arrived, started = [], []  # per gradient hook: the (all-reduces, bytes) started before it
+
+        def observe(param):  # registered before the learner's hooks: runs before theirs
+            started.append(ops_used(ref.mesh.ledger).get("all_reduce", (0, 0)))
+            arrived.append(param)
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(observe)
         sync = module.BucketedAllReduce(params, ref.mesh.world, bucket_bytes)
         for step, rows in enumerate(ref.rows):
             model.zero_grad()
             ref.mesh.ledger.reset()
+            arrived.clear()
+            started.clear()
             model(*rows)[1].backward()
-            launched = ops_used(ref.mesh.ledger).get("all_reduce", (0, 0))[0]  # during backward
+            observe(None)  # when backward returned
             sync.wait()
-            calls, sent = ops_used(ref.mesh.ledger).get("all_reduce", (0, 0))
-            problem = first([
-                first_wrong(ref.names, [p.grad for p in params], ref.grads[step],
-                            "gradients are not the global-batch average"),
-                calls != buckets and f"{calls} all-reduce calls, but the bucket rule gives "
-                f"{buckets} bucket(s) for {len(params)} parameters of {grad_bytes:,} bytes",
-                sent != grad_bytes and f"all-reduced {sent:,} bytes, the gradients are "
-                f"{grad_bytes:,}: send each gradient once",
-                buckets > 1 and not launched and
-                "the first all-reduce started after backward returned: launch each bucket "
-                "from a gradient hook as soon as it is complete"])
+            observe(None)  # after wait()
+            grads, n = [p.grad for p in params], ref.mesh.world.size
+            wrong = first_wrong(ref.names, grads, ref.grads[step], "gradients are not the "
+                                "global-batch average")
+            problem = wrong and wrong + f" — it is {n}× too large: divide by n" * all(
+                not differs(g, n * e) for g, e in zip(grads, ref.grads[step])) or launch_problem(
+                started, params, arrived[:len(params)], bucket_bytes)
             if problem:
                 break
         report.add(label, problem and f"step {step + 1}: {problem}", f"gradients equal one "
-                   f"process's, {buckets} all-reduce(s) of {grad_bytes:,} bytes per step"
-                   + ", first launched during backward" * (buckets > 1))
+                   f"process's; {started[-1][0]} all-reduce(s) of {started[-1][1]:,} B per step, "
+                   "each started by the gradient hook that completes its bucket")
 
 
 def check_zero1(module, report: Report, ref: SimpleNamespace) -> None:
@@ -289,19 +312,18 @@ def check_zero1(module, report: Report, ref: SimpleNamespace) -> None:
         state = sum(t.numel() for s in opt.optimizer.state.values() for t in s.values()
                     if torch.is_tensor(t) and t.dim() > 0)
         problem = first([
-            others and f"used {', '.join(others)}: ZeRO-1 needs only a reduce-scatter of the "
-            "gradients and an all-gather of the parameters",
-            got is None and "self.master.grad is None: give my shard its gradient before stepping",
+            used != dict.fromkeys(("reduce_scatter", "all_gather"), (1, flat_bytes)) and (
+                f"used {', '.join(others)}: ZeRO-1 needs only a reduce-scatter of the gradients "
+                "and an all-gather of the parameters" if others else f"saw (calls, bytes) {used};"
+                " expected one reduce-scatter and one all-gather of the padded flat buffer, "
+                f"{flat_bytes:,} B"),
             (d := differs(got, want)) and "self.master.grad is not my shard of the global-batch "
             f"average gradient: {d}" + f" — it is {n}× too large: divide by n"
             * (not differs(got, n * want)),
             first_wrong(ref.names, list(model.parameters()), ref.params[step],
                         "parameters differ from one process's AdamW"),
             state != 2 * shard and f"the optimizer holds {state:,} state elements; AdamW on my "
-            f"shard holds 2 × {shard:,}",
-            used != dict.fromkeys(("reduce_scatter", "all_gather"), (1, flat_bytes)) and
-            f"saw (calls, bytes) {used}; expected one reduce-scatter and one all-gather of the "
-            f"padded flat buffer, {flat_bytes:,} B"])
+            f"shard holds 2 × {shard:,}"])
         report.add(label, problem, f"params equal one process's AdamW; one reduce-scatter + one "
                    f"all-gather of {flat_bytes:,} B; Adam state {2 * shard:,} elements "
                    f"= 2 × Ψ/{n}")
@@ -338,6 +360,10 @@ def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
         mesh.ledger.reset()
         (z * weights).sum().backward()
         used["backward"] = ops_used(mesh.ledger)
+        z_bytes = z_ref.numel() * 4
+        talk = {phase: ops != {"all_reduce": (1, z_bytes)} and f"{phase}: saw (calls, bytes) "
+                f"{ops or 'nothing'}, expected one all-reduce of b·s·h·4 = {z_bytes:,} B"
+                for phase, ops in used.items()}
         wrong = differs(z, z_ref)
         report.add(f"{case}: forward", wrong and "Z differs from the whole MLP: " + wrong + (
             " — every rank returns the full output" if z.shape != z_ref.shape else
@@ -348,9 +374,10 @@ def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
             "Z equals the whole MLP's output")
         wrong = differs(x.grad, x_ref.grad)
         report.add(f"{case}: X.grad", wrong and "X.grad is not the single-process gradient: "
-                   f"{wrong} — f's backward must all-reduce: each rank holds only its slice's "
-                   "contribution", "equals the single-process gradient (f summed the ranks' "
-                   "contributions)")
+                   f"{wrong} — " + (f"it is {n}× too large: only f's backward all-reduces, g's "
+                   "passes the gradient through" if not differs(x.grad, n * x_ref.grad) else
+                   "f's backward must all-reduce: each rank holds only its slice's contribution"),
+                   "equals the single-process gradient (f summed the ranks' contributions)")
         report.add(f"{case}: parameter gradients", first_wrong(
             ["column.weight.grad", "column.bias.grad", "row.weight.grad", "row.bias.grad"],
             [getattr(p, "grad", None) for p in (column.weight, column.bias, row.weight, row.bias)],
@@ -376,9 +403,8 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
     work = sorted((kind, i) for kind in ("F", "B") for i in range(m))
     for r, order in enumerate(orders):
         if sorted(order) != work:
-            wrong = {"missing": set(work) - set(order),
-                     "repeated": {a for a in order if order.count(a) > 1},
-                     "unexpected": set(order) - set(work)}
+            wrong = {"missing": Counter(work) - Counter(order), "extra": Counter(order) -
+                     Counter(work)}  # repeated or unknown actions
             return (f"{where}, rank {r}: every rank runs F and B of each microbatch exactly "
                     "once;" + "".join(f" {k} {sorted(v)[:4]}" for k, v in wrong.items() if v))
     try:
@@ -389,17 +415,19 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
         return f"{where}: {err}"
     best = schedule.simulate(schedule.build_schedule("1f1b", p, m), f=1, b=1, w=0)
     held, limit = [run.in_flight_max(r) for r in range(p)], [min(p - r, m) for r in range(p)]
+    warm = [next((k for k, (kind, _) in enumerate(o) if kind == "B"), m) for o in orders]
+    counts = (f" — forwards before the first backward: {warm}, 1F1B {limit} (p-1-r warm-up "
+              "forwards and one more)") * (warm != limit)
     reference = [[(kind, i) for kind, i, _ in order] for order in schedule.one_f_one_b_order(p, m)]
     other_order = [f"{where}, rank {r}: action {k} is {a[0]}{a[1]}, 1F1B runs {b[0]}{b[1]} (same "
                    "step time and memory, another order)" for r in range(p)
                    for k, (a, b) in enumerate(zip(orders[r], reference[r])) if a != b]
     return first([
         run.makespan > best.makespan and f"{where}: the step takes {run.makespan:g} time units, "
-        f"1F1B {best.makespan:g} (= 2(m+p-1)): too few forwards in flight before the first "
-        "backward",
+        f"1F1B {best.makespan:g} (= 2(m+p-1)): too few forwards in flight" + counts,
         held != limit and f"{where}: ranks hold at most {held} microbatches' activations, 1F1B "
-        f"{limit} (min(p-r, m)): " + ("more warm-up forwards than needed" if any(
-            a > b for a, b in zip(held, limit)) else "fewer than needed"), *other_order])
+        f"{limit} (min(p-r, m)) — too many forwards before their backwards: warm up with p-1-r",
+        *other_order])
 
 
 def check_one_f_one_b(module, report: Report, _=None) -> None:
@@ -445,20 +473,15 @@ def _group_problem(layout: tuple, family: str, mine) -> str | None:
     except (TypeError, KeyError, IndexError):
         return (f"{where}: groups()[{family!r}] should be a list of lists of ranks; groups() "
                 f"returned {mine!r:.60}")
-    unsorted = [g for g in got if g != sorted(g)]
-    if unsorted:
-        return (f"{where}: {family} group {unsorted[0]} is not in increasing order (a group's "
-                "rank 0 is its smallest global rank)")
     for rank in range(math.prod(layout)):  # in exactly one group: the one hplab.dist builds
         holding, expected = [g for g in got if rank in g], next(g for g in want if rank in g)
         if holding != [expected]:
             shared = " and ".join(f for f in FAMILIES if f != family)
             return (f"{where}: rank {rank}'s {family} group is "
                     f"{' and '.join(map(str, holding)) or 'missing'}, expected {expected} "
-                    f"(the ranks that share its {shared} coordinates)")
-    if sorted(got) != sorted(want):
-        return f"{where}: {len(got)} {family} groups, expected {len(want)}: {want}"
-    return None
+                    f"(the ranks that share its {shared} coordinates, in increasing order)")
+    return sorted(got) != sorted(want) and (
+        f"{where}: {len(got)} {family} groups, expected {len(want)}: {want}")
 
 
 def check_mesh(module, report: Report, _=None) -> None:
@@ -483,19 +506,23 @@ def check_mesh(module, report: Report, _=None) -> None:
 # --- lab 07: the planner's first formulas (no processes: these are formulas) ---------------
 
 def check_planning(module, report: Report, _=None) -> None:
-    """The learner's ZeRO memory and pipeline bubble against `hplab.formulas` (the planner's)
-    over a grid; each case reports its first difference."""
+    """The learner's ZeRO memory and pipeline bubble fraction against `hplab.formulas` (the
+    planner's) over a grid; each case reports its first difference."""
     def memory_problem(psi, dp, zero, precision):
         mine = module.model_state_bytes_per_gpu(psi, dp, zero, precision)
-        ref = formulas.model_state_bytes(psi, dp, zero, precision)["total_bytes"]
-        return not math.isclose(mine, ref, rel_tol=1e-9) and (
-            f"Ψ={psi:g}, dp={dp}: you say {mine:,.0f} bytes, the planner {ref:,.0f} "
-            f"({ref / psi:g} bytes per parameter)")
+        ref = formulas.model_state_bytes(psi, dp, zero, precision)
+        return not math.isclose(mine, ref["total_bytes"], rel_tol=1e-9) and (
+            f"Ψ={psi:g}, dp={dp}: you say {mine:,.0f} bytes, the planner {ref['total_bytes']:,.0f}"
+            " = " + " + ".join(f"{ref[f'{kind}_bytes'] / psi:.4g} ({kind})" for kind in (
+                "params", "grads", "optim", "master")) + " bytes per parameter")
 
     def bubble_problem(p, m):
-        mine, ref = module.bubble_fraction(p, m), formulas.bubble_ratio("1f1b", p, m)
+        mine, ref = module.bubble_fraction(p, m), formulas.bubble_fraction("1f1b", p, m)
         return not math.isclose(mine, ref, rel_tol=1e-9, abs_tol=1e-12) and (
-            f"pp={p}, m={m}: you say {mine:.4g}, the planner {ref:.4g}")
+            f"pp={p}, m={m}: you say {mine:.4g}, the bubble fraction (p−1)/(m+p−1) is {ref:.4g}"
+            + " — that is the bubble ratio (p−1)/m, idle relative to the useful time; the "
+            "fraction is the idle share of the whole step"
+            * math.isclose(mine, formulas.bubble_ratio("1f1b", p, m)))
 
     for precision, zero in itertools.product(("fp32", "bf16"), range(4)):
         with report.case(label := f"model_state_bytes_per_gpu(zero={zero}, {precision})"):

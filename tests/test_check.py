@@ -1,273 +1,233 @@
 """The exercise checker can tell right from wrong: reference solutions pass, untouched skeletons
-fail, and typical mistakes fail with the message that names them.
+fail, and typical mistakes fail with a message that names them.
 
-Each exercise's files are checked in ONE launch (`run_check` takes several files): one
-4-process launch for the ring, one 2-process launch each for the buckets and the ZeRO-1 step.
+Each wrong solution is the reference solution with one targeted edit (`WRONG` below), written
+to tmp_path, so it stays in step with the solution: an edit whose text is no longer in the
+solution fails the test instead of silently testing nothing. Each exercise's files are checked
+in ONE launch (`run_check` takes several files): one 4-process launch for the ring, one
+2-process launch each for the buckets, the ZeRO-1 step and the tensor-parallel layers.
 """
-
-import textwrap
 
 import pytest
 
 from hplab.check import EXERCISES, EXERCISES_DIR, SOLUTIONS_DIR, main, run_check
 
-# A ring all-reduce that cheats with the built-in all-reduce: right sums, wrong algorithm.
-RING_CHEAT = """
-def ring_all_reduce(tensor, comm):
-    comm.all_reduce(tensor)
-    return tensor
-"""
-
-# A ring that passes the whole tensor around: right sums, (n-1)·S bytes instead of 2(n-1)/n·S.
-RING_WHOLE_TENSOR = """
-import torch
+# A ring that passes whole tensors around (using the solution's own `_exchange`): right sums,
+# (n-1)·S bytes sent instead of 2(n-1)/n·S.
+RING_WHOLE_TENSOR = '''
 
 def ring_all_reduce(tensor, comm):
     n, r = comm.size, comm.rank
     total, passing = tensor.clone(), tensor.clone()
     for _ in range(n - 1):
-        incoming = torch.empty_like(passing)
-        pending = comm.send(passing, dst=(r + 1) % n, async_op=True)
-        comm.recv(incoming, src=(r - 1) % n)
-        pending.wait()
-        total += incoming
-        passing = incoming
-    tensor.copy_(total)
-    return tensor
-"""
+        passing = _exchange(comm, passing, passing, (r + 1) % n, (r - 1) % n)
+        total += passing
+    return tensor.copy_(total)
+'''
 
-# Buckets with the right count and sums, but all launched after backward: no overlap.
-BUCKETS_NO_OVERLAP = """
-import sys
-sys.path.insert(0, {solutions!r})
-from lab02_buckets import make_buckets
-
-class BucketedAllReduce:
-    def __init__(self, params, comm, bucket_bytes):
-        self.comm, self.buckets = comm, make_buckets(params, bucket_bytes)
-
-    def wait(self):
-        for bucket in self.buckets:
-            flat = __import__("torch").cat([p.grad.reshape(-1) for p in bucket])
-            self.comm.all_reduce(flat)
-            flat /= self.comm.size
-            offset = 0
-            for p in bucket:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-"""
-
-# Memory counted with the LM head as a second matrix.
-MEMORY_UNTIED = """
-def num_params(c):
-    V, S, h, L = c.vocab_size, c.n_positions, c.n_embd, c.n_layer
-    return 2 * V * h + S * h + L * (12 * h * h + 13 * h) + 2 * h
-
-def model_state_bytes(c):
-    return {"params": 4 * num_params(c), "grads": 4 * num_params(c), "optim": 8 * num_params(c)}
-"""
-
-
-# The bubble as a fraction of the whole step instead of relative to the useful time.
-PLANNING_STEP_FRACTION = """
-def model_state_bytes_per_gpu(psi, dp, zero, precision):
-    per = {"fp32": (4, 4, 8, 0), "bf16": (2, 2, 8, 4)}[precision]
-    divisors = (dp if zero >= 3 else 1, dp if zero >= 2 else 1, dp if zero >= 1 else 1,
-                dp if zero >= 1 else 1)
-    return sum(b * psi / d for b, d in zip(per, divisors))
-
-def bubble_fraction(pp, m):
-    return (pp - 1) / (m + pp - 1)
-"""
-
-
-# ZeRO-1 with an all-reduce of the whole gradient: right parameters, DDP's communication pattern.
-ZERO1_ALL_REDUCE = """
-import sys
-import torch
-sys.path.insert(0, {solutions!r})
-from lab03_zero1 import ZeRO1 as Reference
-
-class ZeRO1(Reference):
-    @torch.no_grad()
-    def step(self):
-        grads = torch.zeros(self.padded_numel)
-        grads[:self.numel] = torch.cat([p.grad.reshape(-1) for p in self.params])
-        self.comm.all_reduce(grads)
-        grads /= self.comm.size
-        r = self.comm.rank
-        self.master.grad = grads[r * self.shard_numel:(r + 1) * self.shard_numel].clone()
-        self.optimizer.step()
-        full = torch.empty(self.padded_numel)
-        self.comm.all_gather(full, self.master.detach().clone())
-        offset = 0
-        for p in self.params:
-            p.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-"""
-
-# ZeRO-1 that forgets to divide by n: AdamW hardly notices the scale, the gradient check does.
-ZERO1_NO_DIVIDE = """
-import sys
-sys.path.insert(0, {solutions!r})
-import lab03_zero1
-
-class ZeRO1(lab03_zero1.ZeRO1):
-    def step(self):
-        for p in self.params:
-            p.grad.mul_(self.comm.size)  # so the solution's division by n cancels out
-        super().step()
-"""
+# exercise -> {mistake: [(text in the solution, what replaces it), ...]}; ("", text) appends.
+WRONG = {
+    "memory": {
+        "untied_head": [("embeddings = V * h + S * h", "embeddings = 2 * V * h + S * h")],
+        "no_ln_f": [("return embeddings + L * block + layer_norm",
+                     "return embeddings + L * block")],
+    },
+    "ring_allreduce": {
+        "builtin": [("    if n == 1:\n        return tensor\n",
+                     "    comm.all_reduce(tensor)\n    return tensor\n")],
+        "whole_tensor": [("", RING_WHOLE_TENSOR)],
+    },
+    "buckets": {
+        "forward_order": [("for p in reversed(params):", "for p in params:")],
+        "from_last_hook": [("if self.ready[next_bucket] < len(bucket):",
+                            "if sum(self.ready) < len(self.bucket_index):")],
+        "in_wait": [("self.in_flight.append((bucket, flat, self.comm.all_reduce(flat, "
+                     "async_op=True)))", "self.in_flight.append((bucket, flat, None))"),
+                    ("            handle.wait()\n", "            self.comm.all_reduce(flat)\n")],
+        "no_divide": [(" / self.comm.size", "")],
+    },
+    "zero1": {
+        "all_reduce": [("        self.comm.reduce_scatter(my_grad, grads)\n",
+                        "        self.comm.all_reduce(grads)\n"
+                        "        my_grad = grads.view(n, -1)[self.comm.rank].clone()\n")],
+        "no_divide": [("        grads /= n\n", "")],
+    },
+    "tp_linear": {
+        "no_f": [("F.linear(CopyToTP.apply(x, self.comm), self.weight, self.bias)",
+                  "F.linear(x, self.weight, self.bias)")],
+        "no_g": [("ReduceFromTP.apply(F.linear(x_slice, self.weight), self.comm) + self.bias",
+                  "F.linear(x_slice, self.weight) + self.bias")],
+        "bias_before_g": [("ReduceFromTP.apply(F.linear(x_slice, self.weight), self.comm) + "
+                           "self.bias", "ReduceFromTP.apply(F.linear(x_slice, self.weight, "
+                           "self.bias), self.comm)")],
+        "g_backward_reduces": [  # g's backward all-reduces like f's: X.grad counted T times
+            ("    def forward(ctx, x, comm):\n        x = x.clone()",
+             "    def forward(ctx, x, comm):\n        ctx.comm = comm\n        x = x.clone()"),
+            ("    def backward(ctx, grad):\n        return grad, None",
+             "    def backward(ctx, grad):\n        grad = grad.clone()\n"
+             "        ctx.comm.all_reduce(grad)\n        return grad, None")],
+    },
+    "one_f_one_b": {
+        "gpipe": [("warmup = min(p - 1 - r, m)", "warmup = m")],
+        "no_warmup": [("warmup = min(p - 1 - r, m)", "warmup = 0")],
+        "one_warmup_too_many": [("warmup = min(p - 1 - r, m)", "warmup = min(p - r, m)")],
+        "warmup_by_rank": [("warmup = min(p - 1 - r, m)", "warmup = min(r, m)")],
+        "backward_first": [('order += [("F", warmup + i), ("B", i)]',
+                            'order += [("B", i), ("F", warmup + i)]')],
+    },
+    "mesh": {  # more mix-ups of the numbering are in tests/test_lab06.py
+        "dp_groups_keyed_like_tp": [('families["dp"].setdefault((t, p), [])',
+                                     'families["dp"].setdefault((d, p), [])')],
+    },
+    "planning": {
+        "bubble_ratio": [("return (pp - 1) / (microbatches + pp - 1)",
+                          "return (pp - 1) / microbatches")],
+        "grads_never_sharded": [("grads / (dp if zero >= 2 else 1)", "grads")],
+    },
+}
 
 
-# Column parallel without f: forward right, X.grad only this rank's contribution.
-TP_NO_F = """
-import sys
-import torch.nn.functional as F
-sys.path.insert(0, {solutions!r})
-import lab04_tp_linear
-from lab04_tp_linear import CopyToTP, ReduceFromTP, RowParallelLinear
-
-class ColumnParallelLinear(lab04_tp_linear.ColumnParallelLinear):
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
-"""
-
-# Row parallel that adds the bias before g: the bias is summed T times.
-TP_BIAS_BEFORE_G = """
-import sys
-import torch.nn.functional as F
-sys.path.insert(0, {solutions!r})
-import lab04_tp_linear
-from lab04_tp_linear import CopyToTP, ReduceFromTP, ColumnParallelLinear
-
-class RowParallelLinear(lab04_tp_linear.RowParallelLinear):
-    def forward(self, x_slice):
-        return ReduceFromTP.apply(F.linear(x_slice, self.weight, self.bias), self.comm)
-"""
-
-
-# GPipe's order: right work, no deadlock, same step time, but every rank holds all m microbatches.
-ONE_F_ONE_B_GPIPE = """
-def one_f_one_b(p, m):
-    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for r in range(p)]
-"""
-
-# No warm-up: each rank waits for every backward before its next forward.
-ONE_F_ONE_B_NO_WARMUP = """
-def one_f_one_b(p, m):
-    return [[a for i in range(m) for a in (("F", i), ("B", i))] for r in range(p)]
-"""
-
-
-def _files(name, tmp_path, extra: dict[str, str]):
-    filename = EXERCISES[name][1]
-    paths = {"solution": SOLUTIONS_DIR / filename}
-    for label, source in extra.items():
-        path = tmp_path / f"{name}_{label}.py"
-        path.write_text(textwrap.dedent(source.format(solutions=str(SOLUTIONS_DIR))
-                                        if "{solutions" in source else source))
-        paths[label] = path
-    paths["skeleton"] = EXERCISES_DIR / filename  # last: it fails at once on every rank
-    return paths
+def write_variant(name: str, mistake: str, tmp_path):
+    """The solution of exercise `name` with the edits of WRONG[name][mistake], as a new file."""
+    source = (SOLUTIONS_DIR / EXERCISES[name].file).read_text()
+    for old, new in WRONG[name][mistake]:
+        assert not old or source.count(old) == 1, f"{name}/{mistake}: {old!r} left the solution"
+        source = source.replace(old, new) if old else source + new
+    path = tmp_path / f"{name}_{mistake}.py"
+    path.write_text(source)
+    return path
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("exercises")
-    wrong = {"memory": {"untied": MEMORY_UNTIED},
-             "ring_allreduce": {"cheat": RING_CHEAT, "whole_tensor": RING_WHOLE_TENSOR},
-             "buckets": {"no_overlap": BUCKETS_NO_OVERLAP},
-             "zero1": {"all_reduce": ZERO1_ALL_REDUCE, "no_divide": ZERO1_NO_DIVIDE},
-             "tp_linear": {"no_f": TP_NO_F, "bias_before_g": TP_BIAS_BEFORE_G},
-             "one_f_one_b": {"gpipe": ONE_F_ONE_B_GPIPE, "no_warmup": ONE_F_ONE_B_NO_WARMUP},
-             "planning": {"step_fraction": PLANNING_STEP_FRACTION},
-             "mesh": {}}  # its wrong variants are in tests/test_lab06.py
-    out = {}
-    for name in EXERCISES:
-        paths = _files(name, tmp, wrong[name])
+    """{exercise: {"solution" | mistake | "skeleton": {case name: Result}}}, one launch each."""
+    tmp, out = tmp_path_factory.mktemp("exercises"), {}
+    for name, exercise in EXERCISES.items():
+        paths = {"solution": SOLUTIONS_DIR / exercise.file,
+                 **{mistake: write_variant(name, mistake, tmp) for mistake in WRONG[name]},
+                 "skeleton": EXERCISES_DIR / exercise.file}  # last: it fails at once
         results = run_check(name, list(paths.values()))
-        out[name] = dict(zip(paths, results))
+        out[name] = {label: {r.name: r for r in rs} for label, rs in zip(paths, results)}
     return out
+
+
+def failed(outcomes, name: str, mistake: str, case: str | None = None) -> str:
+    """The message of `case` (default: the first case), which must have failed."""
+    results = outcomes[name][mistake]
+    result = results[case] if case else next(iter(results.values()))
+    assert not result.passed, (name, mistake, result)
+    return result.message
 
 
 @pytest.mark.parametrize("name", list(EXERCISES))
 def test_solution_passes(outcomes, name):
-    results = outcomes[name]["solution"]
+    results = outcomes[name]["solution"].values()
     assert len(results) >= 3
     assert all(r.passed for r in results), [r.message for r in results if not r.passed]
 
 
 @pytest.mark.parametrize("name", list(EXERCISES))
 def test_untouched_skeleton_fails(outcomes, name):
-    results = outcomes[name]["skeleton"]
+    results = list(outcomes[name]["skeleton"].values())
     assert results and not any(r.passed for r in results)
     assert "not implemented yet" in results[0].message
 
 
-def test_memory_names_the_tied_head(outcomes):
-    failed = [r for r in outcomes["memory"]["untied"] if not r.passed]
-    assert failed and "count it once" in failed[0].message
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_every_wrong_solution_fails(outcomes, name):
+    for mistake in WRONG[name]:
+        assert not all(r.passed for r in outcomes[name][mistake].values()), mistake
 
 
-def test_ring_refuses_the_builtin_all_reduce(outcomes):
-    results = outcomes["ring_allreduce"]["cheat"]
-    assert not any(r.passed for r in results)
-    assert "used all_reduce" in results[0].message
+def test_memory_names_the_mistake(outcomes):
+    assert "count it once" in failed(outcomes, "memory", "untied_head")
+    assert "off by -128) — the final layer norm ln_f" in failed(outcomes, "memory", "no_ln_f")
 
 
-def test_ring_counts_bytes_of_a_whole_tensor_ring(outcomes):
-    results = outcomes["ring_allreduce"]["whole_tensor"]
+def test_ring_names_the_builtin_and_the_whole_tensor_ring(outcomes):
+    assert "used all_reduce: build it from send and recv only" in failed(
+        outcomes, "ring_allreduce", "builtin")
     # right sums, but 3·S bytes per rank on 4 ranks instead of 1.5·S
-    first = results[0]
-    assert not first.passed and "sent 12,000 bytes" in first.message
-    assert "6,000" in first.message
+    message = failed(outcomes, "ring_allreduce", "whole_tensor")
+    assert "sent 12,000 bytes" in message and "6,000" in message
 
 
-def test_buckets_without_overlap_fail(outcomes):
-    results = {r.name: r for r in outcomes["buckets"]["no_overlap"]}
-    assert results["bucket_bytes=inf"].passed  # one bucket: nothing to overlap with
-    assert not results["bucket_bytes=0"].passed
-    assert "after backward returned" in results["bucket_bytes=0"].message
+def test_buckets_need_reverse_order_and_overlap(outcomes):
+    for mistake in ("forward_order", "from_last_hook", "in_wait"):
+        results = outcomes["buckets"][mistake]
+        message = failed(outcomes, "buckets", mistake, "bucket_bytes=0")
+        assert "0 all-reduce(s) of 0 B had started, hplab.ddp's" in message, mistake
+        assert "parameters in reverse" in message and "hook that completes it" in message
+        assert not results["bucket_bytes=20000"].passed, mistake
+    # one bucket: from the last hook is right; after backward returned is too late
+    assert outcomes["buckets"]["from_last_hook"]["bucket_bytes=inf"].passed
+    assert outcomes["buckets"]["forward_order"]["bucket_bytes=inf"].passed
+    assert "when backward returned, 0 all-reduce(s)" in failed(
+        outcomes, "buckets", "in_wait", "bucket_bytes=inf")
 
 
-def test_zero1_refuses_an_all_reduce(outcomes):
-    results = outcomes["zero1"]["all_reduce"]
-    assert not results[0].passed and "used all_reduce" in results[0].message
+def test_buckets_name_the_missing_division(outcomes):
+    for case in ("bucket_bytes=inf", "bucket_bytes=0"):
+        message = failed(outcomes, "buckets", "no_divide", case)
+        assert "not the global-batch average" in message and "2× too large: divide by n" in message
 
 
-def test_zero1_names_the_missing_division(outcomes):
-    results = outcomes["zero1"]["no_divide"]
-    assert not results[0].passed
-    assert "not my shard of the global-batch average" in results[0].message
-    assert "2× too large: divide by n" in results[0].message
+def test_zero1_names_the_all_reduce_and_the_missing_division(outcomes):
+    assert "used all_reduce: ZeRO-1 needs only a reduce-scatter" in failed(
+        outcomes, "zero1", "all_reduce")
+    message = failed(outcomes, "zero1", "no_divide")
+    assert "not my shard of the global-batch average" in message
+    assert "2× too large: divide by n" in message
 
 
-def test_tp_linear_without_f_gets_the_input_gradient_wrong(outcomes):
-    results = {r.name: r for r in outcomes["tp_linear"]["no_f"]}
+def test_tp_linear_names_a_missing_f_or_g(outcomes):
+    results = outcomes["tp_linear"]["no_f"]
     assert results["b=2 s=8 h=16: forward"].passed  # f does nothing in forward
-    failed = results["b=2 s=8 h=16: X.grad"]
-    assert not failed.passed and "f's backward must all-reduce" in failed.message
-    assert not results["b=2 s=8 h=16: communication"].passed
+    assert "f's backward must all-reduce" in failed(outcomes, "tp_linear", "no_f",
+                                                   "b=2 s=8 h=16: X.grad")
+    assert "backward: nothing" in failed(outcomes, "tp_linear", "no_f",
+                                         "b=2 s=8 h=16: communication")
+    assert "only this rank's partial sum: g must all-reduce it" in failed(
+        outcomes, "tp_linear", "no_g", "b=2 s=8 h=16: forward")
 
 
-def test_tp_linear_names_a_bias_added_before_g(outcomes):
-    results = {r.name: r for r in outcomes["tp_linear"]["bias_before_g"]}
-    failed = results["b=2 s=8 h=16: forward"]
-    assert not failed.passed and "add it once, after g" in failed.message
+def test_tp_linear_names_the_bias_and_a_reducing_g(outcomes):
+    assert "add it once, after g" in failed(outcomes, "tp_linear", "bias_before_g",
+                                            "b=2 s=8 h=16: forward")
+    assert outcomes["tp_linear"]["g_backward_reduces"]["b=2 s=8 h=16: forward"].passed
+    message = failed(outcomes, "tp_linear", "g_backward_reduces", "b=2 s=8 h=16: X.grad")
+    assert "2× too large: only f's backward all-reduces" in message
 
 
-def test_one_f_one_b_tells_gpipe_by_its_memory(outcomes):
-    failed = outcomes["one_f_one_b"]["gpipe"][0]
-    assert not failed.passed
+def test_one_f_one_b_names_wrong_warmup_counts(outcomes):
     assert "p=2, m=2: ranks hold at most [2, 2] microbatches' activations, 1F1B [2, 1]" in \
-        failed.message
+        failed(outcomes, "one_f_one_b", "gpipe")
+    message = failed(outcomes, "one_f_one_b", "one_warmup_too_many")
+    assert "ranks hold at most [2, 2]" in message and "too many forwards" in message
+    message = failed(outcomes, "one_f_one_b", "no_warmup")
+    assert "p=2, m=2: the step takes 8 time units, 1F1B 6" in message
+    assert "forwards before the first backward: [1, 1], 1F1B [2, 1]" in message
+    assert "schedule deadlocks" in failed(outcomes, "one_f_one_b", "warmup_by_rank")
+    assert "rank 1 runs B0.1 before its F" in failed(outcomes, "one_f_one_b", "backward_first")
 
 
-def test_one_f_one_b_without_warmup_is_slower(outcomes):
-    failed = outcomes["one_f_one_b"]["no_warmup"][0]
-    assert not failed.passed
-    assert "p=2, m=2: the step takes 8 time units, 1F1B 6" in failed.message
+def test_mesh_names_a_group_keyed_by_the_wrong_coordinates(outcomes):
+    assert outcomes["mesh"]["dp_groups_keyed_like_tp"]["coordinates"].passed
+    assert "rank 0's dp group is [0, 1], expected [0] (the ranks that share its tp and pp" in \
+        failed(outcomes, "mesh", "dp_groups_keyed_like_tp", "groups: dp")
+
+
+def test_planning_names_the_bubble_ratio_and_shows_the_memory_by_kind(outcomes):
+    results = outcomes["planning"]["bubble_ratio"]
+    assert results["model_state_bytes_per_gpu(zero=3, bf16)"].passed
+    message = failed(outcomes, "planning", "bubble_ratio", "bubble_fraction")
+    assert "pp=2, m=1: you say 1, the bubble fraction (p−1)/(m+p−1) is 0.5" in message
+    assert "that is the bubble ratio (p−1)/m" in message
+    assert outcomes["planning"]["grads_never_sharded"]["model_state_bytes_per_gpu(zero=1, bf16)"]\
+        .passed
+    assert "= 2 (params) + 0.6667 (grads) + 2.667 (optim) + 1.333 (master) bytes per " \
+        "parameter" in failed(outcomes, "planning", "grads_never_sharded",
+                              "model_state_bytes_per_gpu(zero=2, bf16)")
 
 
 def test_command_line_errors_are_one_line(capsys):
@@ -276,13 +236,6 @@ def test_command_line_errors_are_one_line(capsys):
     assert err.startswith("hplab: error: unknown exercise") and "\n" not in err
     assert main(["memory", "/nonexistent/file.py"]) == 2
     assert "no such file" in capsys.readouterr().err
-
-
-def test_planning_tells_the_two_bubble_definitions_apart(outcomes):
-    results = {r.name: r for r in outcomes["planning"]["step_fraction"]}
-    assert results["model_state_bytes_per_gpu(zero=3, bf16)"].passed
-    assert not results["bubble_fraction"].passed
-    assert "pp=2, m=1: you say 0.5, the planner 1" in results["bubble_fraction"].message
 
 
 def test_a_file_that_exits_fails_with_one_line(tmp_path, capsys):

@@ -17,9 +17,10 @@ How the checker uses it, on every rank (each rank has a different half of the ba
 
 It checks (with bucket_bytes = infinity, 0 and a size in between):
   * every p.grad equals the single-process gradient of the global batch (fp32, 1e-5);
-  * the number of all-reduce calls per step equals the number of buckets of the rule below;
-  * the all-reduced bytes per step equal the gradient bytes (each gradient sent exactly once);
-  * with more than one bucket, the first all-reduce starts *before* backward returns (overlap).
+  * the all-reduces you have started — how many, how many bytes — each time a gradient
+    arrives, when backward returns and after wait(), against the rule below: bucket j starts
+    from the gradient hook that completes it (once buckets 0 ... j-1 have started), so it
+    overlaps with the rest of backward; each gradient is sent exactly once.
 
 The bucket rule (the same as hplab/ddp.py): walk the parameters in *reverse* order (backward
 produces the last layers' gradients first); start a new bucket when adding the next parameter
@@ -43,8 +44,9 @@ class BucketedAllReduce:
         self.buckets = []  # lists of parameters, in the order backward fills them
         # 1. make the buckets with the rule above
         # 2. register a post-accumulate-grad hook on every parameter that notes its gradient
-        #    is ready and, when its bucket is complete, packs the bucket's gradients into one
-        #    flat tensor, divides it by comm.size and starts an asynchronous all-reduce
+        #    is ready and, when its bucket is complete (and the buckets before it have started),
+        #    packs the bucket's gradients into one flat tensor, divides it by comm.size and
+        #    starts an asynchronous all-reduce
         raise NotImplementedError("make the buckets and register the gradient hooks")
 
     def wait(self) -> None:

@@ -21,7 +21,9 @@ def model_state_bytes_per_gpu(psi: float, dp: int, zero: int, precision: str) ->
 
 
 def bubble_fraction(pp: int, microbatches: int) -> float:
-    """Idle time of a GPipe or 1F1B pipeline relative to its useful time ([PTD-P] Sec. 2.2):
-    with p stages and m microbatches, each stage waits p - 1 slots at the start and end of the
-    step for m slots of work. (pp = 1: no pipeline, no bubble.)"""
-    raise NotImplementedError("the ratio of idle slots to working slots")
+    """The bubble fraction of a GPipe or 1F1B pipeline: the share of the step a stage sits
+    idle, the curve `hplab.viz.plot_bubble_fraction` draws ([PTD-P] Sec. 2.2). With p stages
+    and m microbatches, each stage works m slots and waits p - 1 slots while the pipeline fills
+    and drains. (The paper writes the bubble relative to the useful time instead: that is the
+    *bubble ratio*, another number. pp = 1: no pipeline, no bubble.)"""
+    raise NotImplementedError("the idle slots' share of all the slots of a step")

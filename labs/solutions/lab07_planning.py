@@ -10,4 +10,5 @@ def model_state_bytes_per_gpu(psi, dp, zero, precision):
 
 
 def bubble_fraction(pp, microbatches):
-    return (pp - 1) / microbatches
+    """p − 1 idle slots out of the m + p − 1 slots of a step."""
+    return (pp - 1) / (microbatches + pp - 1)
