@@ -41,7 +41,7 @@ from hplab.formulas import (HPLAB_PRESETS, PRECISION_BYTES, SCHEDULES,  # noqa: 
                             collective_time_s, flops_per_step, gpt_num_params,
                             in_flight_microbatches, model_state_bytes)
 
-bubble_fraction = bubble_ratio  # lab 07's checker's name for the ratio (p−1)/m, idle / compute
+bubble_fraction = bubble_ratio  # old name of the *ratio* (p−1)/m: not formulas.bubble_fraction
 GB, GIB = 1e9, 2**30
 
 # --- 1. The model, the cluster and the efficiency assumptions --------------------------------

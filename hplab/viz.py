@@ -142,7 +142,7 @@ def plot_zero_memory(num_params: float, world_sizes=(1, 2, 4, 8, 16, 32, 64),
 
 
 def plot_bubble_fraction(pp: int, max_microbatches: int = 32, highlight: int = 0, ax=None):
-    """1F1B's pipeline bubble (p−1)/(m+p−1) of the step time against microbatches m (formula,
+    """1F1B's bubble fraction, (p−1)/(m+p−1) of the step time, against microbatches m (formula,
     [PTD-P] Sec. 2.2: idle (p−1) slots out of m+p−1; `formulas.bubble_fraction`)."""
     ax, ms = _axes(ax), list(range(1, max_microbatches + 1))
     for p in sorted({2, 4, 8, pp}):
@@ -152,7 +152,7 @@ def plot_bubble_fraction(pp: int, max_microbatches: int = 32, highlight: int = 0
         y = bubble_fraction("1f1b", pp, highlight)
         ax.plot([highlight], [y], "k*", ms=14, label=f"pp={pp}, m={highlight}: {y:.0%} idle")
     return _finish(ax, xlabel="microbatches per step m", ylabel="idle fraction of the step",
-                   title="Pipeline bubble (1f1b), formula (p−1)/(m+p−1)", ylim=(0, 1))
+                   title="Pipeline bubble fraction (1f1b): (p−1)/(m+p−1)", ylim=(0, 1))
 
 
 def _pipeline(run_or_metrics) -> dict:  # the metrics file's `pipeline` entry
@@ -291,7 +291,7 @@ def plot_pipeline_bubbles(runs: dict, ax=None):
     ax.set_xticks(range(len(runs)), list(runs), rotation=20, ha="right", fontsize=8)
     return _finish(ax, dict(axis="y"), dict(fontsize=7, loc="upper left"), ylim=(0, 1.3),
                    ylabel="idle fraction of the step (bars: mean over ranks)",
-                   title="Pipeline bubble: measured, replayed, formula")
+                   title="Pipeline bubble fraction: measured, replayed, formula")
 
 
 def plot_timeline(trace, ax=None, during=("backward",)):
