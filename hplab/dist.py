@@ -58,7 +58,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     its own GPU when each local rank can have one, else the CPU. Without torchrun it forms a
     group of one. `backend` overrides the choice (e.g. "gloo" on a GPU machine)."""
     if not dist.is_initialized():
-        die_with_launcher()
+        if "LOCAL_RANK" in os.environ:  # torchrun's worker; `train.py --nproc` asked at start
+            die_with_launcher()
         for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                                MASTER_PORT=str(free_port())).items():
             os.environ.setdefault(key, value)
@@ -83,11 +84,14 @@ def new_group(ranks: list[int]):
     return dist.new_group(ranks, timeout=TIMEOUT)
 
 
-def die_with_launcher() -> None:
-    """A worker started by a launcher (torchrun, `train.py --nproc`: they set LOCAL_RANK) must
-    not outlive it: ask Linux to kill this process when its parent dies (PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux") and "LOCAL_RANK" in os.environ:
+def die_with_launcher(launcher_pid: int = 1) -> None:
+    """A worker started by a launcher (torchrun, `train.py --nproc`) must not outlive it: ask
+    Linux to kill this process when its parent dies (PR_SET_PDEATHSIG). A parent that died
+    before we asked has left us to init (pid 1) or, when known, is no longer `launcher_pid`."""
+    if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() == 1 or launcher_pid not in (1, os.getppid()):
+            os._exit(1)
 
 
 def import_before_the_group_exists() -> None:

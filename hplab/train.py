@@ -20,6 +20,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: import hplab 
     sys.path[:] = [str(here.parent)] + [p for p in sys.path if p not in ("", str(here))]
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -271,7 +272,7 @@ def launch(args, argv: list[str]) -> int:
     import signal
     import subprocess
 
-    from hplab.dist import free_port
+    from hplab.dist import die_with_launcher, free_port
 
     i = argv.index("--nproc") if "--nproc" in argv else None  # the workers' argv: no --nproc
     rest = argv[:i] + argv[i + 2:] if i is not None else [a for a in argv if a[:8] != "--nproc="]
@@ -280,6 +281,7 @@ def launch(args, argv: list[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")  # N processes share the cores, as under torchrun
     workers = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *rest],
                                 env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                preexec_fn=functools.partial(die_with_launcher, os.getpid()),
                                 start_new_session=True)  # Ctrl-C reaches only this launcher
                for r in range(args.nproc)]
 

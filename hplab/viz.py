@@ -132,12 +132,13 @@ def plot_zero_memory(num_params: float, world_sizes=(1, 2, 4, 8, 16, 32, 64),
         (stage, n), y = highlight, gib(*highlight)
         ax.plot([n], [y], "k*", ms=14, label=f"stage {stage}, N_d={n}: {y:.1f} GiB")
     if device_bytes:
-        ax.axhline(device_bytes / GiB, color="red", lw=1, label="device memory")
+        ax.axhline(device_bytes / GiB, color="red", lw=1, label=f"device memory: "
+                   f"{device_bytes / 1e9:.0f} GB = {device_bytes / GiB:.1f} GiB")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(world_sizes), [str(n) for n in world_sizes])
     return _finish(ax, dict(which="both"), dict(fontsize=8), yscale="log",
                    xlabel="data-parallel size N_d", ylabel="model states per device (GiB)",
-                   title=f"ZeRO memory, formula: Ψ = {num_params / 1e9:.2g} B params, "
+                   title=f"ZeRO memory, formula: Ψ = {num_params / 1e9:.4g} billion params, "
                          f"{precision} + Adam")
 
 
@@ -197,15 +198,17 @@ def simulated_costs(pipeline: dict, per_chunk: bool = False) -> dict:
     median of each model chunk (real stages differ: the last runs the LM head and the loss),
     and `latency`, the median delay from a send to the end of the wait it ended."""
     events = [e for rank in pipeline["trace"] for e in rank]
+
+    def seconds(kind: str, chunk: int | None = None) -> list[float]:
+        return [e["end_s"] - e["start_s"] for e in events
+                if e["kind"] == kind and chunk in (None, e["chunk"])]
+
     if not per_chunk:
-        durations = {k: [e["end_s"] - e["start_s"] for e in events if e["kind"] == k] for k in "FBW"}
-        return {k.lower(): sum(d) / len(d) * pipeline.get("virtual_stages", 1) if d else 0.0
-                for k, d in durations.items()}
+        v = pipeline.get("virtual_stages", 1)
+        return {k.lower(): sum(d) / len(d) * v if (d := seconds(k)) else 0.0 for k in "FBW"}
     chunks = range(1 + max(e["chunk"] for e in events))
-    costs = {k.lower(): [median([e["end_s"] - e["start_s"] for e in events
-                                 if (e["kind"], e["chunk"]) == (k, c)] or [0.0]) for c in chunks]
-             for k in "FBW"}
-    return {**costs, "latency": median(_message_delays(pipeline["trace"]) or [0.0])}
+    return {**{k.lower(): [median(seconds(k, c) or [0.0]) for c in chunks] for k in "FBW"},
+            "latency": median(_message_delays(pipeline["trace"]) or [0.0])}
 
 
 def _message_delays(trace: list[list[dict]]) -> list[float]:

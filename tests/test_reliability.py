@@ -56,7 +56,8 @@ def tagged_processes(tag: str) -> list[int]:
     return pids
 
 
-def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int = 8):
+def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int = 8,
+                   settle_s: float = 3):
     """A 2-process training run that would take minutes; returns (launcher, worker pids)."""
     args = ["--steps", "100000", "--no-progress", *flags]
     cmd = torchrun_command(2, TRAIN, *args) if torchrun else [
@@ -69,7 +70,7 @@ def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int
     while len(workers := tagged_processes(tag)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(workers) == 2, "the workers did not start"
-    time.sleep(3)  # into training
+    time.sleep(settle_s)  # into training
     return launcher, workers
 
 
@@ -149,10 +150,13 @@ def test_a_killed_rank_is_named_and_the_job_ends():
 
 
 @LINUX
+@pytest.mark.parametrize("settle_s", [3, 0], ids=["training", "starting"])
 @pytest.mark.parametrize("torchrun", [False, True], ids=["--nproc", "torchrun"])
-def test_workers_die_with_their_launcher(torchrun):
+def test_workers_die_with_their_launcher(torchrun, settle_s):
+    """Also when the launcher dies while its workers are still importing torch (before they
+    could ask for PR_SET_PDEATHSIG): they used to train on, orphaned, for good."""
     tag = uuid.uuid4().hex
-    launcher, workers = start_training(tag, torchrun=torchrun)
+    launcher, workers = start_training(tag, torchrun=torchrun, settle_s=settle_s)
     launcher.kill()  # SIGKILL: the launcher cannot pass anything on
     launcher.communicate()
     assert wait_gone(workers, 15) == [], "workers outlived their launcher"
