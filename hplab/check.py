@@ -234,22 +234,23 @@ def gpt_reference(steps: int, lr: float = 0.0) -> SimpleNamespace:
 
 
 def launch_problem(started: list, params: list, arrived: list, bucket_bytes: float) -> str | None:
-    """Where the (all-reduces, bytes) started before each gradient hook, when backward returned
-    and after wait() first differ from hplab.ddp's: bucket j (parameters in reverse) started by
-    the hook that completes it, once buckets 0 ... j-1 have started."""
-    ready, buckets = {id(p): k + 1 for k, p in enumerate(arrived)}, bucket_params(
-        params, bucket_bytes / 2**20)
+    """Where the (all-reduces, bytes) started — as each gradient arrived, when backward returned,
+    after wait() — first differ from hplab.ddp's: bucket j (parameters in reverse) starts in the
+    hook of its last gradient, once buckets 0 ... j-1 have started."""
+    ready = {id(p): k + 1 for k, p in enumerate(arrived)}  # hooks run once p's has
+    buckets = bucket_params(params, bucket_bytes / 2**20)
     at = list(itertools.accumulate((max(ready[id(p)] for p in b) for b in buckets), max))
-    rule = [(sum(t <= k for t in at), sum(p.nbytes for b, t in zip(buckets, at) if t <= k
-                                          for p in b)) for k in range(len(started))]
-    k, P = next((k for k, (a, b) in enumerate(zip(started, rule)) if a != b), None), len(params)
-    return k is not None and (
-        (f"when {k} of {P} gradients were ready" if k < P else ("when backward returned",
-                                                                 "after wait()")[k - P])
-        + f", {started[k][0]} all-reduce(s) of {started[k][1]:,} B had started, hplab.ddp's "
-        f"{rule[k][0]} of {rule[k][1]:,} B — its buckets take the parameters in reverse "
-        "(backward produces the last layers' gradients first), each started by the hook that "
-        "completes it")
+    for k, mine in enumerate(started):  # k: the learner's hooks that have run
+        want = (sum(t <= k for t in at), sum(p.nbytes for b, t in zip(buckets, at) if t <= k
+                                             for p in b))
+        if mine != want:
+            when = (f"when gradient {k + 1} of {len(params)} arrived" if k < len(params) else
+                    ("when backward returned", "after wait()")[k - len(params)])
+            return (f"{when}, {mine[0]} all-reduce(s) of {mine[1]:,} B had started, hplab.ddp's "
+                    f"{want[0]} of {want[1]:,} B — its buckets take the parameters in reverse "
+                    "(backward produces the last layers' gradients first), each started by the "
+                    "hook that completes it")
+    return None
 
 
 def check_buckets(module, report: Report, ref: SimpleNamespace) -> None:
@@ -259,7 +260,6 @@ def check_buckets(module, report: Report, ref: SimpleNamespace) -> None:
     for bucket_bytes in (math.inf, 0, 20_000):
         report.label = label = f"bucket_bytes={bucket_bytes}"  # an exception ends the file
         params = list((model := build_model(ref.config, seed=0)).parameters())
-        arrived, started = [], []  # per gradient hook: the (all-reduces, bytes) started before it
 
         def observe(param):  # registered before the learner's hooks: runs before theirs
             started.append(ops_used(ref.mesh.ledger).get("all_reduce", (0, 0)))
@@ -271,8 +271,7 @@ def check_buckets(module, report: Report, ref: SimpleNamespace) -> None:
         for step, rows in enumerate(ref.rows):
             model.zero_grad()
             ref.mesh.ledger.reset()
-            arrived.clear()
-            started.clear()
+            arrived, started = [], []  # per gradient hook: the (all-reduces, bytes) before it
             model(*rows)[1].backward()
             observe(None)  # when backward returned
             sync.wait()
