@@ -65,22 +65,19 @@ def demo(comm) -> dict:
 
 
 def inside(comm, op: str, *message) -> list[str]:
-    """What the backend really runs for one call (torch.profiler): its own collectives and
-    the copies around them (gloo's reduce-scatter turns out to be a whole all-reduce)."""
-    from torch.profiler import profile
-
-    with profile() as prof:
+    """What the backend really runs for one call (torch.profiler): its own collectives and the
+    copies around them (gloo's reduce-scatter turns out to be a whole all-reduce)."""
+    with torch.profiler.profile() as prof:
         one_call(comm, op, *message)
     return sorted({e.key for e in prof.key_averages() if e.key.startswith("gloo:")
                    or e.key in ("aten::clone", "aten::copy_", "aten::cat", "aten::add_")})
 
 
 def waited_for_a_core_s() -> float:
-    """Seconds this process's threads have spent ready to run but waiting for a free core
-    (Linux's /proc schedstat; 0 where it does not exist): what oversubscription costs."""
-    tasks = Path("/proc/self/task")
-    return sum(int((t / "schedstat").read_text().split()[1]) for t in tasks.iterdir()
-               if (t / "schedstat").exists()) / 1e9 if tasks.exists() else 0.0
+    """Seconds this process's threads spent ready to run but waiting for a free core (Linux's
+    schedstat; 0 elsewhere): what running more processes than cores costs."""
+    threads = Path("/proc/self/task").glob("*/schedstat")
+    return sum(int(t.read_text().split()[1]) for t in threads) / 1e9
 
 
 def time_call(comm, op: str, *message) -> float:
@@ -111,8 +108,8 @@ def main(argv=None) -> int:
     mesh = Mesh.create(dp=n, device=init_distributed())
     comm = mesh.world
     sizes = [args.min_bytes << k for k in range((args.max_bytes // args.min_bytes).bit_length())]
-    buffer, inbox = torch.ones(args.max_bytes // 4, device=comm.device), torch.empty(
-        args.max_bytes // 4, device=comm.device)
+    buffer = torch.ones(args.max_bytes // 4, device=comm.device)
+    inbox = torch.empty_like(buffer)
     shown = demo(comm)
     runs = {op: inside(comm, op, buffer, buffer[:buffer.numel() // n].clone(), inbox)
             for op in args.ops}

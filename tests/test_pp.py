@@ -126,6 +126,30 @@ def test_simulated_in_flight_microbatches():
             assert zb.in_flight_max(r) <= p  # held until W; 1F1B's peak (rank 0)
 
 
+def test_replay_of_a_measured_step_uses_its_stage_costs_and_message_delay():
+    """A hand-made GPipe trace, p=2, m=1, with unequal stages (F 1 and 2 time units) and
+    messages that arrive 0.5 after their send: the costs read back from it are exactly those,
+    and replaying them in the simulator gives back the trace's own bubbles (2/3 and 1/2)."""
+    from hplab import viz
+
+    def event(kind, start, end, chunk, mb=0):
+        return dict(kind=kind, microbatch=mb, chunk=chunk, start_s=start, end_s=end)
+
+    trace = [[event("F", 0, 1, 0), event("send", 1, 1, 0), event("recv", 1, 5, 0),
+              event("B", 5, 6, 0)],
+             [event("recv", 0, 1.5, 1), event("F", 1.5, 3.5, 1), event("B", 3.5, 4.5, 1),
+              event("send", 4.5, 4.5, 1)]]
+    run = {"pipeline": dict(schedule="gpipe", stages=2, microbatches=1, virtual_stages=1,
+                            trace=trace)}
+    costs = viz.simulated_costs(run["pipeline"], per_chunk=True)
+    assert costs == dict(f=[1, 2], b=[1, 1], w=[0.0, 0.0], latency=0.5)
+    measured = [pp.measured_bubble(events, 0.0, 6.0) for events in trace]
+    assert viz.replayed_bubbles(run) == pytest.approx(measured) == [2 / 3, 1 / 2]
+    plans = pp.build_schedule("interleaved", 2, 4, 2)  # a list gives each of the 4 chunks' cost
+    assert pp.simulate(plans, f=[0.5] * 4, b=[1] * 4, w=[0] * 4).makespan == \
+        pp.simulate(plans, f=1, b=2, w=0).makespan  # a number: a whole stage's, v chunks share it
+
+
 def test_schedule_errors_are_clear():
     with pytest.raises(pp.PipelineError, match="multiple of 4"):
         pp.build_schedule("interleaved", 4, 6, 2)
