@@ -181,7 +181,8 @@ def train(nproc: int = 1, progress: bool = True, timeout_s: float = 600.0,
     """Run `torchrun --nproc_per_node nproc hplab/train.py` with `flags` (python names:
     `bucket_mb=1` is `--bucket-mb 1`, `recompute=True` is `--recompute`) and return its Run.
     `trace=True` (or a folder) adds `--trace` (a new temporary folder): see `Run.timeline()`."""
-    shown = _flags({k: v for k, v in flags.items() if k in ("dp", "tp", "pp", "zero", "bucket_mb")})
+    shown = _flags({k: v for k, v in flags.items() if k not in ("steps", "batch_size", "save",
+                                                                "resume", "metrics", "seed")})
     label = " ".join([f"train.py on {nproc} process{'es' if nproc > 1 else ''}", *shown])
     trace = tempfile.mkdtemp(prefix="hplab-trace-") if trace is True else trace or None
     args = _flags({k: v for k, v in flags.items() if k != "metrics"} | {"trace": trace})
