@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 SPAN_KINDS = {"forward": "forward", "wait": "wait", "step": "step",
@@ -39,20 +41,15 @@ class Recorder:
 
     @contextlib.contextmanager
     def step(self, step: int):
-        import torch
-        from torch.profiler import ProfilerActivity, profile, record_function
+        from torch.profiler import profile, record_function
 
-        if step not in self.window:
-            yield
-            return
-        if step == self.window[0]:
+        if step in self.window[:1]:
             self.hooks = [h for name, m in self.modules for h in label_forward(m, name)]
-            self.profiler = profile(activities=[ProfilerActivity.CPU] + (
-                [ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
+            self.profiler = profile()  # the CPU, and the GPU where there is one
             self.profiler.start()
-        with record_function(f"step {step}"):
+        with record_function(f"step {step}") if step in self.window else contextlib.nullcontext():
             yield
-        if step == self.window[-1]:
+        if step in self.window[-1:]:
             self.profiler.stop()
             for hook in self.hooks:
                 hook.remove()
@@ -76,51 +73,49 @@ def label_forward(module, name: str) -> list:
 
 def is_trace_folder(path: Path) -> bool:
     """Whether `path` holds nothing but Chrome traces named rank<N>.json (a previous --trace)."""
-    def is_trace(file: Path) -> bool:
-        with contextlib.suppress(ValueError, OSError):
-            return file.stem[4:].isdigit() and "traceEvents" in json.loads(file.read_text())
-        return False
-    return all(f.name.startswith("rank") and is_trace(f) for f in path.iterdir())
+    with contextlib.suppress(ValueError, OSError, TypeError):  # unreadable, not JSON, not a dict
+        return all(re.fullmatch(r"rank\d+\.json", f.name) and "traceEvents" in json.loads(
+            f.read_text()) for f in path.iterdir())
+    return False
 
 
 def read_timeline(directory) -> list[list[dict]]:
     """Per rank, its spans `{kind, name, start_s, end_s}` (kind: step, forward, backward, wait,
     comm), seconds from the earliest event of any rank (one machine: one clock). A comm span is
     named by the Communicator's launch it belongs to, its bucket numbered within the step."""
-    first = Path(directory) / "rank0.json"
-    if not first.is_file():
+    if not (Path(directory) / "rank0.json").is_file():
         raise ValueError(f"{directory}: no rank0.json (write traces with train.py --trace DIR)")
-    world = json.loads(first.read_text()).get("distributedInfo", {}).get("world_size", 1)
-    ranks = []
-    for rank in range(world):
-        events = sorted((e for e in json.loads((Path(directory) / f"rank{rank}.json").read_text())
-                         ["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
-        if any(e.get("cat") == "kernel" for e in events):
-            raise ValueError(f"{directory} holds GPU traces: open them in ui.perfetto.dev (the "
-                             "timeline's spans are read from CPU / gloo runs)")
-        spans, launches, numbers = [], [], {}
-        for e in events:
-            name, start = e["name"], e["ts"] / 1e6
-            kind = next((k for p, k in SPAN_KINDS.items() if name.startswith(p)), None)
-            if kind is None and e.get("cat") == "user_annotation" and name.startswith(COMM_OPS):
-                kind = "launch"  # the Communicator's range: "all_reduce dp 262,144 B"
-                launches.append(name)
-            if kind == "step":
-                numbers = {}  # buckets are numbered within a step
-            if kind == "comm":  # named after the first launch of its op not yet matched
-                ops = RUN_AS.get(name[5:], name[5:])
-                i = next((i for i, la in enumerate(launches) if la.startswith(ops)), None)
-                launch = name[5:] if i is None else launches.pop(i)
-                key = " ".join(launch.split()[:2])
-                numbers[key] = numbers.get(key, 0) + 1
-                name = f"{launch} #{numbers[key]}"
-            if kind:
-                spans.append(dict(kind=kind, name=name, start_s=start,
-                                  end_s=start + e.get("dur", 0) / 1e6))
-        ranks.append(spans)
-    t0 = min((s["start_s"] for spans in ranks for s in spans), default=0.0)
-    return [[{**s, "start_s": s["start_s"] - t0, "end_s": s["end_s"] - t0} for s in spans]
-            for spans in ranks]
+    read = lambda rank: json.loads((Path(directory) / f"rank{rank}.json").read_text())  # noqa
+    world = read(0).get("distributedInfo", {}).get("world_size", 1)
+    ranks = [[e for e in read(rank)["traceEvents"] if e.get("ph") == "X"] for rank in range(world)]
+    if any(e.get("cat") == "kernel" for events in ranks for e in events):
+        raise ValueError(f"{directory} holds GPU traces: open them in ui.perfetto.dev (the "
+                         "timeline's spans are read from CPU / gloo runs)")
+    t0 = min((e["ts"] for events in ranks for e in events), default=0.0)
+    return [_spans(sorted(events, key=lambda e: e["ts"]), t0) for events in ranks]
+
+
+def _spans(events: list[dict], t0: float) -> list[dict]:
+    """One rank's spans from its events in time order; t0: the time (µs) they count from."""
+    spans, launches, numbers = [], [], Counter()
+    for e in events:
+        name = e["name"]
+        kind = next((k for p, k in SPAN_KINDS.items() if name.startswith(p)), None)
+        if kind is None and e.get("cat") == "user_annotation" and name.startswith(COMM_OPS):
+            kind = "launch"  # the Communicator's range: "all_reduce dp 262,144 B"
+            launches.append(name)
+        if kind == "step":
+            numbers.clear()  # buckets are numbered within a step
+        if kind == "comm":  # named after the first launch of its op not yet matched
+            ops = RUN_AS.get(name[5:], name[5:])
+            i = next((i for i, la in enumerate(launches) if la.startswith(ops)), None)
+            launch = name[5:] if i is None else launches.pop(i)
+            numbers[key := " ".join(launch.split()[:2])] += 1
+            name = f"{launch} #{numbers[key]}"
+        if kind:
+            spans.append(dict(kind=kind, name=name, start_s=(e["ts"] - t0) / 1e6,
+                              end_s=(e["ts"] + e.get("dur", 0) - t0) / 1e6))
+    return spans
 
 
 def _union(spans) -> list[tuple[float, float]]:
