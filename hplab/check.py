@@ -60,10 +60,9 @@ def differs(got, expected, n: int = 1) -> str | None:
         return None
     err = (got - expected).abs().nan_to_num(math.inf)
     index = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
-    too_large = n > 1 and not differs(got, n * expected)
     return (f"{bad} of {expected.numel()} elements differ; worst at {list(index)}: got "
-            f"{float(got[index]):.6g}, expected {float(expected[index]):.6g}"
-            + f" — it is {n}× too large: divide by n" * too_large)
+            f"{float(got[index]):.6g}, expected {float(expected[index]):.6g}" + f" — it is {n}× "
+            "too large: divide by n" * (n > 1 and not differs(got, n * expected)))
 
 
 def first_wrong(named: dict, expected: list, what: str, n: int = 1) -> str | None:
@@ -98,7 +97,6 @@ class Report:
 
     @contextmanager
     def case(self, label: str):
-        """Run one case; an exception from the learner's code fails it with one line."""
         self.label = label
         try:
             yield
@@ -188,9 +186,8 @@ def gpt_reference(mesh: Mesh, steps: int, lr: float = 0.0) -> SimpleNamespace:
     like a reduce-scatter adds them) and the params after AdamW with `lr`."""
     n, r = mesh.world.size, mesh.world.rank
     config = config_from_preset("tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16)
-    batches = [torch.randint(0, config.vocab_size, (n, 2, config.n_positions + 1),
-                             generator=torch.Generator().manual_seed(step))
-               for step in range(steps)]  # [step][rank]: 2 sequences of inputs + next token
+    batches = torch.randint(0, config.vocab_size, (steps, n, 2, config.n_positions + 1),
+                            generator=torch.Generator().manual_seed(0))  # + the next token
     model = build_model(config, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=False)
     grads, params = [], []
@@ -221,7 +218,6 @@ def launch_problem(started: list, params: list, arrived: list, bucket_bytes: flo
             return (f"{when}, {mine[0]} all-reduce(s) of {mine[1]:,} B had started, hplab.ddp's "
                     f"{want[0]} of {want[1]:,} B — it takes the parameters in reverse (backward's"
                     " order) and starts each bucket from the hook that completes it")
-    return None
 
 
 def check_buckets(module, report: Report, mesh: Mesh) -> None:
@@ -254,9 +250,8 @@ def check_buckets(module, report: Report, mesh: Mesh) -> None:
                                       "average", mesh.world.size) or \
                     launch_problem(started, params, arrived[:len(params)], bucket_bytes):
                 break
-        report.add(problem and f"step {step + 1}: {problem}", f"gradients equal one process's; "
-                   f"{started[-1][0]} all-reduce(s) of {started[-1][1]:,} B per step, each "
-                   "started by the gradient hook that completes its bucket")
+        report.add(problem and f"step {step + 1}: {problem}", "gradients equal one process's; "
+                   f"{started[-1][0]} bucket(s), {started[-1][1]:,} B, each sent by its last hook")
 
 
 def check_zero1(module, report: Report, mesh: Mesh) -> None:
@@ -353,8 +348,8 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
     if not isinstance(mine, (list, tuple)) or len(mine) != p:
         return f"{where}: expected a list of {p} per-rank orders, got {mine!r:.80}"
     orders = [[tuple(a) for a in mine[r]] for r in range(p)]
-    work = Counter((kind, i) for kind in ("F", "B") for i in range(m))
-    for r, order in enumerate(orders):
+    reference = [[a[:2] for a in order] for order in schedule.one_f_one_b_order(p, m)]
+    for r, (order, work) in enumerate(zip(orders, map(Counter, reference))):
         wrong = {"missing": work - Counter(order), "extra": Counter(order) - work}  # or unknown
         if any(wrong.values()):
             return (f"{where}, rank {r}: every rank runs F and B of each microbatch exactly "
@@ -370,7 +365,6 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
     warm = [next((k for k, (kind, _) in enumerate(o) if kind == "B"), m) for o in orders]
     counts = (f" — forwards before the first backward: {warm}, 1F1B {limit} (p-1-r warm-up "
               "forwards and one more)") * (warm != limit)
-    reference = [[a[:2] for a in order] for order in schedule.one_f_one_b_order(p, m)]
     return first([
         run.makespan > best.makespan and f"{where}: the step takes {run.makespan:g} time units, "
         f"1F1B {best.makespan:g} (= 2(m+p-1)): too few forwards in flight" + counts,
@@ -509,8 +503,7 @@ def check_files(name: str, paths: list[str], limit_s: float) -> list[list[Result
                 module.__dict__.update(runpy.run_path(path))
                 exercise.check(module, report, *mesh)
         except CheckTimeout:
-            report.add(f"did not finish in {limit_s:g} s — an endless loop, or a rank waiting for"
-                       " the others?", "")
+            report.add(f"did not finish in {limit_s:g} s: an endless loop, or ranks waiting?", "")
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         out.append(report.results)
@@ -519,16 +512,13 @@ def check_files(name: str, paths: list[str], limit_s: float) -> list[list[Result
 
 
 def _merge(per_rank: list[list[Result]]) -> list[Result]:
-    """Rank 0's cases, each failed when it failed on any rank (the first one's message)."""
-    failing = [[k for k, rows in enumerate(per_rank) if c < len(rows) and not rows[c].passed]
-               for c in range(len(per_rank[0]))]
-    return [Result(r.name, False, f"{per_rank[f[0]][c].message} (rank{'s' * (len(f) > 1)} "
-                   f"{', '.join(map(str, f))})") if f else r
-            for c, (r, f) in enumerate(zip(per_rank[0], failing))]
+    """Rank 0's cases, each failed when it failed on any rank (the first such rank's message)."""
+    return [next((Result(r.name, False, f"{rows[c].message} (rank {k})") for k, rows in
+                  enumerate(per_rank) if c < len(rows) and not rows[c].passed), r)
+            for c, r in enumerate(per_rank[0])]
 
 
-def run_check(name: str, paths: list[str | Path],
-              limit_s: float = FILE_LIMIT_S) -> list[list[Result]]:
+def run_check(name: str, paths: list[str | Path], limit_s: float = FILE_LIMIT_S) -> list:
     """Per file, its Results: several files of one exercise in one launch (ValueError: no such
     exercise or file)."""
     if name not in EXERCISES:
@@ -542,9 +532,8 @@ def run_check(name: str, paths: list[str | Path],
         by_rank = run_distributed(check_files, nproc, name, paths, limit_s,
                                   timeout_s=limit_s * len(paths) + 60)
     except (TimeoutError, RuntimeError) as err:  # a process died or hung outside the limit
-        line = str(err).strip().splitlines()[-1]
-        return [[Result("run", False, f"the {nproc}-process check ended early: {line}")]
-                for _ in paths]
+        line = f"the {nproc}-process check ended early: {str(err).strip().splitlines()[-1]}"
+        return [[Result("run", False, line)] for _ in paths]
     return [_merge(per_rank) for per_rank in zip(*by_rank)]
 
 
