@@ -53,8 +53,7 @@ def differs(got, expected, n: int = 1) -> str | None:
     """None when tensor `got` equals `expected` up to fp32 rounding (RTOL, ATOL), else what
     differs: 'k of N elements differ; worst at [i, j]: got a, expected b' (or: n × too large)."""
     if got is None or got.shape != expected.shape:
-        return "it is None" if got is None else (f"shape {tuple(got.shape)}, expected "
-                                                 f"{tuple(expected.shape)}")
+        return "it is None" if got is None else f"shape {[*got.shape]}, not {[*expected.shape]}"
     got, expected = got.detach().double(), expected.detach().double()
     if not (bad := int((~torch.isclose(got, expected, RTOL, ATOL)).sum())):
         return None
@@ -84,10 +83,9 @@ def collectives(mesh: Mesh, run, *args) -> tuple:
 
 
 class Report:
-    """One file's Results. `with report.case(label):` runs one case: an exception from the
-    learner's code (SystemExit too) fails it, and the next case runs. On several processes the
-    others could be left waiting: a distributed check only sets `report.label`, and an exception
-    ends the file's check, failing that case (check_files)."""
+    """One file's Results. `with report.case(label):` runs a case: an exception from the learner's
+    code (SystemExit too) fails it, and the next case runs. A distributed check (other ranks could
+    be left waiting) only sets `report.label`: an exception ends the file's check (check_files)."""
 
     def __init__(self, path: str, hint: str):  # hint: what a CommTimeout usually means
         self.path, self.hint, self.results, self.label = path, hint, [], "import"
@@ -181,9 +179,8 @@ def check_ring(module, report: Report, mesh: Mesh) -> None:
 # --- labs 02 and 03: a tiny GPT trained on n ranks against one process -----------------------
 
 def gpt_reference(mesh: Mesh, steps: int, lr: float = 0.0) -> SimpleNamespace:
-    """`steps` global batches of 2 sequences per rank (`rows`: this rank's) and one process's
-    result on each: the global-batch gradient (each rank's loss / n, accumulated in rank order
-    like a reduce-scatter adds them) and the params after AdamW with `lr`."""
+    """`steps` batches of 2 sequences per rank (`rows`: this rank's) and one process's result on
+    each: the global-batch gradient (each rank's loss / n, in rank order) and params after AdamW."""
     n, r = mesh.world.size, mesh.world.rank
     config = config_from_preset("tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16)
     batches = torch.randint(0, config.vocab_size, (steps, n, 2, config.n_positions + 1),
@@ -221,9 +218,8 @@ def launch_problem(started: list, params: list, arrived: list, bucket_bytes: flo
 
 
 def check_buckets(module, report: Report, mesh: Mesh) -> None:
-    """One bucket, one per parameter, a middle size: one process's gradients, and the
-    all-reduces of hplab.ddp's rule (buckets in reverse parameter order), each started by the
-    gradient hook that completes its bucket: the overlap with backward."""
+    """One bucket, one per parameter, a middle size: one process's gradients, and all-reduces
+    as hplab.ddp starts them (buckets in reverse order, each by the hook that completes it)."""
     ref = gpt_reference(mesh, steps=2)
     for bucket_bytes in (math.inf, 0, 20_000):
         report.label = f"bucket_bytes={bucket_bytes}"  # an exception ends the file
@@ -259,8 +255,7 @@ def check_zero1(module, report: Report, mesh: Mesh) -> None:
     the params, Adam state 2 × Ψ/n, one reduce-scatter and one all-gather of the padded buffer."""
     lr, n, r = 1e-2, mesh.world.size, mesh.world.rank
     ref = gpt_reference(mesh, steps=3, lr=lr)
-    model = build_model(ref.config, seed=0)
-    numel = sum(p.numel() for p in model.parameters())
+    model, numel = build_model(ref.config, seed=0), sum(g.numel() for g in ref.grads[0])
     shard, flat_bytes = math.ceil(numel / n), 4 * n * math.ceil(numel / n)  # padded, fp32
     report.label = "ZeRO1(params, comm, lr)"  # an exception ends the file's check (see Report)
     opt = module.ZeRO1(list(model.parameters()), mesh.world, lr=lr)
@@ -283,8 +278,7 @@ def check_zero1(module, report: Report, mesh: Mesh) -> None:
             f"global-batch average gradient: {d}",
             first_wrong(dict(model.named_parameters()), ref.params[step],
                         "parameters differ from one process's AdamW"),
-            state != 2 * shard and f"the optimizer holds {state:,} state elements; AdamW on my "
-            f"shard holds 2 × {shard:,}"])
+            state != 2 * shard and f"Adam keeps {state:,} numbers, not 2 × {shard:,} (my shard)"])
         report.add(problem, f"params equal one process's AdamW; one reduce-scatter + one all-"
                    f"gather of {flat_bytes:,} B; Adam state 2 × Ψ/{n} = {2 * shard:,} numbers")
         if problem:
@@ -325,20 +319,18 @@ def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
         report.add(wrong and f"X.grad is not the single-process gradient: {wrong} — " + (
             f"it is {n}× too large: only f's backward all-reduces, g's passes it through"
             if not differs(x.grad, n * x_grad) else "f's backward must all-reduce: each rank "
-            "holds only its slice's contribution"), "equals the single-process gradient (f "
-            "summed the ranks' contributions)", f"{case}: X.grad")
+            "holds only its slice's contribution"), "equals one process's", f"{case}: X.grad")
         report.add(first_wrong(
             {"column.weight.grad": column.weight.grad, "column.bias.grad": column.bias.grad,
              "row.weight.grad": row.weight.grad, "row.bias.grad": row.bias.grad},
             [fc.weight.grad[rows], fc.bias.grad[rows], proj.weight.grad[:, rows], proj.bias.grad],
             "gradients are not this rank's slice of the single-process gradient"),
-            "each equals this rank's slice of the single-process gradient",
-            f"{case}: parameter gradients")
-        bad = [f"{phase}: {ops or 'nothing'}" for phase, ops in used.items()
-               if ops != {"all_reduce": (1, z_bytes)}]
-        report.add(bad and f"expected one all-reduce of b·s·h·4 = {z_bytes:,} B in forward and "
-                   "one in backward; saw (calls, bytes) " + "; ".join(bad), "one all-reduce of "
-                   f"{z_bytes:,} B in forward (g), one in backward (f)", f"{case}: communication")
+            "this rank's slices of the single-process gradients", f"{case}: parameter gradients")
+        bad = "; ".join(f"{phase}: {ops or 'nothing'}" for phase, ops in used.items()
+                        if ops != {"all_reduce": (1, z_bytes)})
+        report.add(bad and f"expected one all-reduce of b·s·h·4 = {z_bytes:,} B in forward (g) "
+                   f"and one in backward (f); saw (calls, bytes) {bad}", f"one all-reduce of "
+                   f"{z_bytes:,} B each way", f"{case}: communication")
 
 
 # --- lab 05: the 1F1B action order (simulated: a schedule is data) ---------------------------
@@ -419,11 +411,10 @@ def check_mesh(module, report: Report) -> None:
         for rank in range(math.prod(layout)):  # in exactly one group: the one hplab.dist makes
             holding, expected = [g for g in got if rank in g], next(g for g in want if rank in g)
             if holding != [expected]:
+                shared = " and ".join(f for f in FAMILIES if f != family)
                 return (f"{where}: rank {rank}'s {family} group is "
                         f"{' and '.join(map(str, holding)) or 'missing'}, expected {expected} "
-                        f"(the ranks that share its "
-                        f"{' and '.join(f for f in FAMILIES if f != family)} coordinates, in "
-                        "increasing order)")
+                        f"(the ranks that share its {shared} coordinates, in increasing order)")
         return sorted(got) != sorted(want) and f"{where}: {family} groups {got}, expected {want}"
 
     with report.case("coordinates"):
@@ -462,9 +453,8 @@ def check_planning(module, report: Report) -> None:
 
     for precision, zero in itertools.product(("fp32", "bf16"), range(4)):
         report.check(f"model_state_bytes_per_gpu(zero={zero}, {precision})", (
-            memory_problem(psi, dp, zero, precision)
-            for psi, dp in itertools.product((1.5e9, 175e9, 335_232), (1, 3, 8, 64))),
-            "equal over Ψ and dp")
+            memory_problem(psi, dp, zero, precision) for psi, dp in itertools.product(
+                (1.5e9, 175e9, 335_232), (1, 3, 8, 64))), "equal over Ψ and dp")
     report.check("bubble_fraction", itertools.starmap(bubble_problem, itertools.product(
         (1, 2, 4, 8), (1, 4, 8, 32))), "equal for pp ≤ 8, m ≤ 32")
 
@@ -519,8 +509,7 @@ def _merge(per_rank: list[list[Result]]) -> list[Result]:
 
 
 def run_check(name: str, paths: list[str | Path], limit_s: float = FILE_LIMIT_S) -> list:
-    """Per file, its Results: several files of one exercise in one launch (ValueError: no such
-    exercise or file)."""
+    """Per file, its Results, all checked in one launch (ValueError: unknown exercise or file)."""
     if name not in EXERCISES:
         raise ValueError(f"unknown exercise {name!r}: choose one of {', '.join(EXERCISES)}")
     nproc, paths = EXERCISES[name].nproc, [str(Path(p).resolve()) for p in paths]

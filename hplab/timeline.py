@@ -89,8 +89,7 @@ def read_timeline(directory) -> list[list[dict]]:
     world = read(0).get("distributedInfo", {}).get("world_size", 1)
     ranks = [[e for e in read(rank)["traceEvents"] if e.get("ph") == "X"] for rank in range(world)]
     if any(e.get("cat") == "kernel" for events in ranks for e in events):
-        raise ValueError(f"{directory} holds GPU traces: open them in ui.perfetto.dev (the "
-                         "timeline's spans are read from CPU / gloo runs)")
+        raise ValueError(f"{directory}: GPU traces are not read here; open them in ui.perfetto.dev")
     t0 = min((e["ts"] for events in ranks for e in events), default=0.0)
     return [_spans(sorted(events, key=lambda e: e["ts"]), t0) for events in ranks]
 
