@@ -29,7 +29,10 @@ case "${1:-}" in
         exec .venv/bin/python -m hplab.train --nproc 4 --dp 4 --metrics runs/demo.json ;;
     test)
         setup
-        exec .venv/bin/python -m pytest -p no:cacheprovider tests labs --nbval-lax ;;
+        # Two pytest workers, each file (a notebook's cells, a module's fixtures) on one of
+        # them: the multi-process tests leave a core idle half the time.
+        exec .venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadfile tests labs \
+            --nbval-lax ;;
     *)
         echo "usage: ./lab.sh demo | test | setup" >&2
         exit 2 ;;

@@ -200,7 +200,8 @@ def run_distributed(fn, world_size: int, *args, backend: str | None = "gloo",
     default) on a free local port; return the results by rank. `fn` must be a module-level
     function (spawned processes pickle it by name). A child's exception is re-raised here with
     its traceback; a hang becomes a TimeoutError."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")  # forked from a process that has imported
+    ctx.set_forkserver_preload(["torch", "hplab.dist"])  # torch once: ~1.5 s saved per process
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, backend,
                                               min(timeout_s, DEFAULT_TIMEOUT_S)))

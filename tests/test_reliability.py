@@ -57,7 +57,7 @@ def tagged_processes(tag: str) -> list[int]:
 
 
 def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int = 8,
-                   settle_s: float = 3):
+                   settle_s: float = 1):
     """A 2-process training run that would take minutes; returns (launcher, worker pids)."""
     args = ["--steps", "100000", "--no-progress", *flags]
     cmd = torchrun_command(2, TRAIN, *args) if torchrun else [
@@ -70,7 +70,10 @@ def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int
     while len(workers := tagged_processes(tag)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(workers) == 2, "the workers did not start"
-    time.sleep(settle_s)  # into training
+    if settle_s:  # into training: every worker has joined the group (gloo's threads run)
+        while not all(gloo_threads(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(settle_s)
     return launcher, workers
 
 
@@ -87,9 +90,12 @@ def wait_gone(pids: list[int], seconds: float) -> list[int]:
 
 # --- exit: gloo's threads ----------------------------------------------------------------
 
-def gloo_threads() -> list[str]:
-    return [name for t in Path("/proc/self/task").iterdir()
-            if "gloo" in (name := (t / "comm").read_text().strip())]
+def gloo_threads(pid: int | str = "self") -> list[str]:
+    try:
+        return [name for t in Path(f"/proc/{pid}/task").iterdir()
+                if "gloo" in (name := (t / "comm").read_text().strip())]
+    except OSError:  # the process or a thread has just ended
+        return []
 
 
 def _train_then_shut_down():
@@ -150,7 +156,7 @@ def test_a_killed_rank_is_named_and_the_job_ends():
 
 
 @LINUX
-@pytest.mark.parametrize("settle_s", [3, 0], ids=["training", "starting"])
+@pytest.mark.parametrize("settle_s", [1, 0], ids=["training", "starting"])
 @pytest.mark.parametrize("torchrun", [False, True], ids=["--nproc", "torchrun"])
 def test_workers_die_with_their_launcher(torchrun, settle_s):
     """Also when the launcher dies while its workers are still importing torch (before they
