@@ -47,14 +47,27 @@ class Recorder:
             self.hooks = [h for name, m in self.modules for h in label_forward(m, name)]
             self.profiler = profile()  # the CPU, and the GPU where there is one
             self.profiler.start()
+            self.queued = gloo_queued_s()
         with record_function(f"step {step}") if step in self.window else contextlib.nullcontext():
             yield
         if step in self.window[-1:]:
+            self.profiler.add_metadata_json("gloo_queued_s", str(gloo_queued_s() - self.queued))
             self.profiler.stop()
             for hook in self.hooks:
                 hook.remove()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.profiler.export_chrome_trace(str(self.path))
+
+
+def gloo_queued_s() -> float:
+    """Seconds gloo's threads (pt_gloo_runloop, gloo_tcp_loop) were ready to run but waited for
+    a free core (Linux's schedstat; 0 elsewhere)."""
+    total = 0.0
+    for task in Path("/proc/self/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            if "gloo" in (task / "comm").read_text():
+                total += int((task / "schedstat").read_text().split()[1]) / 1e9
+    return total
 
 
 def label_forward(module, name: str) -> list:
@@ -152,3 +165,22 @@ def hidden_fraction(spans: list[dict], during=("backward",), ops=COMM_OPS) -> fl
     computing = _intersect(comm, _union(s for s in spans if s["kind"] in during))
     waiting = _intersect(computing, _union(s for s in spans if s["kind"] in ("wait", "launch")))
     return (_length(computing) - _length(waiting)) / _length(comm)
+
+
+def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list[dict]:
+    """Per rank, over the traced steps: `blocked_s` in collectives of `ops` (launching, waiting);
+    of it `other_rank_s`, before the last rank launched the same collective (the i-th of each
+    name; one machine, one clock); `core_s`, gloo's threads' wait for a core (`gloo_queued_s`)."""
+    timeline, path = read_timeline(directory), Path(directory)
+    comm = [[s for s in spans if s["kind"] == "comm" and s["name"].split()[0] in ops]
+            for spans in timeline]
+    if any([c["name"] for c in calls] != [c["name"] for c in comm[0]] for calls in comm):
+        raise ValueError(f"{directory}: the ranks launched different collectives")
+    last = [max(starts) for starts in zip(*([c["start_s"] for c in calls] for calls in comm))]
+    blocked = [_union(s for s in spans if s["kind"] in ("launch", "wait")
+                      and s["name"].removeprefix("wait ").split()[0] in ops) for spans in timeline]
+    early = [_union(dict(start_s=c["start_s"], end_s=t) for c, t in zip(calls, last))
+             for calls in comm]
+    return [dict(blocked_s=_length(b), other_rank_s=_length(_intersect(b, e)), core_s=json.loads(
+        (path / f"rank{r}.json").read_text()).get("gloo_queued_s", 0.0))
+        for r, (b, e) in enumerate(zip(blocked, early))]

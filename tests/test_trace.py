@@ -6,7 +6,7 @@ import json
 import pytest
 
 from hplab.dist import run_distributed
-from hplab.timeline import hidden_fraction, read_timeline
+from hplab.timeline import hidden_fraction, read_timeline, waits
 
 FLAGS = ["--dp", "2", "--steps", "3", "--batch-size", "8", "--no-progress"]
 
@@ -87,6 +87,41 @@ def test_hidden_fraction_on_hand_made_spans():
     assert hidden_fraction(spans) == pytest.approx(2 / 8)
     with pytest.raises(ValueError, match="no communication"):
         hidden_fraction(spans, ops=("send",))
+
+
+def test_waits_of_a_real_run_on_one_clock(traced):
+    """Both ranks' traces count from one clock: no rank's collective completes before the last
+    rank launched it. The waits are parts of the blocked time; gloo's core wait is recorded."""
+    for name in ("one", "many"):
+        timeline = read_timeline(traced / name)
+        comm = [[s for s in spans if s["kind"] == "comm" and " B #" in s["name"]]
+                for spans in timeline]
+        for calls in comm:
+            assert all(c["end_s"] >= max(o[i]["start_s"] for o in comm)
+                       for i, c in enumerate(calls))
+        for rank, w in enumerate(waits(traced / name, ops=("all_reduce",))):
+            assert 0 <= w["other_rank_s"] <= w["blocked_s"] and w["blocked_s"] > 0, w
+            recorded = json.loads((traced / name / f"rank{rank}.json").read_text())
+            assert w["core_s"] == recorded["gloo_queued_s"] >= 0
+
+
+def test_waits_on_hand_made_traces(tmp_path):
+    """Rank 0 launches at 0 µs and waits until 10; rank 1 launches at 6 and is done at 10: rank 0
+    was blocked 10 µs, 6 of them before rank 1 arrived; rank 1 was blocked 4, none of them early."""
+    def trace(start, end, queued, op="all_reduce"):
+        x = lambda name, a, b, cat="cpu_op": dict(ph="X", name=name, ts=a, dur=b - a,  # noqa
+                                                  cat=cat)
+        return dict(distributedInfo=dict(world_size=2), gloo_queued_s=queued, traceEvents=[
+            x(f"{op} dp 4 B", start, start + 1, "user_annotation"), x(f"gloo:{op}", start, end),
+            x(f"wait {op} dp", start + 1, end)])
+    for rank, args in enumerate([(0, 10, 0.5), (6, 10, 0.25)]):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(trace(*args)))
+    (r0, r1) = waits(tmp_path)
+    assert r0 == pytest.approx(dict(blocked_s=10e-6, other_rank_s=6e-6, core_s=0.5))
+    assert r1 == pytest.approx(dict(blocked_s=4e-6, other_rank_s=0, core_s=0.25))
+    (tmp_path / "rank1.json").write_text(json.dumps(trace(6, 10, 0, "all_gather")))
+    with pytest.raises(ValueError, match="launched different collectives"):
+        waits(tmp_path)
 
 
 @pytest.mark.parametrize("make, says", [
