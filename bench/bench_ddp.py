@@ -47,7 +47,7 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
 
     from hplab.data import TokenDataset, get_batch, global_batch_indices, shard_for_rank
     from hplab.ddp import DDP
-    from hplab.dist import init_distributed
+    from hplab.dist import init_distributed, shutdown
     from hplab.models.gpt import build_model, config_from_preset
     from hplab.timeline import Recorder, hidden_fraction, read_timeline
 
@@ -102,7 +102,7 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    shutdown()  # before torch's DDP lets go of the group (a deadlock otherwise: see shutdown)
 
 
 def launch(nproc, impl, model_name, steps, batch, bucket_mb) -> list[dict]:

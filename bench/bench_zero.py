@@ -105,7 +105,7 @@ def worker(impl: str, model_name: str, steps: int, batch: int, out: str) -> None
     import torch.distributed as dist
 
     from hplab.data import TokenDataset, get_batch, global_batch_indices, shard_for_rank
-    from hplab.dist import Mesh, init_distributed
+    from hplab.dist import Mesh, init_distributed, shutdown
     from hplab.models.gpt import build_model, config_from_preset
 
     device = init_distributed()
@@ -143,7 +143,7 @@ def worker(impl: str, model_name: str, steps: int, batch: int, out: str) -> None
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    shutdown()  # before torch's wrappers let go of the group (see hplab.dist.shutdown)
 
 
 def launch(nproc, impl, model_name, steps, batch) -> list[dict]:

@@ -28,6 +28,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -107,8 +108,11 @@ def shutdown() -> None:
     thread lets go of a collective's tensors just *after* the caller's `wait()` returns, taking
     the GIL, and aborts the process if Python is already finalizing ("terminate called without
     an active exception"). Threads are joined only when their group is freed, so every
-    Communicator lets go of its group too. `init_distributed` registers this at exit."""
+    Communicator lets go of its group too. `init_distributed` registers this at exit.
+    Freeing a group joins its threads while holding the GIL: first sleep (without the GIL), so a
+    thread still dropping the last collective's tensors can finish, or the two wait forever."""
     if dist.is_initialized():
+        time.sleep(0.05)
         dist.destroy_process_group()
     for comm in list(OPEN_COMMUNICATORS):
         comm.release()
