@@ -11,7 +11,7 @@ The directory is also a Hugging Face model directory (`from_pretrained` opens it
     model.safetensors        fp32 weights, Hugging Face GPT-2 names and layout
     optimizer.safetensors    per parameter (hplab name): every state tensor, e.g. exp_avg
     rng.safetensors          the torch RNG states (CPU, and CUDA where present)
-    trainer_state.json       the step to continue from, the flags, the losses so far
+    trainer_state.json       the step to continue from, the flags, the losses, the lr schedule
 
 Nothing is pickled (safetensors and JSON), so loading never runs code. Writes are atomic: all
 goes to a temporary sibling directory, then the previous checkpoint is renamed aside, the new

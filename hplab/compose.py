@@ -11,7 +11,8 @@ data parallel wraps *what is left*: the ranks of one dp group hold the same slic
 stage, so each slice's gradient is averaged (or reduce-scattered) with exactly its replicas.
 
 `train_step`, one step of any layout: forward + backward per microbatch (or the pipeline
-schedule), `finalize_grads`, fp16 unscale and overflow skip, `clip_grad_norm_`, step, zero_grad.
+schedule), `finalize_grads`, fp16 unscale and overflow skip, `clip_grad_norm_`, step, lr step,
+zero_grad. The lr schedule is torch's LambdaLR over `formulas.learning_rate`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from hplab import fsdp, pp, tp
 from hplab.ddp import DDP
 from hplab.dist import Mesh
+from hplab.formulas import learning_rate
 from hplab.memory import KINDS, MemoryLedger, model_state_tensors
 from hplab.precision import MasterWeightOptimizer, MixedPrecision
 from hplab.zero import ZeroOptimizer
@@ -60,10 +62,15 @@ class ParallelConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 0.0
+    no_decay_bias_norm: bool = False  # no weight decay on biases, layer norms, embeddings
+    warmup_steps: int = 0  # the lr schedule: formulas.learning_rate
+    lr_decay: str = "constant"
+    decay_steps: int = 0
+    min_lr: float = 0.0
 
     @classmethod
     def from_namespace(cls, namespace) -> "ParallelConfig":
-        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(namespace, f.name, f.default) for f in fields(cls)})
 
 
 def check_config(config: ParallelConfig, model) -> None:
@@ -113,21 +120,35 @@ class Parallel:
     config: ParallelConfig
     precision: MixedPrecision
     memory: MemoryLedger
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     pipeline: "pp.PipelineExecutor | None" = None
     tied_comm: object = None
     step_start: float = 0.0  # when this rank's last pipeline step began (perf_counter)
 
 
-def parameter_groups(params, tied: nn.Parameter | None = None, is_first: bool = True) -> list:
+def mark_no_decay(model: nn.Module) -> None:
+    """No weight decay on biases, layer norms, embeddings (the tied LM head too): decided by role
+    on the whole model; the mark stays on tp slices and pp stages (the same Parameters) and
+    `copy_markers` gives it to fully_shard's shards and fp32 masters."""
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if name == "bias" or isinstance(module, (nn.LayerNorm, nn.Embedding)):
+                p.hplab_no_decay = True
+
+
+def parameter_groups(params, tied: nn.Parameter | None = None, is_first: bool = True,
+                     weight_decay: float = 0.0) -> list:
     """Group parameters by where their copies live (`replicated_over`): tensor-parallel slices
-    over dp, the rest over dp and tp; the pipeline's tied embedding alone (+pp on the last)."""
+    over dp, the rest over dp and tp; the pipeline's tied embedding alone (+pp on the last);
+    and by weight decay (0 if `mark_no_decay` marked it: ZeRO's shards never mix groups)."""
     groups: dict[tuple, list] = {}
     for p in (p for p in params if p.requires_grad):
         families = ("dp",) if getattr(p, "tp_split", None) is not None else ("dp", "tp")
         families += ("pp",) if p is tied and not is_first else ()
-        groups.setdefault((families, p is tied), []).append(p)
-    return [{"params": ps, "replicated_over": list(fams), "tied": is_tied}
-            for (fams, is_tied), ps in groups.items()]
+        decay = 0.0 if getattr(p, "hplab_no_decay", False) else weight_decay
+        groups.setdefault((families, p is tied, decay), []).append(p)
+    return [{"params": ps, "replicated_over": list(fams), "tied": is_tied, "weight_decay": decay}
+            for (fams, is_tied, decay), ps in groups.items()]
 
 
 def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Parallel:
@@ -136,6 +157,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
     check_config(c, gpt.config)  # (the schedule too: before any cutting)
     memory = MemoryLedger(mesh.device)
     params_module, pipeline, tied_comm, tied, is_first = gpt, None, None, None, True
+    if c.no_decay_bias_norm:  # by role, while the model is whole
+        mark_no_decay(gpt)
     if c.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
         tp.parallelize(gpt, mesh.tp, tp.GPT_PLAN, sequence_parallel=c.sequence_parallel)
     if c.pp > 1:  # the pipeline split: this rank's stages (the other layers are freed)
@@ -155,10 +178,11 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
         for block in [*gpt.transformer.h, gpt]:  # the blocks first, then the root
             wrapped = fsdp.fully_shard(block, mesh.dp, param_dtype=precision.compute_dtype,
                                        offload=c.offload)
-        optimizer = torch.optim.AdamW(parameter_groups(gpt.parameters()), **settings)
+        optimizer = torch.optim.AdamW(parameter_groups(gpt.parameters(), None, True,
+                                                       c.weight_decay), **settings)
     else:
         params_module.to(precision.param_dtype)  # half-precision copies; fp32 masters below
-        groups = parameter_groups(params_module.parameters(), tied, is_first)
+        groups = parameter_groups(params_module.parameters(), tied, is_first, c.weight_decay)
         if c.zero:
             wrapped = params_module  # (gpt itself without a pipeline)
             optimizer = ZeroOptimizer(groups, torch.optim.AdamW, mesh.dp, stage=c.zero,
@@ -167,7 +191,11 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
             wrapped = DDP(params_module, mesh.dp, bucket_mb=c.bucket_mb)
             optimizer = MasterWeightOptimizer(groups, torch.optim.AdamW, **settings) \
                 if precision.mixed else torch.optim.AdamW(groups, **settings)
-    return Parallel(wrapped, optimizer, gpt, mesh, c, precision, memory, pipeline, tied_comm)
+    # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: learning_rate(
+        i, c.lr, c.warmup_steps, c.lr_decay, c.decay_steps, c.min_lr) / c.lr)
+    return Parallel(wrapped, optimizer, gpt, mesh, c, precision, memory, scheduler, pipeline,
+                    tied_comm)
 
 
 def finish_gradient_sync(model: nn.Module) -> None:
@@ -256,6 +284,7 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
         if config.grad_clip > 0:
             clip_grad_norm_(par.optimizer, mesh, config.grad_clip)
         par.optimizer.step()
+        par.scheduler.step()  # a skipped step does not advance the schedule (as Megatron's)
     par.precision.update(overflow)
     par.memory.measure(memory_tensors(par))  # after the step: everything exists
     par.optimizer.zero_grad()

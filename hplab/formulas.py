@@ -238,3 +238,23 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
     else:
         scores = a * s * s * b * (act_bytes + mask + (act_bytes if dropout else 0))
     return outside / (t if sequence_parallel else 1) + (inside + scores) / t
+
+
+# --- 5. The learning-rate schedule ----------------------------------------------------------------
+LR_DECAYS = ("constant", "linear", "cosine")
+
+
+def learning_rate(step: int, lr: float, warmup_steps: int = 0, decay: str = "constant",
+                  decay_steps: int = 0, min_lr: float = 0.0) -> float:
+    """The lr of step `step` (from 0): warm-up lr·step/warmup_steps (Hugging Face's), then
+    `decay` to min_lr at `decay_steps` (Megatron's), x = (step - warmup) / (decay - warmup):
+    linear min_lr + (lr - min_lr)(1 - x), cosine min_lr + (lr - min_lr)(1 + cos πx)/2."""
+    if decay not in LR_DECAYS:
+        raise ValueError(f"unknown lr decay {decay!r}: choose one of {', '.join(LR_DECAYS)}")
+    if step < warmup_steps:
+        return lr * step / warmup_steps
+    if decay == "constant":
+        return lr
+    x = min((step - warmup_steps) / max(decay_steps - warmup_steps, 1), 1.0)
+    shape = 1 - x if decay == "linear" else (1 + math.cos(math.pi * x)) / 2
+    return min_lr + (lr - min_lr) * shape

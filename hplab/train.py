@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hplab.formulas import SCHEDULES
+from hplab.formulas import LR_DECAYS, SCHEDULES
 from hplab.timeline import Recorder, is_trace_folder
 
 METRICS_VERSION = 1
@@ -81,8 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "(see python -m hplab.data)"),
             "--batch-size": dict(n, default=16, help="global batch, in sequences"),
             "--steps": dict(n, default=100),
-            "--lr": dict(type=at_least(0, float, above=True), default=1e-3),
+            "--lr": dict(type=at_least(0, float, above=True), default=1e-3, help="peak lr"),
+            "--warmup-steps": dict(type=at_least(0), default=0, help="lr up from 0 over N steps"),
+            "--warmup-fraction": dict(type=at_least(0, float), help="or: a fraction of --steps"),
+            "--lr-decay": dict(default="constant", choices=LR_DECAYS, help="then decay the lr "
+                               "to --min-lr at --decay-steps (default: --steps)"),
+            "--decay-steps": n, "--min-lr": dict(nonneg, default=0.0),
             "--weight-decay": dict(nonneg, default=0.0),
+            "--no-decay-bias-norm": dict(on, help="no weight decay on biases, norms, embeddings"),
             "--grad-clip": dict(nonneg, default=0.0,
                                 help="clip gradients to this global L2 norm (0: off)"),
             "--seed": dict(type=int, default=0),
@@ -175,6 +181,7 @@ def preflight(args, world_size: int):
         raise ValueError(f"each data-parallel rank gets {per_rank} sequences, which do not split "
                          f"into --microbatches {args.microbatches}: make batch-size / dp a "
                          "multiple of the microbatch count")
+    check_schedule(args)
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
     config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
@@ -183,11 +190,16 @@ def preflight(args, world_size: int):
     if args.resume:  # damaged, of another shape, or already done: say so before starting
         saved = checkpoint.load(args.resume)
         checkpoint.check_compatible(saved["config"], config)
-        step = saved["trainer_state"]["step"]
+        state, step = saved["trainer_state"], saved["trainer_state"]["step"]
         if step >= args.steps:
             raise checkpoint.CheckpointError(
                 f"{saved['directory']} is already at step {step}: ask for more with --steps "
                 "(it counts from the first run's start)")
+        changed = [f"--{k.replace('_', '-')} {state['config'][k]}" for k in SCHEDULE_SHAPE
+                   if "lr_scheduler" in state and state["config"][k] != getattr(args, k)]
+        if changed:  # (older checkpoints, without one, had a constant lr)
+            raise checkpoint.CheckpointError(f"{saved['directory']} continues its lr schedule: "
+                                             f"resume with {' '.join(changed)}")
     check_outputs(args, checkpoint)
     check_machine(args, config, world_size)
     dataset = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions)
@@ -195,6 +207,27 @@ def preflight(args, world_size: int):
         raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
                          f"vocabulary of {config.vocab_size}")
     return config, dataset, saved
+
+
+SCHEDULE_SHAPE = ("warmup_steps", "lr_decay", "decay_steps", "min_lr")  # × --lr, which may change
+
+
+def check_schedule(args) -> None:
+    """Resolve --warmup-fraction and --decay-steps into steps; refuse a schedule that cannot be."""
+    if args.warmup_fraction is not None:
+        if args.warmup_steps:
+            raise ValueError("give --warmup-steps or --warmup-fraction, not both")
+        args.warmup_steps = round(args.warmup_fraction * args.steps)
+    if args.lr_decay != "constant":
+        args.decay_steps = args.decay_steps or args.steps
+    if args.warmup_steps > max(args.steps, args.decay_steps or 0):  # (a run stopping early)
+        raise ValueError(f"the warm-up ({args.warmup_steps} steps) is longer than the run "
+                         f"(--steps {args.steps}) and --decay-steps")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}: it decays to it")
+    if args.lr_decay != "constant" and args.decay_steps <= args.warmup_steps:
+        raise ValueError(f"--decay-steps {args.decay_steps} must be larger than the warm-up "
+                         f"({args.warmup_steps} steps)")
 
 
 def check_outputs(args, checkpoint) -> None:
@@ -359,7 +392,8 @@ def save(par, args, config, step: int, steps: list) -> None:
     ledger.by_group = training_traffic
     if dist.get_rank() == 0:
         scaler = par.precision.scaler
-        trainer_state = {"step": step, "config": vars(args), "losses": [s["loss"] for s in steps]}
+        trainer_state = {"step": step, "config": vars(args), "losses": [s["loss"] for s in steps],
+                         "lr_scheduler": {"last_epoch": par.scheduler.last_epoch}}
         if scaler is not None:
             trainer_state.update(loss_scale=scaler.scale, good_steps=scaler.good_steps)
         checkpoint.save(args.save, config, model_state, optimizer_state, trainer_state)
@@ -368,6 +402,7 @@ def save(par, args, config, step: int, steps: list) -> None:
 
 def run(args) -> dict | None:
     import torch.distributed as dist
+    from torch.optim.lr_scheduler import LambdaLR
     from tqdm import tqdm
 
     from hplab import checkpoint
@@ -388,6 +423,9 @@ def run(args) -> dict | None:
         checkpoint.restore_rng(saved["rng"])
         if scaler is not None and "loss_scale" in state:
             scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
+        if "lr_scheduler" in state:  # the schedule goes on from its step (torch's way)
+            par.scheduler = LambdaLR(par.optimizer, par.scheduler.lr_lambdas[0],
+                                     last_epoch=state["lr_scheduler"]["last_epoch"] - 1)
 
     is_rank0 = mesh.rank == 0
     bar = tqdm(range(first_step, args.steps), disable=not is_rank0 or args.no_progress,
@@ -397,11 +435,12 @@ def run(args) -> dict | None:
     for step in bar:
         indices = global_batch_indices(len(dataset), step, args.batch_size, args.seed)
         x, y = get_batch(dataset, shard_for_rank(indices, mesh.dp_rank, mesh.dp_size))
-        start = time.perf_counter()
+        lr, start = par.optimizer.param_groups[0]["lr"], time.perf_counter()
         with recorder.step(step):  # profiles two steps with --trace
             loss = train_step(par, x.to(device), y.to(device))
         elapsed = time.perf_counter() - start
-        steps.append({"step": step, "loss": loss, "time_s": elapsed, "tokens": tokens_per_step})
+        steps.append({"step": step, "loss": loss, "time_s": elapsed, "tokens": tokens_per_step,
+                      "lr": lr})
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
         if args.save and (step + 1 == args.steps or
                           (args.save_every and (step + 1) % args.save_every == 0)):
