@@ -159,8 +159,9 @@ def parse_args(argv: list[str]):
 
 def preflight(args, world_size: int):
     """Every check that needs no process group, so a bad command line fails at once with one
-    line (LayoutError / ValueError) instead of after N processes have started. Fills in --dp;
-    returns the model config, the dataset and the checkpoint to resume (None without one)."""
+    line (LayoutError / ValueError) instead of after N processes have started. Fills in --dp,
+    --warmup-steps (from --warmup-fraction) and --decay-steps; returns the model config, the
+    dataset and the checkpoint to resume (None without one)."""
     from hplab import checkpoint
     from hplab.compose import ParallelConfig, check_config
     from hplab.data import TokenDataset
@@ -181,40 +182,7 @@ def preflight(args, world_size: int):
         raise ValueError(f"each data-parallel rank gets {per_rank} sequences, which do not split "
                          f"into --microbatches {args.microbatches}: make batch-size / dp a "
                          "multiple of the microbatch count")
-    check_schedule(args)
-    if args.save_every and not args.save:
-        raise ValueError(f"--save-every {args.save_every} needs --save DIR")
-    config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
-    check_config(ParallelConfig.from_namespace(args), config)
-    saved = None
-    if args.resume:  # damaged, of another shape, or already done: say so before starting
-        saved = checkpoint.load(args.resume)
-        checkpoint.check_compatible(saved["config"], config)
-        state, step = saved["trainer_state"], saved["trainer_state"]["step"]
-        if step >= args.steps:
-            raise checkpoint.CheckpointError(
-                f"{saved['directory']} is already at step {step}: ask for more with --steps "
-                "(it counts from the first run's start)")
-        changed = [f"--{k.replace('_', '-')} {state['config'][k]}" for k in SCHEDULE_SHAPE
-                   if "lr_scheduler" in state and state["config"][k] != getattr(args, k)]
-        if changed:  # (older checkpoints, without one, had a constant lr)
-            raise checkpoint.CheckpointError(f"{saved['directory']} continues its lr schedule: "
-                                             f"resume with {' '.join(changed)}")
-    check_outputs(args, checkpoint)
-    check_machine(args, config, world_size)
-    dataset = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions)
-    if dataset.vocab_size > config.vocab_size:
-        raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
-                         f"vocabulary of {config.vocab_size}")
-    return config, dataset, saved
-
-
-SCHEDULE_SHAPE = ("warmup_steps", "lr_decay", "decay_steps", "min_lr")  # × --lr, which may change
-
-
-def check_schedule(args) -> None:
-    """Resolve --warmup-fraction and --decay-steps into steps; refuse a schedule that cannot be."""
-    if args.warmup_fraction is not None:
+    if args.warmup_fraction is not None:  # the lr schedule, in steps
         if args.warmup_steps:
             raise ValueError("give --warmup-steps or --warmup-fraction, not both")
         args.warmup_steps = round(args.warmup_fraction * args.steps)
@@ -228,6 +196,32 @@ def check_schedule(args) -> None:
     if args.lr_decay != "constant" and args.decay_steps <= args.warmup_steps:
         raise ValueError(f"--decay-steps {args.decay_steps} must be larger than the warm-up "
                          f"({args.warmup_steps} steps)")
+    if args.save_every and not args.save:
+        raise ValueError(f"--save-every {args.save_every} needs --save DIR")
+    config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
+    check_config(ParallelConfig.from_namespace(args), config)
+    saved = None
+    if args.resume:  # damaged, of another shape, or already done: say so before starting
+        saved = checkpoint.load(args.resume)
+        checkpoint.check_compatible(saved["config"], config)
+        state, step = saved["trainer_state"], saved["trainer_state"]["step"]
+        if step >= args.steps:
+            raise checkpoint.CheckpointError(
+                f"{saved['directory']} is already at step {step}: ask for more with --steps "
+                "(it counts from the first run's start)")
+        shape = ("warmup_steps", "lr_decay", "decay_steps", "min_lr")  # (--lr may change)
+        changed = [f"--{k.replace('_', '-')} {state['config'][k]}" for k in shape
+                   if "lr_scheduler" in state and state["config"][k] != getattr(args, k)]
+        if changed:  # (older checkpoints, without one, had a constant lr)
+            raise checkpoint.CheckpointError(f"{saved['directory']} continues its lr schedule: "
+                                             f"resume with {' '.join(changed)}")
+    check_outputs(args, checkpoint)
+    check_machine(args, config, world_size)
+    dataset = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions)
+    if dataset.vocab_size > config.vocab_size:
+        raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
+                         f"vocabulary of {config.vocab_size}")
+    return config, dataset, saved
 
 
 def check_outputs(args, checkpoint) -> None:
