@@ -313,8 +313,8 @@ def launch(args, argv: list[str]) -> int:
                for r in range(args.nproc)]
 
     def stop_all() -> None:
-        for w in workers:  # SIGCONT first: a stopped process cannot act on SIGTERM
-            for sig in (signal.SIGCONT, signal.SIGTERM):
+        for w in workers:  # SIGCONT after: a stopped process ends on waking, saying nothing
+            for sig in (signal.SIGTERM, signal.SIGCONT):
                 if w.poll() is None:
                     w.send_signal(sig)
         deadline = time.monotonic() + 5
