@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from hplab.timeline import waited_for_a_core_s
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv", "ring_step")
 
 
@@ -71,13 +73,6 @@ def inside(comm, op: str, *message) -> list[str]:
         one_call(comm, op, *message)
     return sorted({e.key for e in prof.key_averages() if e.key.startswith("gloo:")
                    or e.key in ("aten::clone", "aten::copy_", "aten::cat", "aten::add_")})
-
-
-def waited_for_a_core_s() -> float:
-    """Seconds this process's threads spent ready to run but waiting for a free core (Linux's
-    schedstat; 0 elsewhere): what running more processes than cores costs."""
-    threads = Path("/proc/self/task").glob("*/schedstat")
-    return sum(int(t.read_text().split()[1]) for t in threads) / 1e9
 
 
 def time_call(comm, op: str, *message) -> float:

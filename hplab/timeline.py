@@ -47,11 +47,12 @@ class Recorder:
             self.hooks = [h for name, m in self.modules for h in label_forward(m, name)]
             self.profiler = profile()  # the CPU, and the GPU where there is one
             self.profiler.start()
-            self.queued = gloo_queued_s()
+            self.queued = waited_for_a_core_s("gloo")
         with record_function(f"step {step}") if step in self.window else contextlib.nullcontext():
             yield
         if step in self.window[-1:]:
-            self.profiler.add_metadata_json("gloo_queued_s", str(gloo_queued_s() - self.queued))
+            queued = waited_for_a_core_s("gloo") - self.queued
+            self.profiler.add_metadata_json("gloo_queued_s", str(queued))
             self.profiler.stop()
             for hook in self.hooks:
                 hook.remove()
@@ -59,13 +60,14 @@ class Recorder:
             self.profiler.export_chrome_trace(str(self.path))
 
 
-def gloo_queued_s() -> float:
-    """Seconds gloo's threads (pt_gloo_runloop, gloo_tcp_loop) were ready to run but waited for
-    a free core (Linux's schedstat; 0 elsewhere)."""
+def waited_for_a_core_s(thread_name: str = "") -> float:
+    """Seconds this process's threads whose name holds `thread_name` ("gloo": pt_gloo_runloop,
+    gloo_tcp_loop; "": all) were ready to run but waited for a free core (Linux's schedstat; 0
+    elsewhere): what running more processes than cores costs."""
     total = 0.0
     for task in Path("/proc/self/task").glob("*"):
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            if "gloo" in (task / "comm").read_text():
+            if thread_name in (task / "comm").read_text():
                 total += int((task / "schedstat").read_text().split()[1]) / 1e9
     return total
 
@@ -170,7 +172,7 @@ def hidden_fraction(spans: list[dict], during=("backward",), ops=COMM_OPS) -> fl
 def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list[dict]:
     """Per rank, over the traced steps: `blocked_s` in collectives of `ops` (launching, waiting);
     of it `other_rank_s`, before the last rank launched the same collective (the i-th of each
-    name; one machine, one clock); `core_s`, gloo's threads' wait for a core (`gloo_queued_s`)."""
+    name; one machine, one clock); `core_s`, gloo's threads' wait for a core."""
     timeline, path = read_timeline(directory), Path(directory)
     comm = [[s for s in spans if s["kind"] == "comm" and s["name"].split()[0] in ops]
             for spans in timeline]
