@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "to --min-lr at --decay-steps (default: --steps)"),
             "--decay-steps": n, "--min-lr": dict(nonneg, default=0.0),
             "--weight-decay": dict(nonneg, default=0.0),
-            "--no-decay-bias-norm": dict(on, help="no weight decay on biases, norms, embeddings"),
+            "--no-decay-bias-norm": dict(on, help="no weight decay on biases, norms, embeddings "
+                                         "(the default when --weight-decay > 0)"),
+            "--decay-bias-norm": dict(on, help="decay every parameter alike"),
             "--grad-clip": dict(nonneg, default=0.0,
                                 help="clip gradients to this global L2 norm (0: off)"),
             "--seed": dict(type=int, default=0),
@@ -196,6 +198,9 @@ def preflight(args, world_size: int):
     if args.lr_decay != "constant" and args.decay_steps <= args.warmup_steps:
         raise ValueError(f"--decay-steps {args.decay_steps} must be larger than the warm-up "
                          f"({args.warmup_steps} steps)")
+    if args.no_decay_bias_norm and args.decay_bias_norm:
+        raise ValueError("give --no-decay-bias-norm or --decay-bias-norm, not both")
+    args.no_decay_bias_norm = args.weight_decay > 0 and not args.decay_bias_norm  # (as the seeds)
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
     config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)

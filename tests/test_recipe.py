@@ -102,11 +102,21 @@ def is_decayed(name: str) -> bool:
     (["--warmup-steps", "2", "--warmup-fraction", "0.1"], "--warmup-steps or --warmup-fraction"),
     (["--lr-decay", "linear", "--warmup-steps", "5", "--decay-steps", "5"],
      "--decay-steps 5 must be larger than the warm-up (5 steps)"),
+    (["--no-decay-bias-norm", "--decay-bias-norm"], "--no-decay-bias-norm or --decay-bias-norm"),
 ])
 def test_a_bad_schedule_is_one_line_before_any_process(flags, message, capsys):
     assert train.main(["--nproc", "2", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flags, excluded", [
+    ([], False), (["--weight-decay", "0.1"], True),  # the seeds' recipe: on with weight decay
+    (["--weight-decay", "0.1", "--decay-bias-norm"], False), (["--no-decay-bias-norm"], False)])
+def test_biases_and_norms_skip_weight_decay_by_default(flags, excluded):
+    args = train.parse_args(["--n-layer", "1", *flags])
+    train.preflight(args, 1)
+    assert args.no_decay_bias_norm is excluded  # (without weight decay there is none to skip)
 
 
 # --- one 2-process launch: every layout against one process; a resume mid-warm-up --------------
