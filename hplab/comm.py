@@ -1,12 +1,13 @@
 """The collectives every strategy calls, and the ledger that counts what they moved.
 
-Six operations carry all of distributed training:
+Seven operations carry all of distributed training:
 
     all_reduce      every rank ends with the sum of everyone's tensor        (DDP gradients)
     reduce_scatter  every rank ends with the sum of one 1/n slice             (ZeRO-2/3 grads)
     all_gather      every rank ends with everyone's slices, concatenated      (ZeRO params)
     broadcast       every rank ends with one rank's tensor                    (initial weights)
     send / recv     one rank hands a tensor to another                        (pipeline stages)
+    all_to_all      every rank sends slice j of its tensor to rank j          (expert dispatch)
 
 A `Communicator` runs them inside one process group (a mesh family: dp, tp, pp or world) and
 records each call in a `CommLedger`: calls, payload bytes (the tensor; all-gather's gathered
@@ -16,6 +17,7 @@ ring algorithm (the nccl-tests convention). For n ranks and a payload of S bytes
     all_reduce      2(n-1)/n · S     (a reduce-scatter, then an all-gather)
     all_gather      (n-1)/n · S
     reduce_scatter  (n-1)/n · S
+    all_to_all      (n-1)/n · S      (S: what this rank sends; its own slice stays home)
     broadcast, send, recv   S
 
 A group of one rank has nothing to exchange: calls on it return at once, uncounted. Every
@@ -148,7 +150,7 @@ class Communicator:
         self.ledger.record(op, self.name, nbytes, self.size, seconds)
         return Pending(work, self, op) if async_op else None
 
-    # -- the six operations --
+    # -- the seven operations --
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place: `tensor` becomes the element-wise reduction (sum) over the group."""
         return self._run("all_reduce", tensor.nbytes, lambda a: dist.all_reduce(
@@ -190,6 +192,18 @@ class Communicator:
         """Fill `tensor` with what group-rank `src` sends."""
         return self._run("recv", tensor.nbytes, lambda a: (dist.irecv if a else dist.recv)(
             tensor, src=self.ranks[src], group=self.group), async_op)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int] | None = None,
+                          input_split_sizes: list[int] | None = None, async_op: bool = False):
+        """Rows `input_split_sizes[j]` of `input` (along dim 0, in order) go to group-rank j;
+        `output` receives rank j's rows for this rank in slice j, sized `output_split_sizes[j]`.
+        No sizes: n equal slices. Payload: `input`, what this rank sends."""
+        if self.size == 1:
+            output.copy_(input.view_as(output))
+        return self._run("all_to_all", input.nbytes, lambda a: dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=self.group,
+            async_op=a), async_op)
 
     # -- helpers that move no payload worth counting --
     def barrier(self) -> None:

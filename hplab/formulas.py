@@ -75,10 +75,11 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int,
 def bus_factor(op: str, n: int) -> float:
     """How many payload-sizes cross each rank's link for `op` among n ranks (ring), the
     nccl-tests "bus bytes" factor: all-reduce 2(n-1)/n (a reduce-scatter, then an
-    all-gather); all-gather and reduce-scatter (n-1)/n; broadcast, send, recv 1."""
+    all-gather); all-gather, reduce-scatter and all-to-all (n-1)/n (all-to-all's payload is
+    what a rank sends; the 1/n addressed to itself stays home); broadcast, send, recv 1."""
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     return 1.0
 
@@ -88,9 +89,10 @@ def alpha_beta_terms(op: str, n: int) -> tuple[float, float]:
 
         T(S) = steps · α + factor · S / β
 
-    all-reduce: 2(n-1) steps; all-gather, reduce-scatter: n-1; broadcast, send/recv: 1;
-    the factor is `bus_factor(op, n)`."""
-    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}
+    all-reduce: 2(n-1) steps; all-gather, reduce-scatter, all-to-all (pairwise): n-1;
+    broadcast, send/recv: 1; the factor is `bus_factor(op, n)`."""
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1,
+             "all_to_all": n - 1}
     return steps.get(op, 1), bus_factor(op, n)
 
 
