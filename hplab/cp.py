@@ -1,0 +1,304 @@
+"""Context parallel: one long sequence split over the N ranks of a `cp` group, from scratch.
+
+Activations grow with the sequence length s. Tensor and sequence parallel split them inside a
+node; context parallel splits the *sequence itself* over N more ranks: each rank embeds, norms,
+projects and runs the MLP on its s/N tokens only, with its own copy of every weight (so its
+gradients are averaged over cp, as data parallel averages them over dp). Everything is local
+to a token except attention, where each query needs the keys and values of every earlier token.
+Two ways to give it them:
+
+**Ring attention** (Liu et al. 2023). The ranks form a ring. Each starts with its own K/V block
+and, N times, computes its queries against the block it holds, then hands that block to the next
+rank and takes one from the previous. The next block's send/recv is posted *before* computing
+on the current one, so the transfer runs under the compute where the backend allows. Each block
+gives a partial result O_j = softmax(Q·K_jᵀ/√d)·V_j with its log-sum-exp L_j = log Σ exp(scores)
+per query; two partials merge exactly (the online softmax of FlashAttention):
+
+    L = log(e^L_a + e^L_b),     O = e^(L_a - L)·O_a + e^(L_b - L)·O_b
+
+Backward is a second ring: the K/V blocks travel again, each with the dK/dV accumulator of its
+tokens, to which every rank adds its queries' share; one more hop brings each accumulator home.
+The block's probabilities are recomputed from the saved L (FlashAttention's way: nothing T×T
+is kept). Per layer and step each rank sends (N-1) K/V blocks forward, (N-1) K/V blocks and N
+dK/dV blocks backward, each 2·b·(s/N)·h numbers.
+
+**The causal mask, and the split.** A block of keys later than every query is skipped; the
+rank's own block (the diagonal) is causal; an earlier block is attended in full. Cut the sequence
+into N contiguous pieces and rank r does r + ½ blocks of work: the last rank does N times what
+the first does, and everyone waits for it. The **zig-zag** split cuts the sequence into 2N
+chunks and gives rank r chunks r and 2N-1-r, one early and one late. Against another rank's
+block, either all its queries see the block's early chunk (the block came from a lower rank) or
+only its late chunk sees the whole block (a higher rank): half a block, on every rank, every
+step, and the work evens out (Megatron-LM, Llama 3).
+
+**Ulysses** (Jacobs et al. 2023). An all-to-all turns [b, heads, s/N, d] (all heads, my tokens)
+into [b, heads/N, s, d] (my heads, all tokens); ordinary causal attention runs on whole
+sequences; a second all-to-all turns the result back. Its backward is the reverse all-to-all.
+It moves less than the ring, but needs the heads to divide by N.
+
+All communication goes through the group's `Communicator` (`mesh.cp`): the ledger counts it.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hplab.comm import Communicator, communicator
+
+STYLES, SPLITS = ("ring", "ulysses"), ("zigzag", "contiguous")
+
+
+class ContextParallelError(ValueError):
+    """A sequence or a model that cannot be split over this many context-parallel ranks."""
+
+
+def check_divisible(seq_len: int, n_head: int, cp: int, style: str, split: str) -> None:
+    """Raise ContextParallelError unless the sequence (and for Ulysses the heads) split."""
+    chunks = 2 * cp if split == "zigzag" else cp
+    if style not in STYLES or split not in SPLITS:
+        raise ContextParallelError(f"context parallel style {style!r} / split {split!r}: "
+                                   f"choose a style of {STYLES} and a split of {SPLITS}")
+    if seq_len % chunks:
+        raise ContextParallelError(f"the {split} split cuts the {seq_len}-token sequence into "
+                                   f"{chunks} chunks for {cp} context-parallel ranks: make the "
+                                   f"sequence length a multiple of {chunks}")
+    if style == "ulysses" and n_head % cp:
+        raise ContextParallelError(f"Ulysses gives each of {cp} context-parallel ranks a share "
+                                   f"of the {n_head} attention heads (per tensor-parallel rank):"
+                                   f" use a cp size that divides {n_head}, or --cp-style ring")
+
+
+# --- 1. The split: which tokens each rank holds -------------------------------------------
+
+def positions(seq_len: int, rank: int, size: int, split: str = "zigzag") -> torch.Tensor:
+    """The positions (in the whole sequence) of the tokens rank `rank` of `size` holds, in
+    increasing order: one contiguous piece, or zig-zag chunks r and 2N-1-r of 2N."""
+    chunks = [rank, 2 * size - 1 - rank] if split == "zigzag" else [rank]
+    width = seq_len // (2 * size if split == "zigzag" else size)
+    return torch.cat([torch.arange(c * width, (c + 1) * width) for c in chunks])
+
+
+def shard(x: torch.Tensor, rank: int, size: int, split: str = "zigzag", dim: int = 1):
+    """This rank's tokens of `x` (the whole sequence along `dim`)."""
+    return x.index_select(dim, positions(x.shape[dim], rank, size, split).to(x.device))
+
+
+def unshard(shards: list[torch.Tensor], split: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """The inverse: every rank's tokens (in rank order) put back into sequence order."""
+    seq_len = sum(s.shape[dim] for s in shards)
+    order = torch.cat([positions(seq_len, r, len(shards), split) for r in range(len(shards))])
+    return torch.cat(shards, dim).index_select(dim, order.argsort().to(shards[0].device))
+
+
+def local_positions(local_len: int, device=None, *, rank: int, size: int, split: str):
+    """`torch.arange`'s place in the model's embedding: the true positions of its tokens."""
+    return positions(local_len * size, rank, size, split).to(device)
+
+
+# --- 2. One block of attention, its log-sum-exp, and the merge -----------------------------
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:  # query i sees keys 0..i (a diagonal block: the same positions on both sides)
+        later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(later, float("-inf"))
+    return scores
+
+
+def block_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries `q` over one block of keys/values: (output, log-sum-exp per query)."""
+    scores = _scores(q, k, causal)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions over disjoint key sets → the attention over their union."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    return (out * torch.exp(lse - new_lse).unsqueeze(-1)
+            + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)), new_lse
+
+
+def block_attention_backward(q, k, v, d_out, lse, delta, causal: bool):
+    """FlashAttention's backward of one block: probabilities recomputed from the saved `lse`;
+    `delta` = rowsum(dO ∘ O) is the softmax's correction. Returns (dQ, dK, dV) of the block."""
+    p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))
+    d_scores = p * (d_out @ v.transpose(-2, -1) - delta.unsqueeze(-1)) * q.shape[-1] ** -0.5
+    return d_scores @ k, d_scores.transpose(-2, -1) @ q, p.transpose(-2, -1) @ d_out
+
+
+def block_work(rank: int, src: int, size: int, split: str, n: int):
+    """Which of this rank's `n` queries attend to which keys of rank `src`'s block, and whether
+    causally: (query rows, key columns, causal), or None for a block wholly in the future."""
+    everything = slice(None)
+    if src == rank:
+        return everything, everything, True  # the diagonal block
+    if split == "contiguous":
+        return (everything, everything, False) if src < rank else None
+    early, late = slice(0, n // 2), slice(n // 2, None)  # zig-zag: chunks r and 2N-1-r
+    return (everything, early, False) if src < rank else (late, everything, False)
+
+
+def pairs_computed(rank: int, size: int, split: str, n: int) -> int:
+    """Query-key pairs one head of one sequence really attends on this rank in ring attention
+    (the causal diagonal counted as n(n+1)/2): the work whose imbalance the zig-zag evens."""
+    total = 0
+    for src in range(size):
+        if work := block_work(rank, src, size, split, n):
+            rows, cols = (len(range(n)[part]) for part in work[:2])
+            total += rows * (rows + 1) // 2 if work[2] else rows * cols
+    return total
+
+
+# --- 3. The ring ---------------------------------------------------------------------------
+
+def _pass_on(t: torch.Tensor, comm: Communicator):
+    """Post the send of `t` to the next rank of the ring and a receive from the previous one;
+    return the buffer being filled and the two pending operations. Even ranks send first, odd
+    ones receive first, so two neighbours never both wait to send (NCCL pairs them in order)."""
+    buffer, me, n = torch.empty_like(t), comm.rank, comm.size
+    ops = [lambda: comm.send(t, (me + 1) % n, async_op=True),
+           lambda: comm.recv(buffer, (me - 1) % n, async_op=True)]
+    return buffer, [post() for post in (ops if me % 2 == 0 else ops[::-1])]
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's q, k, v [b, heads, s/N, d] (its tokens of the `split`)
+    against every rank's keys and values, passed around the ring (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm: Communicator, split: str):
+        dtype, (q, k, v) = q.dtype, (t.float() for t in (q, k, v))
+        kv, n = torch.stack([k, v]), q.shape[2]  # one message per ring step: K and V together
+        out = lse = None
+        for step in range(comm.size):
+            src, last = (comm.rank - step) % comm.size, step == comm.size - 1  # src: whose K/V
+            # the next block travels while we compute on this one
+            next_kv, pending = _pass_on(kv, comm) if not last else (kv, [])
+            if work := block_work(comm.rank, src, comm.size, split, n):
+                rows, cols, causal = work
+                o, l = block_attention(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal)
+                if out is None:  # step 0: our own block, every query (so no -inf to merge)
+                    out, lse = o, l
+                else:
+                    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
+            for p in pending:
+                p.wait()
+            kv = next_kv
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.split = comm, split
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, dtype, n = ctx.comm, d_out.dtype, q.shape[2]
+        d_out = d_out.float()
+        delta = (d_out * out).sum(-1)
+        dq, kv = torch.zeros_like(q), torch.stack([k, v])
+        dkv = torch.zeros_like(kv)  # the dK/dV of the block we hold: it travels with the block
+        for step in range(comm.size):
+            src, last = (comm.rank - step) % comm.size, step == comm.size - 1
+            next_kv, pending = _pass_on(kv, comm) if not last else (kv, [])
+            if work := block_work(comm.rank, src, comm.size, ctx.split, n):
+                rows, cols, causal = work
+                dq_b, dk_b, dv_b = block_attention_backward(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], d_out[:, :, rows],
+                    lse[:, :, rows], delta[:, :, rows], causal)
+                dq[:, :, rows] += dq_b
+                dkv[0][:, :, cols] += dk_b
+                dkv[1][:, :, cols] += dv_b
+            dkv, sent = _pass_on(dkv, comm)  # after N hops each accumulator is home
+            for p in sent + pending:
+                p.wait()
+            kv = next_kv
+        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None
+
+
+def ring_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> torch.Tensor:
+    """Causal attention over the whole sequence, of this rank's tokens [b, heads, s/N, d]."""
+    return RingAttention.apply(q, k, v, comm, split) if comm.size > 1 else \
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# --- 4. Ulysses: all-to-all to whole sequences of a share of the heads ----------------------
+
+def _all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int):
+    """Piece j of `x` along `scatter_dim` goes to rank j; the pieces received, one per rank in
+    rank order, are joined along `gather_dim`."""
+    send = torch.stack(x.chunk(comm.size, scatter_dim)).contiguous()
+    received = torch.empty_like(send)
+    comm.all_to_all_single(received, send)
+    return torch.cat(received.unbind(0), gather_dim)
+
+
+class AllToAll(torch.autograd.Function):
+    """`_all_to_all` whose backward is the reverse all-to-all (gather_dim ↔ scatter_dim)."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, scatter_dim: int, gather_dim: int):
+        ctx.comm, ctx.dims = comm, (gather_dim, scatter_dim)
+        return _all_to_all(x, comm, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.comm, *ctx.dims), None, None, None
+
+
+def ulysses_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> torch.Tensor:
+    """Causal attention of this rank's tokens [b, heads, s/N, d]: q, k, v go to [b, heads/N,
+    s, d] (one all-to-all for the three), SDPA runs on whole sequences, an all-to-all returns."""
+    if q.shape[1] % comm.size:
+        raise ContextParallelError(f"Ulysses cannot share {q.shape[1]} heads among "
+                                   f"{comm.size} context-parallel ranks")
+    seq_len = q.shape[2] * comm.size
+    by_rank = torch.cat([positions(seq_len, r, comm.size, split) for r in range(comm.size)])
+    by_rank = by_rank.to(q.device)  # the positions the gathered tokens arrive in
+    qkv = AllToAll.apply(torch.stack([q, k, v]), comm, 2, 3)  # [3, b, heads/N, s, d]
+    q, k, v = qkv.index_select(3, by_rank.argsort())  # into sequence order
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return AllToAll.apply(y.index_select(2, by_rank), comm, 2, 1)  # rank order, home
+
+
+# --- 5. Making the GPT context-parallel ----------------------------------------------------
+
+def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
+    """Make hplab's GPT context-parallel over `group`, in place: every attention runs `style`,
+    and the embedding puts this rank's tokens at their true positions. The caller hands each
+    rank its tokens (`shard`) and averages gradients over the group."""
+    comm = communicator(group, "cp")
+    heads = model.transformer.h[0].attn.n_head  # this tensor-parallel rank's heads
+    check_divisible(model.config.n_positions, heads, comm.size, style, split)
+    attend = ring_attention if style == "ring" else ulysses_attention
+    for block in model.transformer.h:
+        block.attn.attend = functools.partial(attend, comm=comm, split=split)
+    model.position_ids = functools.partial(local_positions, rank=comm.rank, size=comm.size,
+                                           split=split)
+    return model
+
+
+class AttentionMeter:
+    """Observes every attention core of a model from outside: forward seconds per step, and the
+    query-key pairs its rank attended (per head, per sequence; summed over calls)."""
+
+    def __init__(self, model, comm: Communicator, style: str, split: str):
+        self.seconds, self.pairs, self.calls = 0.0, 0, 0
+        for block in model.transformer.h:
+            block.attn.attend = self._wrap(block.attn.attend, comm, style, split)
+
+    def _wrap(self, attend, comm, style, split):
+        def timed(q, k, v):
+            start = time.perf_counter()
+            y = attend(q, k, v)
+            self.seconds += time.perf_counter() - start
+            (b, heads, n, _), size = q.shape, comm.size
+            if style == "ring":  # every head, this rank's queries against the blocks it needs
+                self.pairs += b * heads * pairs_computed(comm.rank, size, split, n)
+            else:  # Ulysses: heads/N heads over the whole causal sequence
+                self.pairs += b * heads // size * pairs_computed(0, 1, split, n * size)
+            self.calls += 1
+            return y
+        return timed
