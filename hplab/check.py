@@ -459,6 +459,109 @@ def check_planning(module, report: Report) -> None:
         (1, 2, 4, 8), (1, 4, 8, 32))), "equal for pp ≤ 8, m ≤ 32")
 
 
+# --- lab 08: the log-sum-exp merge of ring attention (one process: it is arithmetic) ----------
+
+def partial_attention(q, k, v, visible) -> tuple:
+    """(out, lse) of q's attention over one block of keys; `visible` [Tq, Tk] masks the rest. A
+    query that sees no key of the block gets out 0 and lse −inf, as a ring step passes on."""
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~visible, -math.inf)
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v, torch.logsumexp(scores, -1)
+
+
+def _merge_problem(module, scale: float, blocks: int, causal: bool) -> str | None:
+    """Merge the blocks' partials one by one (the last block first, as a ring step may deliver
+    it) and compare with attention over every key at once."""
+    g = torch.Generator().manual_seed(blocks)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    q = q * scale
+    visible = torch.ones(16, 16, dtype=torch.bool).tril_(0 if causal else 16)
+    out, lse = None, None
+    for cols in reversed(torch.arange(16).chunk(blocks)):
+        part = partial_attention(q, k[..., cols, :], v[..., cols, :], visible[:, cols])
+        out, lse = part if out is None else module.merge(out, lse, *part)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if out is not None and not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
+        return ("NaN or inf in out or lse: " + ("exp(lse) overflowed — factor out the "
+                "larger lse first" if scale > 1 else "a block no query saw (lse −inf on both "
+                "sides) must add nothing: −inf − (−inf) is NaN"))
+    full = partial_attention(q, k, v, visible)[1]
+    return first((f"out: {d} — each partial weighs exp(its lse − the merged lse)"
+                  if (d := differs(out, expected)) else None,
+                  f"lse: {d}" if (d := differs(lse, full)) else None))
+
+
+def check_lse_merge(module, report: Report) -> None:
+    """`merge` against attention over all keys, for 2 and 4 blocks, causal, and large scores."""
+    for label, *case in (("two blocks", 1.0, 2, False), ("a ring of four blocks, causal", 1.0,
+                         4, True), ("scores past exp's range (~1000)", 400.0, 2, False)):
+        report.check(label, (_merge_problem(module, *case) for _ in "x"),  # lazily: in the case
+                     "equals attention over every key at once (out and lse)")
+
+
+# --- lab 09: expert-parallel dispatch (one process: bookkeeping before the all-to-all) -------
+
+DISPATCH_CASES = [(16, 2, 4, 2), (37, 1, 8, 4), (20, 2, 8, 8), (9, 2, 4, 1), (6, 2, 8, 2)]
+
+
+def _routing(T: int, k: int, E: int) -> tuple:
+    """Expert indices [T, k] (k distinct experts a token, ties across tokens; with T·k < E some
+    experts get nothing) and gates [T, k]."""
+    g = torch.Generator().manual_seed(T * E + k)
+    index = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k]
+    return index, torch.rand(T, k, generator=g, dtype=torch.float64)
+
+
+def _order_problem(module, T, k, E, ep) -> str | None:
+    index = _routing(T, k, E)[0]
+    order, expected = module.dispatch_order(index, E), index.flatten().sort(stable=True).indices
+    if order is None or sorted(order.tolist()) != list(range(T * k)):
+        return f"T={T}, k={k}: not a permutation of the {T * k} (token, slot) positions"
+    if not torch.equal(index.flatten()[order], index.flatten()[expected]):
+        return f"T={T}, k={k}, E={E}: the positions are not grouped by expert, 0 first"
+    return not torch.equal(order, expected) and (
+        f"T={T}, k={k}, E={E}: within an expert keep token order (sort stably)")
+
+
+def _counts_problem(module, T, k, E, ep) -> str | None:
+    index = _routing(T, k, E)[0]
+    counts = module.send_counts(index, E, ep)
+    per_expert = torch.bincount(index.flatten(), minlength=E)
+    expected = per_expert.view(ep, E // ep).sum(dim=1)
+    if counts is not None and counts.tolist() == expected.tolist():
+        return None
+    hint = (" — rank r holds experts r·E/ep … (r+1)·E/ep − 1, not e % ep" if counts is not None
+            and counts.tolist() == per_expert.view(E // ep, ep).sum(dim=0).tolist() else
+            " — count every (token, slot) pair: a token goes to k experts" if counts is not None
+            and k > 1 and int(counts.sum()) == T else "")
+    got = None if counts is None else counts.tolist()
+    return f"T={T}, k={k}, E={E}, ep={ep}: {got}, not {expected.tolist()}{hint}"
+
+
+def _combine_problem(module, T, k, E, ep) -> str | None:
+    """Expert e computes x·(e+1) + e: the results, in the reference dispatch order, combined."""
+    index, gates = _routing(T, k, E)
+    x = torch.randn(T, 4, generator=torch.Generator().manual_seed(T), dtype=torch.float64)
+    order = index.flatten().sort(stable=True).indices
+    expert = index.flatten()[order, None]
+    results = x[order // k] * (expert + 1) + expert
+    expected = (gates[..., None] * (x[:, None, :] * (index[..., None] + 1) + index[..., None]))
+    ungated = (x[:, None, :] * (index[..., None] + 1) + index[..., None]).sum(dim=1)
+    got = module.combine(results, order, gates)
+    problem = differs(got, expected.sum(dim=1))
+    return problem and f"T={T}, k={k}: {problem}" + " — weight each result by its gate" * (
+        got is not None and not differs(got, ungated))
+
+
+def check_dispatch(module, report: Report) -> None:
+    """dispatch_order, send_counts and combine against the reference over several routings."""
+    for label, problem, success in (
+            ("dispatch_order", _order_problem, "grouped by expert, token order within each"),
+            ("send_counts", _counts_problem, "the pairs per destination rank"),
+            ("combine", _combine_problem, "each token's gated sum of its k results")):
+        report.check(label, (problem(module, *case) for case in DISPATCH_CASES),
+                     f"{success}, for {len(DISPATCH_CASES)} routings (T, k, E, ep)")
+
+
 # --- running a check ------------------------------------------------------------------------
 
 # nproc: the processes it runs on (0: this one, no Mesh); hint: what a CommTimeout often means
@@ -474,6 +577,8 @@ EXERCISES = {
     "one_f_one_b": Exercise("05", "lab05_1f1b.py", 0, check_one_f_one_b),
     "mesh": Exercise("06", "lab06_mesh.py", 0, check_mesh),
     "planning": Exercise("07", "lab07_planning.py", 0, check_planning),
+    "lse_merge": Exercise("08", "lab08_lse_merge.py", 0, check_lse_merge),
+    "dispatch": Exercise("09", "lab09_dispatch.py", 0, check_dispatch),
 }
 
 

@@ -84,6 +84,29 @@ WRONG = {
                           "return (pp - 1) / microbatches")],
         "grads_never_sharded": [("grads / (dp if zero >= 2 else 1)", "grads")],
     },
+    "lse_merge": {
+        "exp_of_lse": [("    lse = torch.logaddexp(lse_a, lse_b)\n",
+                        "    lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))\n")],
+        "plain_average": [("return share_a[..., None] * out_a + share_b[..., None] * out_b, lse",
+                           "return (out_a + out_b) / 2, lse")],
+        "nan_where_nothing_seen": [(".nan_to_num(0.0)\n    share_b", "\n    share_b"),
+                                   ("share_b = torch.exp(lse_b - lse).nan_to_num(0.0)",
+                                    "share_b = torch.exp(lse_b - lse)")],
+    },
+    "dispatch": {
+        "token_order": [("return torch.sort(expert_index.flatten(), stable=True).indices",
+                         "return torch.arange(expert_index.numel())")],
+        "reversed_within_expert": [
+            ("torch.sort(expert_index.flatten(), stable=True).indices",
+             "torch.sort(expert_index.flatten(), stable=True, descending=True).indices.flip(0)")],
+        "one_count_per_token": [("torch.bincount(expert_index.flatten(), minlength",
+                                 "torch.bincount(expert_index[:, 0], minlength")],
+        "experts_dealt_round_robin": [("per_expert.view(ep_size, n_experts // ep_size).sum(dim=1)",
+                                       "per_expert.view(n_experts // ep_size, ep_size).sum(dim=0)")],
+        "no_gates": [("(by_pair.view(T, k, -1) * gates[..., None]).sum(dim=1)",
+                      "by_pair.view(T, k, -1).sum(dim=1)")],
+        "not_unpermuted": [("by_pair[order] = results", "by_pair[:] = results")],
+    },
 }
 
 
@@ -228,6 +251,29 @@ def test_planning_names_the_bubble_ratio_and_shows_the_memory_by_kind(outcomes):
     assert "= 2 (params) + 0.6667 (grads) + 2.667 (optim) + 1.333 (master) bytes per " \
         "parameter" in failed(outcomes, "planning", "grads_never_sharded",
                               "model_state_bytes_per_gpu(zero=2, bf16)")
+
+
+def test_lse_merge_names_the_overflow_the_weights_and_the_nan(outcomes):
+    assert "exp(lse) overflowed — factor out the larger lse" in failed(
+        outcomes, "lse_merge", "exp_of_lse", "scores past exp's range (~1000)")
+    assert outcomes["lse_merge"]["exp_of_lse"]["two blocks"].passed  # only large scores show it
+    assert "each partial weighs exp(its lse − the merged lse)" in failed(
+        outcomes, "lse_merge", "plain_average")
+    assert "−inf − (−inf) is NaN" in failed(outcomes, "lse_merge", "nan_where_nothing_seen",
+                                          "a ring of four blocks, causal")
+
+
+def test_dispatch_names_the_order_the_counts_and_the_gates(outcomes):
+    assert "not grouped by expert" in failed(outcomes, "dispatch", "token_order")
+    assert "keep token order (sort stably)" in failed(outcomes, "dispatch",
+                                                      "reversed_within_expert")
+    assert "a token goes to k experts" in failed(outcomes, "dispatch", "one_count_per_token",
+                                                 "send_counts")
+    assert "not e % ep" in failed(outcomes, "dispatch", "experts_dealt_round_robin",
+                                  "send_counts")
+    assert "weight each result by its gate" in failed(outcomes, "dispatch", "no_gates",
+                                                      "combine")
+    assert "differ" in failed(outcomes, "dispatch", "not_unpermuted", "combine")
 
 
 def test_command_line_errors_are_one_line(capsys):
