@@ -7,15 +7,15 @@ on this machine. Each process then joins one process group over a backend:
 * **NCCL** when every local rank has its own GPU — the real thing;
 * **gloo** on CPU otherwise — the same collectives, over TCP on this machine.
 
-A training layout `dp × tp × pp` arranges the N ranks in a 3-D grid. We number it as
+A training layout `dp × cp × tp × pp` arranges the N ranks in a grid. We number it as
 Megatron-LM does, tensor-parallel ranks adjacent (they talk the most, so on a real cluster they
-share a node's fast links), then data parallel, then pipeline parallel:
+share a node's fast links), then context parallel, then data parallel, then pipeline parallel:
 
-    rank = pp_rank · (dp · tp) + dp_rank · tp + tp_rank
+    rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank
 
-Each rank belongs to one group of each family: its `tp` group (same dp and pp coordinates), its
-`dp` group (same tp and pp) and its `pp` group (same dp and tp). Collectives of a strategy run
-inside its own family's group only.
+(with cp = 1: pp_rank · (dp · tp) + dp_rank · tp + tp_rank, the 3-D grid). Each rank belongs to
+one group of each family: its `tp` group (same dp, cp and pp coordinates), its `dp` group (same
+tp, cp and pp), and so on. Collectives of a strategy run inside its own family's group only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import gc
+import itertools
 import multiprocessing
 import os
 import signal
@@ -121,52 +122,58 @@ def shutdown() -> None:
 
 # --- the mesh ------------------------------------------------------------------------------
 
-def check_layout(world_size: int, dp: int, tp: int, pp: int) -> None:
-    """Raise LayoutError unless dp × tp × pp is exactly the number of processes."""
-    for name, size in (("dp", dp), ("tp", tp), ("pp", pp)):
+def check_layout(world_size: int, dp: int, tp: int, pp: int, cp: int = 1) -> None:
+    """Raise LayoutError unless dp × tp × pp (× cp) is exactly the number of processes."""
+    sizes = dict(dp=dp, tp=tp, pp=pp, **({"cp": cp} if cp != 1 else {}))
+    for name, size in sizes.items():
         if size < 1:
             raise LayoutError(f"--{name} must be at least 1, got {size}")
-    if dp * tp * pp != world_size:
+    if dp * tp * pp * cp != world_size:
         raise LayoutError(
-            f"layout dp={dp} × tp={tp} × pp={pp} = {dp * tp * pp} processes, but there are "
-            f"{world_size}: make --dp × --tp × --pp equal the number of processes "
+            f"layout {' × '.join(f'{k}={v}' for k, v in sizes.items())} = {dp * tp * pp * cp} "
+            f"processes, but there are {world_size}: make "
+            f"{' × '.join('--' + k for k in sizes)} equal the number of processes "
             "(--nproc_per_node, or --nproc)")
 
 
-def coordinates(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """(dp_rank, tp_rank, pp_rank) of a global rank; tp varies fastest, then dp, then pp."""
-    return (rank // tp) % dp, rank % tp, rank // (tp * dp)
+def coordinates(rank: int, dp: int, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int]:
+    """(dp_rank, tp_rank, pp_rank) of a global rank; tp varies fastest, then cp, then dp, then
+    pp. Its cp_rank is (rank // tp) % cp."""
+    return (rank // (tp * cp)) % dp, rank % tp, rank // (tp * cp * dp)
 
 
-def global_rank(dp_rank: int, tp_rank: int, pp_rank: int, dp: int, tp: int) -> int:
-    return pp_rank * dp * tp + dp_rank * tp + tp_rank
+def global_rank(dp_rank: int, tp_rank: int, pp_rank: int, dp: int, tp: int,
+                cp_rank: int = 0, cp: int = 1) -> int:
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def group_ranks(dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+def group_ranks(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
     """Every group of every family, as lists of global ranks (pure arithmetic, no processes):
     ranks that share all coordinates but one form a group along that one."""
-    R = lambda d, t, p: global_rank(d, t, p, dp, tp)  # noqa: E731
-    return {
-        "tp": [[R(d, t, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[R(d, t, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[R(d, t, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-    }
+    sizes = dict(pp=pp, dp=dp, cp=cp, tp=tp)  # outermost first
+    grid = [dict(zip(sizes, c)) for c in itertools.product(*(range(n) for n in sizes.values()))]
+    rank = lambda c: global_rank(c["dp"], c["tp"], c["pp"], dp, tp, c["cp"], cp)  # noqa: E731
+    return {family: [[rank({**c, family: i}) for i in range(sizes[family])]
+                     for c in grid if c[family] == 0] for family in ("tp", "dp", "pp", "cp")}
 
 
 class Mesh:
-    """This rank's place in the dp × tp × pp grid, and a communicator for each family: build it
-    with `Mesh.create(dp, tp, pp)` after `init_distributed()`. `mesh.dp`, `mesh.tp`, `mesh.pp`
-    and `mesh.world` all write into one `CommLedger`: a rank's bytes per operation and family."""
+    """This rank's place in the dp × cp × tp × pp grid, and a communicator for each family:
+    build it with `Mesh.create(dp, tp, pp, cp=cp)` after `init_distributed()`. `mesh.dp`,
+    `mesh.cp`, `mesh.tp`, `mesh.pp` and `mesh.world` all write into one `CommLedger`: a rank's
+    bytes per operation and family."""
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1,
-                 device: torch.device | None = None, ledger: CommLedger | None = None):
+                 device: torch.device | None = None, ledger: CommLedger | None = None,
+                 cp: int = 1):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        check_layout(self.world_size, dp, tp, pp)
-        self.dp_size, self.tp_size, self.pp_size = dp, tp, pp
-        self.dp_rank, self.tp_rank, self.pp_rank = coordinates(self.rank, dp, tp, pp)
+        check_layout(self.world_size, dp, tp, pp, cp)
+        self.dp_size, self.tp_size, self.pp_size, self.cp_size = dp, tp, pp, cp
+        self.dp_rank, self.tp_rank, self.pp_rank = coordinates(self.rank, dp, tp, pp, cp)
+        self.cp_rank = (self.rank // tp) % cp
         self.device, self.ledger = device or torch.device("cpu"), ledger or CommLedger()
         self.world = Communicator(dist.group.WORLD, "world", self.ledger, device=self.device)
-        self.groups = group_ranks(dp, tp, pp)
+        self.groups = group_ranks(dp, tp, pp, cp)
         for family, lists in self.groups.items():
             for ranks in lists:  # every rank must create every group, in the same order
                 group = new_group(ranks) if len(ranks) > 1 else None
@@ -179,7 +186,8 @@ class Mesh:
         return cls(*args, **kwargs)  # the name the labs use: the same as Mesh(dp, tp, pp, ...)
 
     def describe(self) -> dict:
-        return {key: getattr(self, key) for key in ("rank", "dp_rank", "tp_rank", "pp_rank")}
+        return {key: getattr(self, key) for key in ("rank", "dp_rank", "tp_rank", "pp_rank",
+                                                    "cp_rank")}
 
 
 # --- spawning processes for tests and notebooks --------------------------------------------

@@ -123,3 +123,16 @@ def test_layouts_that_do_not_split_are_refused_in_one_sentence():
     with pytest.raises(cp.ContextParallelError, match="divides 6"):
         cp.check_divisible(16, 6, 4, "ulysses", "contiguous")
     cp.check_divisible(12, 6, 4, "ring", "contiguous")
+
+
+def test_the_mesh_puts_cp_between_tp_and_dp():
+    """Megatron's order: tp innermost, then cp, then dp, then pp (8 ranks, dp2 × cp2 × tp2)."""
+    from hplab.dist import LayoutError, check_layout, group_ranks
+
+    groups = group_ranks(dp=2, tp=2, pp=1, cp=2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(LayoutError, match=r"dp=1 × tp=2 × pp=1 × cp=3 = 6 processes, but "
+                                          r"there are 4: make --dp × --tp × --pp × --cp"):
+        check_layout(4, 1, 2, 1, 3)
