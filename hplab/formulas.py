@@ -105,6 +105,15 @@ def collective_time_s(op: str, nbytes: float, n: int, bw: float, alpha: float) -
     return steps * alpha + factor * nbytes / bw
 
 
+def moe_all_to_all_bytes(sent: int, received: int, n_embd: int, n_experts: int,
+                         dtype_bytes: int = 4) -> int:
+    """Payload bytes of one rank's all-to-alls for one MoE layer in one training step under
+    expert parallel: the counts (E int64), the dispatch (its `sent` token-slots, h values each)
+    and the combine (the `received` slots, sent back), each again in backward (the reverse
+    exchange): 8·E + 2·(sent + received)·h·bytes. Balanced: sent = received = T·k."""
+    return 8 * n_experts + 2 * (sent + received) * n_embd * dtype_bytes
+
+
 # --- 3. The model: Ψ, hplab's presets, FLOPs  [PTD-P] ---------------------------------------------
 
 def gpt_num_params(n_layer: int, n_embd: int, vocab_size: int, seq_len: int) -> int:

@@ -1,0 +1,227 @@
+"""Mixture of experts (MoE) and expert parallel, from scratch.
+
+**The layer.** An MoE MLP holds E *experts*, each an ordinary GPT-2 MLP, and a *router*, one
+linear layer h → E. Each token goes to only k of the experts, so the model has E times the MLP
+parameters but each token costs only k MLPs of compute:
+
+    p     = softmax(router(x))                 probabilities over the E experts, per token
+    g, e  = top-k(p)                            the k chosen experts and their gates
+    g     = g / Σ g   (renormalise, default)    Mixtral and GShard's top-2; Switch (k=1) keeps p
+    y     = Σ_j g_j · expert_{e_j}(x)
+
+**Keeping the experts busy.** A router left alone sends most tokens to a few experts. The
+Switch / GShard auxiliary loss pushes towards balance; with f_e the fraction of token-slots
+routed to expert e (counted, no gradient) and P_e the mean probability the router gives e,
+
+    balance = E · Σ_e f_e · P_e            (1 when perfectly balanced)
+
+Here f_e is counted over the whole data-parallel batch (one all-reduce of E numbers, as
+Megatron's "global" aux loss), so the loss does not depend on how the batch is split over
+ranks. The optional router z-loss (ST-MoE), mean over tokens of logsumexp(router logits)²,
+keeps the logits small. `aux_loss` holds aux_coef · balance + z_coef · z; the model adds it.
+
+**Dropless, or a capacity.** By default every token reaches its k experts. With a capacity
+factor cf, each expert takes at most capacity = ceil(cf · T · k / E) of a rank's T·k
+token-slots; the rest are dropped (the residual connection still carries the token). Which
+drop: slots in position order (token by token, a token's first choice before its second),
+the latest beyond the capacity.
+
+**Expert parallel.** Over an `ep` group of ranks (each with its own tokens, as in data
+parallel), rank r keeps experts [r·E/ep, (r+1)·E/ep). A layer then *dispatches*: sort the
+token-slots by expert (so each destination rank's slots are contiguous), exchange the counts
+with one all-to-all, then the tokens with a second (uneven splits); run the local experts on
+what arrived; send the results back with the reverse all-to-all and *combine* them with the
+gates. Autograd runs through the exchanges: the backward of an all-to-all is the reverse
+all-to-all of the gradients. Gradients: an expert's replicas live on the ranks with the same
+ep coordinate (the expert-data-parallel group, dp/ep ranks); `sync_gradients` averages expert
+gradients there and everything else over the whole dp group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+class MoE(nn.Module):
+    """E experts (`make_expert()` each, single-device names `experts.0` … `experts.E-1`) and a
+    top-k router. `capacity_factor` 0: dropless. After a forward, `aux_loss` holds the weighted
+    auxiliary losses and `routing` what this rank routed (`RoutingStats` reads it)."""
+
+    def __init__(self, n_embd: int, n_experts: int, top_k: int, make_expert,
+                 capacity_factor: float = 0.0, aux_coef: float = 0.01, z_coef: float = 0.0,
+                 renormalize: bool = True):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top-k={top_k} must be between 1 and the {n_experts} experts")
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_coef, self.z_coef, self.renormalize = aux_coef, z_coef, renormalize
+        self.router = nn.Linear(n_embd, n_experts, bias=False)
+        # a dict keyed by the expert's global number: under ep a rank keeps some, names unchanged
+        self.experts = nn.ModuleDict({str(e): make_expert() for e in range(n_experts)})
+        for p in self.experts.parameters():
+            p.hplab_expert = True  # replicated over the expert-data-parallel group only
+        self.ep = None  # the expert-parallel Communicator (None: every expert is here)
+        self.dp = None  # where f_e is counted (None: this process's tokens are the batch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])  # [T, h]
+        T, E, k = tokens.shape[0], self.n_experts, self.top_k
+        logits = self.router(tokens)
+        probs = logits.float().softmax(dim=-1)  # [T, E]
+        gates, chosen = probs.topk(k, dim=-1)  # [T, k] each
+        if self.renormalize:
+            gates = gates / gates.sum(dim=-1, keepdim=True)
+        slot_expert = chosen.flatten()  # token-slot s = t·k + j: token t's j-th choice
+        routed = torch.bincount(slot_expert, minlength=E)  # before any drop
+
+        kept = self.within_capacity(slot_expert, T)
+        # stable sort by expert: each expert's slots contiguous, in position order
+        order = torch.argsort(slot_expert.masked_fill(~kept, E), stable=True)[:int(kept.sum())]
+        slot_token = order.div(k, rounding_mode="floor")
+        per_expert = torch.bincount(slot_expert[order], minlength=E)
+        outputs = self.run_experts(tokens[slot_token], per_expert.tolist())
+        combined = torch.zeros_like(tokens).index_add(
+            0, slot_token, outputs * gates.flatten()[order, None].to(outputs.dtype))
+
+        self.aux_loss = self.auxiliary_loss(logits, probs, routed, T)
+        self.routing = dict(tokens_per_expert=per_expert, dropped=int((~kept).sum()),
+                            slots=T * k)
+        return combined.view_as(x)
+
+    def within_capacity(self, slot_expert: torch.Tensor, T: int) -> torch.Tensor:
+        """Which token-slots their expert takes: all (dropless), or each expert's first
+        capacity = ceil(cf · T · k / E) slots in position order."""
+        if self.capacity_factor <= 0:
+            return torch.ones_like(slot_expert, dtype=torch.bool)
+        capacity = math.ceil(self.capacity_factor * T * self.top_k / self.n_experts)
+        one_hot = nn.functional.one_hot(slot_expert, self.n_experts)
+        place = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1)  # 1 for an expert's first slot
+        return place <= capacity
+
+    def auxiliary_loss(self, logits, probs, routed, T: int) -> torch.Tensor:
+        """aux_coef · E · Σ_e f_e · P_e  +  z_coef · mean(logsumexp(logits)²)."""
+        counts = torch.cat([routed.to(probs.dtype), probs.new_tensor([T])]).detach()
+        if self.dp is not None:  # f_e over the whole data-parallel batch
+            self.dp.all_reduce(counts)
+        f = counts[:-1] / (counts[-1] * self.top_k)
+        balance = self.n_experts * (f * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+        return self.aux_coef * balance + self.z_coef * z
+
+    def run_experts(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """Each expert's rows of `x` (sorted by expert, `per_expert[e]` rows for expert e)
+        through that expert: here, or dispatched over the ep group and combined back."""
+        if self.ep is None:
+            return torch.cat([self.experts[str(e)](rows) for e, rows in
+                              enumerate(x.split(per_expert))])
+        n, local = self.ep.size, self.n_experts // self.ep.size
+        # 1. counts: rank j learns how many rows of each of its experts every rank sends
+        send = torch.tensor(per_expert, device=x.device)
+        recv = torch.empty_like(send)
+        self.ep.all_to_all_single(recv, send)
+        recv = recv.view(n, local).tolist()  # [source rank][local expert]
+        send_rows = [sum(per_expert[j * local:(j + 1) * local]) for j in range(n)]
+        recv_rows = [sum(row) for row in recv]
+        # 2. dispatch: the rows themselves; they arrive by source rank, then by expert
+        arrived = AllToAll.apply(x, self.ep, recv_rows, send_rows)
+        pieces = arrived.split([c for row in recv for c in row])
+        first = self.ep.rank * local
+        # 3. each local expert on its rows from every source, then back into arrival order
+        outs = [self.experts[str(first + e)](torch.cat(pieces[e::local])) for e in range(local)]
+        by_expert = [out.split([row[e] for row in recv]) for e, out in enumerate(outs)]
+        results = torch.cat([by_expert[e][r] for r in range(n) for e in range(local)])
+        # 4. combine: results return to the ranks their tokens came from
+        return AllToAll.apply(results, self.ep, send_rows, recv_rows)
+
+
+class AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with autograd: rows go out (`send_rows[j]` to rank j) and come in
+    (`recv_rows[j]` from rank j); the backward sends the gradient rows back where they came
+    from, the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx, x, comm, recv_rows: list[int], send_rows: list[int]):
+        ctx.comm, ctx.rows = comm, (recv_rows, send_rows)
+        out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+        comm.all_to_all_single(out, x.contiguous(), recv_rows, send_rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_rows, send_rows = ctx.rows
+        return AllToAll.apply(grad, ctx.comm, send_rows, recv_rows), None, None, None
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def parallelize(model: nn.Module, ep=None, dp=None) -> None:
+    """Expert parallel over the Communicator `ep` (None or one rank: all experts here): each MoE
+    layer keeps its E/ep experts and frees the others; `dp` is where the balance loss counts
+    tokens (the whole data-parallel group, of which ep is a part)."""
+    for layer in moe_layers(model):
+        layer.dp = dp if dp is not None and dp.size > 1 else None
+        if ep is None or ep.size == 1:
+            continue
+        if layer.n_experts % ep.size:
+            raise ValueError(f"{layer.n_experts} experts do not split over ep={ep.size} ranks")
+        local = layer.n_experts // ep.size
+        mine = range(ep.rank * local, (ep.rank + 1) * local)
+        layer.experts = nn.ModuleDict({str(e): layer.experts[str(e)] for e in mine})
+        layer.ep = ep
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return getattr(p, "hplab_expert", False)
+
+
+@torch.no_grad()
+def sync_gradients(params, dp, edp) -> None:
+    """Average gradients of an expert-parallel model: the dense ones over `dp`, the experts'
+    over `edp` (their replicas). Both are divided by dp's size: an expert's gradient already
+    sums the tokens of its ep group (they came to it), and edp sums over the other ep groups."""
+    for comm, expert in ((dp, False), (edp, True)):
+        grads = [p.grad for p in params if p.grad is not None and is_expert(p) == expert]
+        if grads:
+            flat = _flatten_dense_tensors(grads).div_(dp.size)
+            comm.all_reduce(flat)
+            torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
+
+
+class RoutingStats:
+    """Observes every MoE layer of `model` from outside (a forward hook): per step, the
+    token-slots each expert took per layer, the dropped slots and the auxiliary loss."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = moe_layers(model)
+        self.reset()
+        for index, layer in enumerate(self.layers):
+            layer.register_forward_hook(lambda m, args, out, i=index: self._record(i, m))
+
+    def reset(self) -> None:
+        self.tokens = defaultdict(lambda: [0] * self.layers[0].n_experts)
+        self.dropped, self.slots, self.aux_loss = defaultdict(int), defaultdict(int), 0.0
+
+    def _record(self, index: int, layer: MoE) -> None:
+        r = layer.routing
+        self.tokens[index] = [a + b for a, b in zip(self.tokens[index],
+                                                    r["tokens_per_expert"].tolist())]
+        self.dropped[index] += r["dropped"]
+        self.slots[index] += r["slots"]
+        self.aux_loss += float(layer.aux_loss.detach())
+
+    def as_dict(self) -> dict:
+        """`{tokens_per_expert: [per layer, per expert], dropped: [...], slots: [...],
+        aux_loss}` since the last reset; then resets."""
+        n = range(len(self.layers))
+        out = dict(tokens_per_expert=[self.tokens[i] for i in n],
+                   dropped=[self.dropped[i] for i in n], slots=[self.slots[i] for i in n],
+                   aux_loss=self.aux_loss)
+        self.reset()
+        return out
