@@ -1,0 +1,80 @@
+"""Sampling: read what a trained model writes, one token at a time.
+
+Generation is a loop: run the text so far, take the last position's scores (logits) for every
+possible next token, choose one, append it, repeat. **Greedy** decoding takes the highest score
+(deterministic, and prone to loops); **sampling** draws from softmax(logits / T) over the k
+highest scores (top-k): T < 1 sharpens the distribution, T > 1 flattens it, k = 1 is greedy
+again. The model reads at most n_positions tokens, so the context is cropped to the last ones.
+
+    python -m hplab.sample --checkpoint DIR --prompt "HAMLET:" [--top-k 40 --temperature 0.8]
+"""
+
+import argparse
+import sys
+
+import torch
+
+from hplab import checkpoint
+from hplab.data import load_tokenizer
+from hplab.models.gpt import GPT
+
+
+def check_options(prompt: str, max_new_tokens: int, top_k: int | None, temperature) -> None:
+    """Refuse, in one line (ValueError), what cannot be sampled."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give the text to continue")
+    for flag, value in (("--max-new-tokens", max_new_tokens), ("--top-k", top_k),
+                        ("--temperature", temperature)):
+        if value is not None and not value > 0:  # `not >`: NaN is refused too
+            raise ValueError(f"{flag} must be positive, got {value}")
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 40, top_k: int | None = None,
+             temperature: float | None = None, seed: int = 0) -> str:
+    """The prompt and its continuation. Greedy unless `top_k` or `temperature` is given; then
+    sampled (from all tokens when `top_k` is None, T = 1 when `temperature` is None) with a
+    generator seeded by `seed` alone, so the same call gives the same text."""
+    check_options(prompt, max_new_tokens, top_k, temperature)
+    ids, generator = torch.tensor([tokenizer.encode(prompt)]), torch.Generator().manual_seed(seed)
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -model.config.n_positions:])[0][0, -1]  # the last position's
+        next_id = logits.argmax()  # greedy
+        if top_k is not None or temperature is not None:  # sampling instead
+            top = torch.topk(logits / (temperature or 1.0), min(top_k or len(logits), len(logits)))
+            next_id = top.indices[torch.multinomial(top.values.softmax(-1), 1, generator=generator)]
+        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return tokenizer.decode(ids[0])
+
+
+def load_model(directory):
+    """(model, tokenizer): the GPT a `train.py --save DIR` checkpoint holds, in eval mode, and
+    the tokenizer its data used. Missing or damaged files: a CheckpointError (a ValueError)."""
+    saved = checkpoint.load(directory)
+    model = GPT(saved["config"])
+    model.load_state_dict(saved["model"])
+    return model.eval(), load_tokenizer(saved["config"].tokenizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser("python -m hplab.sample", description=__doc__.split("\n")[0])
+    parser.error = lambda message: parser.exit(2, f"hplab: error: {message} (see --help)\n")
+    parser.add_argument("--checkpoint", required=True, help="a folder written by train.py --save")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
+    parser.add_argument("--temperature", type=float, help="divide the logits by T, then sample")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+    args = parser.parse_args(argv)
+    try:
+        check_options(args.prompt, args.max_new_tokens, args.top_k, args.temperature)
+        print(generate(*load_model(args.checkpoint), args.prompt, args.max_new_tokens,
+                       args.top_k, args.temperature, args.seed))
+    except (ValueError, OSError) as err:  # a CheckpointError is a ValueError
+        print(f"hplab: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
