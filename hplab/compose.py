@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from hplab import fsdp, pp, tp
+from hplab import cp, fsdp, pp, tp
 from hplab.ddp import DDP
 from hplab.dist import Mesh
 from hplab.formulas import learning_rate
@@ -55,6 +55,9 @@ class ParallelConfig:
     virtual_stages: int = 1
     microbatches: int = 1
     sequence_parallel: bool = False
+    cp: int = 1  # context parallel: ranks sharing each sequence, by `cp_style` and `cp_split`
+    cp_style: str = "ring"
+    cp_split: str = "zigzag"
     bucket_mb: float = 25.0
     precision: str = "fp32"
     recompute: bool = False
@@ -89,6 +92,8 @@ def check_config(config: ParallelConfig, model) -> None:
          "weight gradients; use ZeRO-1"),
         (c.offload and c.zero == 0, ("offload", "zero"), "offload moves ZeRO's sharded "
          "optimizer state to the CPU, so it needs ZeRO 1, 2 or 3"),
+        (c.cp > 1 and c.sequence_parallel, ("cp", "sequence_parallel"), "context parallel "
+         "already splits the sequence: use it without sequence parallel"),
     ]
     for refused, settings, reason in refusals:
         if refused:
@@ -96,6 +101,8 @@ def check_config(config: ParallelConfig, model) -> None:
     if c.tp > 1:
         tp.check_divisible(model.n_head, model.n_embd, c.tp,
                            model.n_positions if c.sequence_parallel else None)
+    if c.cp > 1:  # (Ulysses shares each tensor-parallel rank's heads)
+        cp.check_divisible(model.n_positions, model.n_head // c.tp, c.cp, c.cp_style, c.cp_split)
     if c.pp > 1:
         pp.build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages)
         pp.split_layers(model.n_layer, c.pp * c.virtual_stages)
@@ -161,6 +168,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
         mark_no_decay(gpt)
     if c.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
         tp.parallelize(gpt, mesh.tp, tp.GPT_PLAN, sequence_parallel=c.sequence_parallel)
+    if c.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
+        cp.parallelize(gpt, mesh.cp, c.cp_style, c.cp_split)
     if c.pp > 1:  # the pipeline split: this rank's stages (the other layers are freed)
         stages = pp.build_stages(gpt, mesh.pp_rank, c.pp, c.virtual_stages)
         pp.free_unowned_parameters(gpt, stages)
@@ -210,22 +219,32 @@ def stepped_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     return getattr(optimizer, "inner", optimizer).param_groups
 
 
+def _all_reduce_grads(grads: list[torch.Tensor], comm, scale: float = 1.0) -> None:
+    """Sum `grads` over `comm` as one message, times `scale`, in place."""
+    flat = _flatten_dense_tensors(grads)
+    comm.all_reduce(flat)
+    torch._foreach_copy_(grads, _unflatten_dense_tensors(flat.mul_(scale), grads))
+
+
 @torch.no_grad()
 def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None) -> None:
     """Every synchronisation after backward (Megatron's `finalize_model_grads`), in order:
     1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished;
     2. sequence parallel: tp-replicated parameters saw s/tp tokens per rank: sum their grads;
     3. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards;
+       context parallel: each rank's loss saw its s/cp tokens: average the grads over cp;
     4. the pipeline's tied embedding: first and last stage sum its gradients (same step)."""
     finish_gradient_sync(model)
     partial = [p.grad for p in model.parameters()
                if getattr(p, "sequence_parallel_partial", False) and p.grad is not None]
     if partial and mesh.tp_size > 1:
-        flat = _flatten_dense_tensors(partial)
-        mesh.tp.all_reduce(flat)
-        torch._foreach_copy_(partial, _unflatten_dense_tensors(flat, partial))
+        _all_reduce_grads(partial, mesh.tp)
     if hasattr(optimizer, "reduce_gradients"):  # ZeroOptimizer, MasterWeightOptimizer
         optimizer.reduce_gradients()
+    stepped = [t for g in stepped_groups(optimizer) for t in g["params"]] if optimizer else \
+        list(model.parameters())  # (ZeRO: this rank's shards, the same on every cp rank)
+    if mesh.cp_size > 1 and (grads := [t.grad for t in stepped if t.grad is not None]):
+        _all_reduce_grads(grads, mesh.cp, 1 / mesh.cp_size)
     for group in stepped_groups(optimizer) if tied_comm and optimizer is not None else ():
         for t in group["params"] if group.get("tied") else ():
             if t.grad is None:
@@ -242,7 +261,7 @@ def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
     for group in stepped_groups(optimizer):
         for t in (t for t in group["params"] if t.grad is not None):
             grads.append(t.grad)
-            families = set(group.get("replicated_over", ("dp", "tp")))
+            families = set(group.get("replicated_over", ("dp", "tp"))) | {"cp"}  # all: cp
             families -= {"dp"} if getattr(t, "dp_sharded", False) else set()
             if all(getattr(mesh, f"{family}_rank") == 0 for family in families):
                 squares += float(t.grad.float().pow(2).sum())
@@ -255,6 +274,7 @@ def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
 def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     """One optimizer step on this rank's share of the global batch; returns its mean loss."""
     config, mesh, m, scale = par.config, par.mesh, par.config.microbatches, par.precision.loss_scale
+    x, y = context_shard(par, x, y)
     no_sync = par.model.no_sync if isinstance(par.model, DDP) else contextlib.nullcontext
     if x.shape[0] % m:
         raise ValueError(f"this rank's batch of {x.shape[0]} sequences does not split into "
@@ -288,7 +308,14 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     par.precision.update(overflow)
     par.memory.measure(memory_tensors(par))  # after the step: everything exists
     par.optimizer.zero_grad()
+    loss = mesh.cp.all_reduce_scalar(loss) / mesh.cp_size  # every rank's tokens count as many
     return mesh.dp.all_reduce_scalar(loss) / mesh.dp_size
+
+
+def context_shard(par: Parallel, x: torch.Tensor, y: torch.Tensor):
+    """This rank's tokens of its dp share [b, s] of the batch (all of them without cp)."""
+    c, rank = par.config, par.mesh.cp_rank
+    return (x, y) if c.cp == 1 else tuple(cp.shard(t, rank, c.cp, c.cp_split) for t in (x, y))
 
 
 def memory_tensors(par: Parallel) -> dict[str, list]:

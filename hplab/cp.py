@@ -40,6 +40,7 @@ All communication goes through the group's `Communicator` (`mesh.cp`): the ledge
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -47,8 +48,9 @@ import torch
 import torch.nn.functional as F
 
 from hplab.comm import Communicator, communicator
+from hplab.formulas import CP_SPLITS, CP_STYLES
 
-STYLES, SPLITS = ("ring", "ulysses"), ("zigzag", "contiguous")
+STYLES, SPLITS = CP_STYLES, CP_SPLITS
 
 
 class ContextParallelError(ValueError):
@@ -66,8 +68,8 @@ def check_divisible(seq_len: int, n_head: int, cp: int, style: str, split: str) 
                                    f"{chunks} chunks for {cp} context-parallel ranks: make the "
                                    f"sequence length a multiple of {chunks}")
     if style == "ulysses" and n_head % cp:
-        raise ContextParallelError(f"Ulysses gives each of {cp} context-parallel ranks a share "
-                                   f"of the {n_head} attention heads (per tensor-parallel rank):"
+        raise ContextParallelError(f"Ulysses shares out the attention heads (of each tensor-"
+                                   f"parallel rank: {n_head}) over {cp} context-parallel ranks:"
                                    f" use a cp size that divides {n_head}, or --cp-style ring")
 
 
@@ -281,13 +283,21 @@ def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
 
 
 class AttentionMeter:
-    """Observes every attention core of a model from outside: forward seconds per step, and the
-    query-key pairs its rank attended (per head, per sequence; summed over calls)."""
+    """Observes every attention core of a model from outside: per training step (`with
+    meter.step():`), the seconds its forward calls took on this rank and the query-key pairs
+    they attended (summed over sequences, heads and layers)."""
 
     def __init__(self, model, comm: Communicator, style: str, split: str):
-        self.seconds, self.pairs, self.calls = 0.0, 0, 0
+        self.seconds_per_step, self.pairs_per_step, self.seconds, self.pairs = [], [], 0.0, 0
         for block in model.transformer.h:
             block.attn.attend = self._wrap(block.attn.attend, comm, style, split)
+
+    @contextlib.contextmanager
+    def step(self):
+        self.seconds, self.pairs = 0.0, 0
+        yield
+        self.seconds_per_step.append(self.seconds)
+        self.pairs_per_step.append(self.pairs)
 
     def _wrap(self, attend, comm, style, split):
         def timed(q, k, v):
@@ -299,6 +309,5 @@ class AttentionMeter:
                 self.pairs += b * heads * pairs_computed(comm.rank, size, split, n)
             else:  # Ulysses: heads/N heads over the whole causal sequence
                 self.pairs += b * heads // size * pairs_computed(0, 1, split, n * size)
-            self.calls += 1
             return y
         return timed

@@ -269,3 +269,15 @@ def learning_rate(step: int, lr: float, warmup_steps: int = 0, decay: str = "con
     x = min((step - warmup_steps) / max(decay_steps - warmup_steps, 1), 1.0)
     shape = 1 - x if decay == "linear" else (1 + math.cos(math.pi * x)) / 2
     return min_lr + (lr - min_lr) * shape
+
+
+# --- 6. Context parallel: the sequence over cp ranks  [Ring attention], [Ulysses] ---------------
+CP_STYLES, CP_SPLITS = ("ring", "ulysses"), ("zigzag", "contiguous")
+
+
+def ring_attention_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -> dict:
+    """Bytes one rank sends per layer in ring attention (b sequences of s tokens, hidden h):
+    forward, cp-1 K/V blocks of 2·b·(s/cp)·h numbers, 2·(cp-1)·b·s/cp·h; backward, the K/V
+    blocks again and cp dK/dV blocks (one more hop brings each home), 2·(2cp-1)·b·s/cp·h."""
+    block = 2 * b * s // cp * h * elem_bytes
+    return {"forward": (cp - 1) * block, "backward": (2 * cp - 1) * block}

@@ -20,6 +20,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: import hplab 
     sys.path[:] = [str(here.parent)] + [p for p in sys.path if p not in ("", str(here))]
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -28,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hplab.formulas import LR_DECAYS, SCHEDULES
+from hplab.formulas import CP_SPLITS, CP_STYLES, LR_DECAYS, SCHEDULES
 from hplab.timeline import Recorder, is_trace_folder
 
 METRICS_VERSION = 1
@@ -72,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "accumulation, pipeline fill)"),
             "--sequence-parallel": dict(on, help="with --tp: split layer norms and dropout "
                                         "along the sequence"),
+            "--cp": dict(n, default=1, help="context-parallel size: ranks sharing each sequence"),
+            "--cp-style": dict(default="ring", choices=CP_STYLES, help="context-parallel "
+                               "attention: K/V around a ring, or Ulysses' all-to-all"),
+            "--cp-split": dict(default="zigzag", choices=CP_SPLITS, help="the sequence's cut "
+                               "over --cp: zig-zag evens the causal mask's work"),
             "--bucket-mb": dict(nonneg, default=25.0,
                                 help="data-parallel gradient bucket size in MiB")},
         "model": {"--model": dict(default="tiny", help="preset: tiny, gpt2, gpt2-medium"),
@@ -171,11 +177,13 @@ def preflight(args, world_size: int):
     from hplab.models.gpt import config_from_preset
 
     if args.dp is None:
-        if world_size % (args.tp * args.pp):
+        cp = (f" × cp={args.cp}", " × cp") if args.cp > 1 else ("", "")
+        if world_size % (args.tp * args.pp * args.cp):
             raise LayoutError(f"{world_size} processes cannot be split into tp={args.tp} × "
-                              f"pp={args.pp} groups: make tp × pp divide --nproc_per_node")
-        args.dp = world_size // (args.tp * args.pp)
-    check_layout(world_size, args.dp, args.tp, args.pp)
+                              f"pp={args.pp}{cp[0]} groups: make tp × pp{cp[1]} divide "
+                              "--nproc_per_node")
+        args.dp = world_size // (args.tp * args.pp * args.cp)
+    check_layout(world_size, args.dp, args.tp, args.pp, args.cp)
     per_rank, rest = divmod(args.batch_size, args.dp)
     if rest:
         raise ValueError(f"--batch-size {args.batch_size} does not split over dp={args.dp} "
@@ -355,7 +363,9 @@ def summary_table(metrics: dict) -> str:
     and communication by dimension (dp / tp / pp / world) as calls and MiB."""
     MiB, steps, memory = 2**20, metrics["steps"], metrics["memory"]
     mesh = metrics.get("mesh") or [{"dp_rank": 0, "tp_rank": 0, "pp_rank": 0}] * len(memory)
-    heads = [f"  rank {r} {'dp{dp_rank} tp{tp_rank} pp{pp_rank}'.format(**c):<15}"
+    where = "dp{dp_rank} tp{tp_rank} pp{pp_rank}" + (" cp{cp_rank}" if metrics.get(
+        "context_parallel") else "")
+    heads = [f"  rank {r} {where.format(**c):<15}"
              for r, c in enumerate(mesh)]
     lines = [f"loss {steps[0]['loss']:.4f} → {steps[-1]['loss']:.4f} over {len(steps)} steps; "
              f"{metrics['tokens_per_s']:,.0f} tokens/s on {metrics['world_size']} processes "
@@ -365,7 +375,7 @@ def summary_table(metrics: dict) -> str:
         "params", "grads", "optim", "master", "activation", "peak"))
         for head, m in zip(heads, memory)]
     by_group = metrics.get("comm_by_group") or [{"all": c} for c in metrics["comm"]]
-    for family in ("dp", "tp", "pp", "world", "all"):
+    for family in ("dp", "cp", "tp", "pp", "world", "all"):
         rows = [g.get(family, {}) for g in by_group]
         ops = sorted({op for row in rows for op in row})
         if ops:
@@ -406,13 +416,14 @@ def run(args) -> dict | None:
 
     from hplab import checkpoint
     from hplab.compose import ParallelConfig, parallelize, pipeline_report, train_step
+    from hplab.cp import AttentionMeter
     from hplab.data import get_batch, global_batch_indices, shard_for_rank
     from hplab.dist import Mesh, init_distributed
     from hplab.models.gpt import build_model
 
     config, dataset, saved = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
     device = init_distributed(None if args.backend == "auto" else args.backend)
-    mesh = Mesh.create(args.dp, args.tp, args.pp, device)
+    mesh = Mesh.create(args.dp, args.tp, args.pp, device, cp=args.cp)
     model = build_model(config, args.seed).to(device)
     par = parallelize(model, mesh, ParallelConfig.from_namespace(args))
     first_step, scaler = 0, par.precision.scaler
@@ -431,11 +442,13 @@ def run(args) -> dict | None:
                unit="step", dynamic_ncols=True, file=sys.stdout)
     steps, tokens_per_step = [], args.batch_size * config.n_positions
     recorder = Recorder(par.gpt, args.trace, mesh.rank, range(first_step, args.steps))
+    meter = AttentionMeter(par.gpt, mesh.cp, args.cp_style, args.cp_split) if args.cp > 1 \
+        else None  # each step's attention seconds and query-key pairs, on every rank
     for step in bar:
         indices = global_batch_indices(len(dataset), step, args.batch_size, args.seed)
         x, y = get_batch(dataset, shard_for_rank(indices, mesh.dp_rank, mesh.dp_size))
         lr, start = par.optimizer.param_groups[0]["lr"], time.perf_counter()
-        with recorder.step(step):  # profiles two steps with --trace
+        with recorder.step(step), meter.step() if meter else contextlib.nullcontext():
             loss = train_step(par, x.to(device), y.to(device))
         elapsed = time.perf_counter() - start
         steps.append({"step": step, "loss": loss, "time_s": elapsed, "tokens": tokens_per_step,
@@ -448,10 +461,14 @@ def run(args) -> dict | None:
 
     # First step excluded from throughput: it pays one-time costs (allocations, warm-up).
     timed = steps[1:] or steps
+    per_op = mesh.ledger.by_group_dict().get("cp", {})
     per_rank = {"memory": par.memory.as_dict(), "comm": mesh.ledger.as_dict(),
                 "comm_by_group": mesh.ledger.by_group_dict(), "mesh": mesh.describe(),
                 # the last step's timeline of every F, B, W, send, recv (--pp > 1)
-                "pipeline": pipeline_report(par) if args.pp > 1 else None}
+                "pipeline": pipeline_report(par) if args.pp > 1 else None,
+                "context_parallel": meter and {  # what the ledger's cp family moved, per step
+                    "attention_s": meter.seconds_per_step, "attention_pairs": meter.pairs_per_step,
+                    "bytes_per_step": {op: o["bytes"] / len(steps) for op, o in per_op.items()}}}
     gathered = [None] * dist.get_world_size() if is_rank0 else None
     dist.gather_object(per_rank, gathered, dst=0)
     if not is_rank0:
@@ -467,6 +484,10 @@ def run(args) -> dict | None:
             "schedule": args.schedule, "stages": args.pp, "microbatches": args.microbatches,
             "virtual_stages": args.virtual_stages,
             **{key: [g["pipeline"][key] for g in gathered] for key in pipeline}},
+        "context_parallel": None if meter is None else {  # per rank (lists), per step
+            "cp": args.cp, "style": args.cp_style, "split": args.cp_split,
+            **{key: [g["context_parallel"][key] for g in gathered]
+               for key in gathered[0]["context_parallel"]}},
     }
 
 

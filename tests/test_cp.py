@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from hplab import cp
 from hplab.dist import run_distributed
+from hplab.formulas import ring_attention_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
 B, HEADS, SEQ, D = 2, 4, 16, 8  # SEQ splits into 2N chunks for N = 2 and 4
@@ -57,19 +58,81 @@ def attention_worker():
     return results
 
 
+CONFIG = dict(vocab_size=101, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+BATCH, STEPS, TRAINING = 4, 3, dict(lr=1e-3, weight_decay=0.1, grad_clip=0.5)
+LAYOUTS = {2: {"cp2 ring zigzag": dict(cp=2), "cp2 ring contiguous": dict(cp=2,
+                                                                          cp_split="contiguous"),
+               "cp2 ulysses": dict(cp=2, cp_style="ulysses")},
+           4: {"cp4 ring zigzag": dict(cp=4), "cp4 ring contiguous": dict(cp=4,
+                                                                          cp_split="contiguous"),
+               "cp4 ulysses": dict(cp=4, cp_style="ulysses"),
+               "cp2 tp2": dict(cp=2, tp=2), "cp2 tp2 ulysses": dict(cp=2, tp=2,
+                                                                     cp_style="ulysses"),
+               "cp2 dp2 zero2": dict(cp=2, dp=2, zero=2), "cp2 dp2": dict(cp=2, dp=2),
+               "cp2 pp2": dict(cp=2, pp=2, microbatches=2)}}
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (STEPS, BATCH, CONFIG["n_positions"] + 1),
+                           generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def train(layout: dict) -> list[float]:
+    """The losses of STEPS AdamW steps (clipped, decayed) of `layout` (one process: {}), then
+    the global gradient norm of each step: AdamW and clipping hide a gradient's scale from the
+    losses, so a missing average over cp shows only there."""
+    from hplab import compose
+    from hplab.compose import ParallelConfig, parallelize, train_step
+    from hplab.dist import Mesh
+    from hplab.models.gpt import GPTConfig, build_model
+
+    mesh = Mesh.create(layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1),
+                       cp=layout.get("cp", 1))
+    par = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh,
+                      ParallelConfig(**TRAINING, **layout))
+    share = BATCH // mesh.dp_size
+    mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
+    norms, clip = [], compose.clip_grad_norm_
+    compose.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]
+    try:
+        return [train_step(par, x[mine], y[mine]) for x, y in batches()] + norms
+    finally:
+        compose.clip_grad_norm_ = clip
+
+
+def worker():
+    return {"attention": attention_worker(),
+            "losses": {name: train(layout) for name, layout in LAYOUTS[dist_size()].items()}}
+
+
+def dist_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
 def gathered(results: list[dict], key, name):
     return cp.unshard([r[key][name] for r in results], key[1], dim=2)
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def world(request):
-    return request.param, run_distributed(attention_worker, request.param)
+    results = run_distributed(worker, request.param)
+    return request.param, [r["attention"] for r in results], results[0]["losses"]
+
+
+def test_every_layout_trains_the_model_one_process_trains(world):
+    reference = run_distributed(train, 1, {})[0]
+    for name, losses in world[2].items():
+        torch.testing.assert_close(losses, reference, rtol=RTOL, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("key", [("ring", "contiguous"), ("ring", "zigzag"),
                                  ("ulysses", "zigzag"), ("ulysses", "contiguous")])
 def test_attention_equals_sdpa_on_the_whole_sequence(world, key):
-    _, results = world
+    _, results, _ = world
     ref = reference()
     for name in ("out", "dq", "dk", "dv"):
         torch.testing.assert_close(gathered(results, key, name), ref[name], rtol=RTOL, atol=ATOL,
@@ -77,21 +140,22 @@ def test_attention_equals_sdpa_on_the_whole_sequence(world, key):
 
 
 def test_ring_bytes_per_step_match_the_formula(world):
-    """Forward: N-1 K/V blocks sent; backward: N-1 K/V blocks and N dK/dV blocks; each block
-    2·b·heads·(s/N)·d fp32 numbers. Every send has its recv."""
-    n, results = world
-    block = 2 * B * HEADS * (SEQ // n) * D * 4
+    """formulas.ring_attention_bytes: forward N-1 K/V blocks, backward N-1 K/V blocks and N
+    dK/dV blocks, each 2·b·(s/N)·h fp32 numbers; every send has its recv."""
+    n, results, _ = world
+    want = ring_attention_bytes(B, SEQ, HEADS * D, n)
     for split in ("contiguous", "zigzag"):
         for r in results:
             fwd, both = r["ring", split]["forward"], r["ring", split]["all"]
-            assert (fwd["send"]["calls"], fwd["send"]["bytes"]) == (n - 1, (n - 1) * block)
-            assert both["send"]["bytes"] == (3 * n - 2) * block == both["recv"]["bytes"]
+            assert (fwd["send"]["calls"], fwd["send"]["bytes"]) == (n - 1, want["forward"])
+            assert both["send"]["bytes"] == want["forward"] + want["backward"]
+            assert both["recv"]["bytes"] == both["send"]["bytes"]
             assert both["send"]["calls"] == 3 * n - 2
 
 
 def test_ulysses_moves_four_all_to_alls(world):
     """q, k, v in one all-to-all, the output in another; the same two backward."""
-    n, results = world
+    n, results, _ = world
     for r in results:
         ops = r["ulysses", "zigzag"]["all"]
         assert ops["all_to_all"]["calls"] == 4
@@ -136,3 +200,27 @@ def test_the_mesh_puts_cp_between_tp_and_dp():
     with pytest.raises(LayoutError, match=r"dp=1 × tp=2 × pp=1 × cp=3 = 6 processes, but "
                                           r"there are 4: make --dp × --tp × --pp × --cp"):
         check_layout(4, 1, 2, 1, 3)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--nproc", "4", "--cp", "4", "--seq-len", "20"], "cuts the 20-token sequence into 8 "
+     "chunks for 4 context-parallel ranks: make the sequence length a multiple of 8"),
+    (["--nproc", "2", "--cp", "2", "--cp-split", "contiguous", "--seq-len", "15"],
+     "multiple of 2"),
+    (["--nproc", "4", "--cp", "4", "--cp-style", "ulysses", "--n-head", "2", "--n-embd", "32"],
+     "(of each tensor-parallel rank: 2) over 4 context"),
+    (["--nproc", "4", "--cp", "2", "--tp", "2", "--cp-style", "ulysses", "--n-head", "2",
+      "--n-embd", "32"], "(of each tensor-parallel rank: 1) over 2 context"),
+    (["--nproc", "4", "--cp", "3"], "cannot be split into tp=1 × pp=1 × cp=3"),
+    (["--nproc", "4", "--cp", "2", "--tp", "2", "--sequence-parallel"],
+     "--cp 2 --sequence-parallel: not supported: context parallel already splits"),
+])
+def test_bad_context_parallel_command_lines_fail_in_one_line(capsys, monkeypatch, flags, says):
+    """Refused by train.py's checks, before any process starts."""
+    from hplab.train import main
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    code, err = main([*flags, "--steps", "1"]), capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("hplab: error:") and says in err, err

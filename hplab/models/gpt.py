@@ -65,6 +65,11 @@ def config_from_preset(name: str, n_layer=None, n_embd=None, n_head=None,
     return replace(PRESETS[name], **overrides)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Each token attends to itself and the tokens before it: [B, heads, T, d] → same shape."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention. `c_attn` projects to Q, K and V at once: its output is
     [q for all heads | k for all heads | v for all heads], each block n_embd wide."""
@@ -74,13 +79,14 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.attend = causal_attention  # context parallel swaps in ring attention or Ulysses
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         B, T, _ = q.shape  # of the projections: under sequence parallel c_attn gathers all of T
         # [B, T, heads·d] -> [B, heads, T, d]; `-1` lets the same code run on a shard of heads
         q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -132,6 +138,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, two uses
         self.loss_fn = cross_entropy  # tensor parallel swaps in a vocab-parallel version
         self.recompute = False
+        self.position_ids = torch.arange  # context parallel: the true positions of its tokens
         self.reset_parameters()
 
     @torch.no_grad()
@@ -152,7 +159,8 @@ class GPT(nn.Module):
         if T > self.config.n_positions:
             raise ValueError(f"sequence of {T} tokens is longer than n_positions="
                              f"{self.config.n_positions}")
-        return self.transformer.wte(idx) + self.transformer.wpe(torch.arange(T, device=idx.device))
+        positions = self.position_ids(T, device=idx.device)
+        return self.transformer.wte(idx) + self.transformer.wpe(positions)
 
     def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
