@@ -96,13 +96,15 @@ def alpha_beta_terms(op: str, n: int) -> tuple[float, float]:
     return steps.get(op, 1), bus_factor(op, n)
 
 
-def collective_time_s(op: str, nbytes: float, n: int, bw: float, alpha: float) -> float:
+def collective_time_s(op: str, nbytes: float, n: int, bw: float, alpha: float,
+                      calls: int = 1) -> float:
     """Seconds of one ring `op` on a payload of nbytes among n ranks, link β = bw bytes/s and
-    α = alpha s per step (all-reduce: 2(n−1)·α + 2(n−1)/n · S/β). One rank sends nothing."""
+    α = alpha s per step (all-reduce: 2(n−1)·α + 2(n−1)/n · S/β); of `calls` such ops moving
+    nbytes in all: calls·steps·α + factor·S/β. One rank sends nothing."""
     if n <= 1:
         return 0.0
     steps, factor = alpha_beta_terms(op, n)
-    return steps * alpha + factor * nbytes / bw
+    return calls * steps * alpha + factor * nbytes / bw
 
 
 def moe_all_to_all_bytes(sent: int, received: int, n_embd: int, n_experts: int,
@@ -116,15 +118,19 @@ def moe_all_to_all_bytes(sent: int, received: int, n_embd: int, n_experts: int,
 
 # --- 3. The model: Ψ, hplab's presets, FLOPs  [PTD-P] ---------------------------------------------
 
-def gpt_num_params(n_layer: int, n_embd: int, vocab_size: int, seq_len: int) -> int:
+def gpt_num_params(n_layer: int, n_embd: int, vocab_size: int, seq_len: int,
+                   n_experts: int = 0) -> int:
     """Ψ of GPT-2 (tied embedding / LM head, learned positions, biases everywhere):
 
         Ψ = V·h + S·h + L·(12h² + 13h) + 2h
 
     per block: QKV 3h²+3h, attention projection h²+h, MLP 4h²+4h and 4h²+h, two layer
-    norms 4h; then the final layer norm 2h."""
-    h, L = n_embd, n_layer
-    return vocab_size * h + seq_len * h + L * (12 * h * h + 13 * h) + 2 * h
+    norms 4h; then the final layer norm 2h. A mixture of E experts (n_experts > 0) swaps each
+    block's MLP for E of them, L·E·(8h² + 5h) *expert* parameters, and a router h·E (no bias).
+    The rest is *dense*: every token uses all of it."""
+    h, L, E = n_embd, n_layer, n_experts
+    moe = L * ((E - 1) * (8 * h * h + 5 * h) + h * E) if E else 0
+    return vocab_size * h + seq_len * h + L * (12 * h * h + 13 * h) + 2 * h + moe
 
 
 #: hplab's own model presets (`hplab.models.gpt.PRESETS` builds its GPTConfigs from these).
@@ -157,10 +163,14 @@ def flops_per_step(model, batch_size: int, recompute: str = "none") -> dict:
     Full recompute runs every block's forward once more:
         F = 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h))
     Selective recompute redoes only the score part, 4·B·s²·h per block ([SP] Sec. 5).
-    Hardware FLOPs (with recompute) are what [PTD-P] reports as achieved TFLOP/s.
+    Hardware FLOPs (with recompute) are what [PTD-P] reports as achieved TFLOP/s. With E
+    experts (`model.n_experts`) a token runs only its top-k: the MLP's 16·B·s·h² becomes
+    k·16·B·s·h² plus the router's 2·B·s·h·E (Switch Transformer's "FLOPs per token").
     """
     B, s, h, L, V = batch_size, model.seq_len, model.n_embd, model.n_layer, model.vocab_size
-    block_fwd = 24 * B * s * h * h + 4 * B * s * s * h
+    E = getattr(model, "n_experts", 0)  # (a dense model: 0)
+    k = model.moe_top_k if E else 1
+    block_fwd = 8 * B * s * h * h + k * 16 * B * s * h * h + 2 * B * s * h * E + 4 * B * s * s * h
     head_fwd = 2 * B * s * h * V
     model_flops = 3 * (L * block_fwd + head_fwd)
     extra = {"none": 0, "selective": L * 4 * B * s * s * h, "full": L * block_fwd}[recompute]
@@ -281,3 +291,10 @@ def ring_attention_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -
     blocks again and cp dK/dV blocks (one more hop brings each home), 2·(2cp-1)·b·s/cp·h."""
     block = 2 * b * s // cp * h * elem_bytes
     return {"forward": (cp - 1) * block, "backward": (2 * cp - 1) * block}
+
+
+def ulysses_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -> dict:
+    """Payload bytes one rank sends per layer in Ulysses: forward, an all-to-all of q, k, v
+    (3·b·(s/cp)·h numbers) and one of the output (b·(s/cp)·h); backward, the same two reversed.
+    (cp−1)/cp of each leaves the rank (`bus_factor`)."""
+    return dict.fromkeys(("forward", "backward"), 4 * b * s // cp * h * elem_bytes)

@@ -10,13 +10,15 @@ formulas about clusters no laptop has:
     python -m hplab.plan ... --json          # the same numbers for a notebook
 
 Memory per GPU = model states (parameters, gradients, optimizer state, fp32 master weights;
-sharded by ZeRO over data parallel, split by tensor and pipeline parallel) + activations (per
-layer per microbatch × layers on a stage × microbatches the schedule keeps in flight). Step
-time = compute of the busiest stage (FLOPs ÷ achievable FLOP/s, plus memory-bound element-wise
-work) + tensor-parallel collectives + pipeline bubble and sends + the exposed data-parallel and
-ZeRO traffic. Collectives follow the α-β model of ring algorithms; ranks are numbered as in
-`hplab.dist` (tensor parallel innermost, then data, then pipeline), which decides which groups
-stay inside a node's fast links. Every efficiency assumption is a field of `Efficiency`, never
+sharded by ZeRO over data parallel, split by tensor and pipeline parallel, experts by expert
+parallel) + activations (per layer per microbatch, of s/cp tokens under context parallel ×
+layers on a stage × microbatches the schedule keeps in flight). Step time = compute of the
+busiest stage (FLOPs ÷ achievable FLOP/s, plus memory-bound element-wise work) + tensor-
+parallel collectives + context-parallel ring sends or all-to-alls + expert all-to-alls +
+pipeline bubble and sends + the exposed data-parallel and ZeRO traffic. Collectives follow the
+α-β model of ring algorithms; ranks are numbered as in `hplab.dist` (tensor parallel innermost,
+then context, then data with expert parallel innermost in it, then pipeline), which decides
+which groups stay inside a node's fast links. Every efficiency assumption is a field of `Efficiency`, never
 a hidden constant. No torch here: the module loads fast on machines without a GPU.
 
 Sources: [ZeRO] Rajbhandari et al., SC 2020 (memory Sec. 3, 5; communication Sec. 7).
@@ -25,6 +27,8 @@ Megatron-LM", SC 2021 (FLOPs; bubble Sec. 2.2; pipeline sends Sec. 4.1; Table 1 
 [SP] Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022
 (activations Sec. 4, Table 2). [Ring] Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009.
 [ZB] Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024. [GPT-3] Brown et al., 2020.
+Context parallel: Liu et al. 2023 (ring attention), Jacobs et al. 2023 (Ulysses). Experts:
+Lepikhin et al. 2021 (GShard), Fedus et al. 2022 (Switch Transformers).
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from dataclasses import asdict, dataclass, fields, replace
 
 # The formulas live in hplab.formulas; `plan.model_state_bytes` & co. are the same objects.
 from hplab.formulas import (HPLAB_PRESETS, PRECISION_BYTES, SCHEDULES,  # noqa: F401
-                            activation_bytes_per_layer, bubble_formula, bubble_ratio,
-                            collective_time_s, flops_per_step, gpt_num_params,
-                            in_flight_microbatches, model_state_bytes)
+                            CP_STYLES, activation_bytes_per_layer, bubble_formula,
+                            bubble_ratio, collective_time_s, flops_per_step, gpt_num_params,
+                            in_flight_microbatches, model_state_bytes, moe_all_to_all_bytes,
+                            ring_attention_bytes, ulysses_bytes)
 
 bubble_fraction = bubble_ratio  # old name of the *ratio* (p−1)/m: not formulas.bubble_fraction
 GB, GIB = 1e9, 2**30
@@ -51,7 +56,8 @@ class ModelShape:
     """The sizes that decide memory and time. `dropout` and `flash_attention` change what the
     forward pass saves for backward: the papers' models use dropout and store the s×s attention
     matrices; hplab's own GPT has no dropout and uses `scaled_dot_product_attention`, which
-    (like FlashAttention) keeps only the output and a log-sum-exp per row."""
+    (like FlashAttention) keeps only the output and a log-sum-exp per row. `n_experts` E > 0
+    makes every block's MLP a mixture of E experts, each token routed to `moe_top_k` of them."""
 
     name: str
     n_layer: int
@@ -62,10 +68,13 @@ class ModelShape:
     dropout: bool = True
     flash_attention: bool = False
     default_batch_size: int = 8  # global batch in sequences, when the command line gives none
+    n_experts: int = 0  # 0: a dense GPT-2
+    moe_top_k: int = 2
 
     def num_params(self) -> int:
-        """Ψ of GPT-2: V·h + S·h + L·(12h² + 13h) + 2h (`formulas.gpt_num_params`)."""
-        return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.seq_len)
+        """Ψ of GPT-2: V·h + S·h + L·(12h² + 13h) + 2h, experts included (`formulas`)."""
+        return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.seq_len,
+                              self.n_experts)
 
 
 #: [GPT-3] Table 2.1 (context 2048, GPT-2 BPE); batch sizes are the paper's tokens ÷ 2048. Two
@@ -143,6 +152,7 @@ class Efficiency:
     comm: float = 0.8  # fraction of link bandwidth a collective reaches (NCCL bus bandwidth)
     dp_overlap: float = 0.0  # fraction of data-parallel (and ZeRO) traffic hidden by compute
     tp_overlap: float = 0.0  # same for tensor-parallel collectives (Megatron 2021: none)
+    cp_overlap: float = 0.0  # same for the ring's sends (posted before each block's compute)
     usable_memory: float = 0.9  # of HBM (the rest: CUDA context, fragmentation, buffers)
     cpu_adam_params_per_s: float = 1e9  # optimizer updates per second on the host (--offload)
 
@@ -170,10 +180,13 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     offload: bool = False
+    cp: int = 1  # context parallel: ranks sharing each sequence, in hplab's zig-zag split
+    cp_style: str = "ring"  # or "ulysses"
+    ep: int = 1  # expert parallel: of the dp ranks, ep share the experts (E/ep each)
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def micro_batch_size(self) -> int:
@@ -182,6 +195,8 @@ class Layout:
     def short(self) -> str:
         chunks = f"×{self.virtual_stages}" * (self.virtual_stages > 1)
         bits = [f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero}",
+                (f"cp{self.cp}" + "-ulysses" * (self.cp_style == "ulysses")) * (self.cp > 1),
+                f"ep{self.ep}" * (self.ep > 1),
                 (self.schedule + chunks) * (self.pp > 1),
                 f"b{self.micro_batch_size}×m{self.microbatches}",
                 f"rc-{self.recompute}" * (self.recompute != "none"), "sp" * self.sequence_parallel,
@@ -192,12 +207,14 @@ class Layout:
 def check_layout(model: ModelShape, lay: Layout) -> None:
     """Raise PlanError with one clear line if the layout cannot run."""
     for obj, names in ((model, ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size")),
-                       (lay, ("dp", "tp", "pp", "microbatches", "virtual_stages", "batch_size"))):
+                       (lay, ("dp", "tp", "pp", "cp", "ep", "microbatches", "virtual_stages",
+                              "batch_size"))):
         for name in names:
             if getattr(obj, name) < 1:
                 raise PlanError(f"--{name.replace('_', '-')} must be at least 1, "
                                 f"got {getattr(obj, name)}")
-    L, h, a, tp = model.n_layer, model.n_embd, model.n_head, lay.tp
+    L, h, a, tp, cp, E, ep = (model.n_layer, model.n_embd, model.n_head, lay.tp, lay.cp,
+                              model.n_experts, lay.ep)
     chunks = lay.pp * (lay.virtual_stages if lay.schedule == "interleaved" else 1)
     why = next((why for bad, why in [
         (lay.zero not in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {lay.zero}"),
@@ -214,28 +231,43 @@ def check_layout(model: ModelShape, lay: Layout) -> None:
         (lay.batch_size % (lay.dp * lay.microbatches), f"global batch {lay.batch_size} is not "
          f"divisible by dp×microbatches={lay.dp}×{lay.microbatches}"),
         (lay.sequence_parallel and tp > 1 and model.seq_len % tp,
-         f"sequence parallel needs seq_len={model.seq_len} divisible by tp={tp}")] if bad), None)
+         f"sequence parallel needs seq_len={model.seq_len} divisible by tp={tp}"),
+        (lay.cp_style not in CP_STYLES, f"unknown context-parallel style {lay.cp_style!r}"),
+        (cp > 1 and model.seq_len % (2 * cp), f"context parallel's zig-zag split needs seq_len="
+         f"{model.seq_len} divisible by 2×cp={2 * cp}"),
+        (lay.cp_style == "ulysses" and (a // tp) % cp, f"Ulysses needs the {a // tp} heads per "
+         f"tensor-parallel rank divisible by cp={cp}"),
+        (E and not 1 <= model.moe_top_k <= E,
+         f"--moe-top-k must be between 1 and the {E} experts, got {model.moe_top_k}"),
+        (ep > 1 and (not E or E % ep or lay.dp % ep), f"ep={ep} must divide the experts "
+         f"(--moe-experts {E}) and dp={lay.dp}: it splits them over some data-parallel ranks")]
+        if bad), None)
     if why:
         raise PlanError(why)
 
 
 # --- 3. Memory: parameters per stage [ZeRO], activations per GPU [SP] ------------------------
 
-def params_per_stage(model: ModelShape, tp: int = 1, pp: int = 1) -> dict:
-    """Parameters one GPU holds on the first and on the last pipeline stage. Tensor parallel
-    ([PTD-P] Sec. 2.3) splits QKV, the attention projection, both MLP matrices, the column-
-    parallel biases (12h² + 7h per block) and the embedding's vocabulary; layer norms, row-
-    parallel biases (6h per block) and position embeddings stay whole. Pipeline parallel splits
-    the blocks (the busiest stage holds ceil(L/pp)); the first stage also holds the embeddings,
-    the last the final layer norm and a copy of the tied LM head (as Megatron ties them)."""
-    h, V, S = model.n_embd, model.vocab_size, model.seq_len
-    block = (12 * h * h + 7 * h) / tp + 6 * h
+def params_per_stage(model: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+    """Parameters one GPU holds on the first and on the last pipeline stage (dense), and of
+    experts on either (`experts`). Tensor parallel ([PTD-P] Sec. 2.3) splits QKV, the attention
+    projection, both MLP matrices, the column-parallel biases (12h² + 7h per block) and the
+    embedding's vocabulary; layer norms, row-parallel biases (6h per block) and position
+    embeddings stay whole. Pipeline parallel splits the blocks (the busiest stage holds
+    ceil(L/pp)); the first stage also holds the embeddings, the last the final layer norm and a
+    copy of the tied LM head (as Megatron ties them). A mixture of experts swaps each MLP for a
+    router h·E (whole) and E experts, each split by tp as the MLP and E/ep of them per GPU."""
+    h, V, S, E = model.n_embd, model.vocab_size, model.seq_len, model.n_experts
+    mlp = (8 * h * h + 4 * h) / tp + h  # h → 4h column-, 4h → h row-parallel
     blocks = math.ceil(model.n_layer / pp)
+    experts = blocks * mlp * E / ep
+    block = (4 * h * h + 3 * h) / tp + 5 * h + (h * E if E else mlp)  # dense
     embed = V * h / tp + S * h
     head = 2 * h + (V * h / tp if pp > 1 else 0)  # tied: no second copy on one stage
     first = blocks * block + embed + (head if pp == 1 else 0)  # one stage holds all of it
     last = blocks * block + (embed if pp == 1 else 0) + head
-    return {"first": first, "last": last, "block": block, "blocks_per_stage": blocks}
+    return {"first": first, "last": last, "experts": experts, "blocks_per_stage": blocks,
+            "block": block + experts / blocks}  # what ZeRO-3 gathers
 
 
 def activation_memory(model: ModelShape, lay: Layout) -> dict:
@@ -244,11 +276,15 @@ def activation_memory(model: ModelShape, lay: Layout) -> dict:
     bytes, /t with sequence parallel) per microbatch in flight; the last keeps the final layer
     norm's and the LM head's inputs (2·sbh elements, /t with sequence parallel) and the fp32
     logits of the cross-entropy (4·s·b·V/t bytes) for its one microbatch in flight. A block that
-    full recompute runs backward holds its activations again (`recompute_working_bytes`)."""
-    s, b, h, a, t = model.seq_len, lay.micro_batch_size, model.n_embd, model.n_head, lay.tp
+    full recompute runs backward holds its activations again (`recompute_working_bytes`).
+    Context parallel: each rank holds s/cp tokens, and ring attention (or Ulysses) keeps only a
+    log-sum-exp per row, as FlashAttention; the K/V blocks in flight are not counted. Experts
+    are counted as one dense MLP per token (its k expert copies are not modelled)."""
+    s, b, h, a, t = model.seq_len // lay.cp, lay.micro_batch_size, model.n_embd, model.n_head, \
+        lay.tp
     act = PRECISION_BYTES[lay.precision][4]
     kw = dict(s=s, b=b, h=h, a=a, t=t, sequence_parallel=lay.sequence_parallel, act_bytes=act,
-              dropout=model.dropout, flash_attention=model.flash_attention)
+              dropout=model.dropout, flash_attention=model.flash_attention or lay.cp > 1)
     per_layer = activation_bytes_per_layer(recompute=lay.recompute, **kw)
     unrecomputed = activation_bytes_per_layer(recompute="none", **kw)  # all a block's tensors
     sp_div = t if lay.sequence_parallel else 1
@@ -288,14 +324,22 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     (the JSON the command line prints); all sizes in bytes, times in seconds."""
     cluster, eff = cluster or Cluster(GPU_PRESETS["a100-80g"]), eff or Efficiency()
     check_layout(model, lay)
-    dp, tp, pp, m, b = lay.dp, lay.tp, lay.pp, lay.microbatches, lay.micro_batch_size
+    dp, cp, tp, pp, ep, m, b = lay.dp, lay.cp, lay.tp, lay.pp, lay.ep, lay.microbatches, \
+        lay.micro_batch_size
     v = lay.virtual_stages if (lay.schedule == "interleaved" and pp > 1) else 1
     p_bytes, g_bytes, *_, act_bytes = PRECISION_BYTES[lay.precision]
+    redo = 2 if lay.recompute == "full" else 1  # full recompute runs each forward twice
+    tokens = b * model.seq_len / cp  # per GPU and microbatch
 
-    # --- memory of the worse of the first and the last stage -----------------------------------
-    stage_params = params_per_stage(model, tp, pp)
-    states = {where: model_state_bytes(stage_params[where], dp, lay.zero, lay.precision,
-                                       lay.offload, padded) for where in ("first", "last")}
+    # --- memory of the worse of the first and the last stage; ZeRO shards over dp, and the
+    # experts' states over their dp/ep replicas; replicated over cp (as hplab keeps them) --------
+    stage_params = params_per_stage(model, tp, pp, ep)
+    experts = stage_params["experts"]
+    expert_states = model_state_bytes(experts, dp // ep, lay.zero, lay.precision, lay.offload,
+                                      padded)
+    states = {where: {k: v + expert_states[k] for k, v in model_state_bytes(
+        stage_params[where], dp, lay.zero, lay.precision, lay.offload, padded).items()}
+        for where in ("first", "last")}
     acts = activation_memory(model, lay)
     # ZeRO-3 gathers whole blocks: the one in use and the next one, prefetched
     zero3_buffer = 2 * stage_params["block"] * p_bytes if lay.zero == 3 and dp > 1 else 0.0
@@ -310,7 +354,7 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     layers = stage_params["blocks_per_stage"]
     head_hw = 3 * flops["head_fwd_flops"]  # LM head forward + backward, per sequence
     block_hw = (flops["hardware_flops"] / lay.batch_size - head_hw) / model.n_layer
-    gemm_s = b * (layers * block_hw + head_hw / pp) / tp / (peak * eff.gemm)
+    gemm_s = b * (layers * block_hw + head_hw / pp) / (tp * cp) / (peak * eff.gemm)
     passes = eff.elementwise_passes * (4 / 3 if lay.recompute == "full" else 1)
     elementwise_s = passes * layers * acts["unrecomputed_layer_bytes"] / (cluster.gpu.hbm_gbps * GB)
     compute_mb = gemm_s + elementwise_s
@@ -318,42 +362,67 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     # --- tensor parallel: 2 collectives forward, 2 backward, 2 more if the forward is redone;
     # sequence parallel: all-gather + reduce-scatter, same bytes, twice the latency -------------
     tp_bw, tp_alpha, tp_cross = group_link(cluster, tp, 1, eff)
-    tp_msg = b * model.seq_len * model.n_embd * act_bytes
-    n_coll = 4 + (2 if lay.recompute == "full" else 0)
+    tp_msg = tokens * model.n_embd * act_bytes
+    n_coll = 2 + 2 * redo
     op, times = ("all_gather", 2) if lay.sequence_parallel else ("all_reduce", 1)
     tp_mb = n_coll * layers * times * collective_time_s(op, tp_msg, tp, tp_bw, tp_alpha) \
         * (1 - eff.tp_overlap)
 
+    # --- context parallel, per layer: the ring sends (cp−1)·redo + 2cp−1 K/V (or dK/dV) blocks;
+    # Ulysses runs 2·redo + 2 all-to-alls. Recompute repeats the forward's traffic -------------
+    cp_bw, cp_alpha, cp_cross = group_link(cluster, cp, tp, eff)
+    ring = lay.cp_style == "ring"
+    sent = (ring_attention_bytes if ring else ulysses_bytes)(
+        b, model.seq_len, model.n_embd / tp, cp, act_bytes)
+    cp_bytes = layers * (redo * sent["forward"] + sent["backward"]) * (cp > 1)
+    messages = layers * ((cp - 1) * redo + 2 * cp - 1 if ring else 2 * redo + 2)
+    cp_mb = collective_time_s("send" if ring else "all_to_all", cp_bytes, cp, cp_bw, cp_alpha,
+                              messages) * (1 - eff.cp_overlap)
+
+    # --- expert parallel, per layer: the counts, dispatch and combine all-to-alls forward (again
+    # with recompute: a forward alone moves what the formula gives for half the slots), the
+    # reverse two backward; balanced routing: every rank sends its tokens × k token-slots ------
+    ep_bw, ep_alpha, ep_cross = group_link(cluster, ep, tp * cp, eff)
+    a2a = [moe_all_to_all_bytes(slots, slots, model.n_embd, model.n_experts, act_bytes)
+           for slots in (tokens * model.moe_top_k, tokens * model.moe_top_k / 2)]
+    ep_bytes = layers * (a2a[0] + (redo - 1) * a2a[1]) * (ep > 1)
+    ep_mb = collective_time_s("all_to_all", ep_bytes, ep, ep_bw, ep_alpha, layers * (3 * redo + 2))
+
     # --- pipeline: bubble and point-to-point sends ([PTD-P] Sec. 4.1 scatter/gather: each of
     # the tp ranks sends 1/tp of the activation, then they all-gather over NVLink) --------------
-    work_mb = compute_mb + tp_mb
+    work_mb = compute_mb + tp_mb + cp_mb + ep_mb
     bubble = bubble_formula(lay.schedule, pp, m, v)  # idle / compute, idle / step
-    pp_bw, pp_alpha, pp_cross = group_link(cluster, pp, dp * tp, eff)
+    pp_bw, pp_alpha, pp_cross = group_link(cluster, pp, dp * cp * tp, eff)
     p2p_s = 2 * (m * v + pp - 1) * (pp_alpha + tp_msg / tp / pp_bw) if pp > 1 else 0.0
 
-    # --- data parallel / ZeRO traffic, per step ([ZeRO] Sec. 7) --------------------------------
-    dp_bw, dp_alpha, dp_cross = group_link(cluster, dp, tp, eff)
+    # --- data parallel / ZeRO traffic, per step ([ZeRO] Sec. 7): dense gradients over dp, the
+    # experts' over their dp/ep replicas; then hplab averages what each rank steps over cp ------
+    dp_bw, dp_alpha, dp_cross = group_link(cluster, dp, tp * cp, eff)
     local = max(stage_params["first"], stage_params["last"])
-    ar, rs, ag = (collective_time_s(op, local * nbytes, dp, dp_bw, dp_alpha) for op, nbytes in
+    groups = [(local, dp, dp_bw, dp_alpha),
+              (experts, dp // ep, *group_link(cluster, dp // ep, tp * cp * ep, eff)[:2])]
+    ar, rs, ag = (sum(collective_time_s(op, psi * nbytes, n, bw, alpha)
+                      for psi, n, bw, alpha in groups) for op, nbytes in
                   (("all_reduce", g_bytes), ("reduce_scatter", g_bytes), ("all_gather", p_bytes)))
-    gathers = 3 if lay.recompute == "full" else 2
+    shard = local / dp + experts / (dp // ep) if lay.zero else local + experts  # what it steps
     dp_s = (ar,  # DDP: one all-reduce of the gradients
             rs + ag,  # ZeRO-1: reduce-scatter + all-gather, the same volume
             m * rs + ag,  # ZeRO-2 keeps no full gradient: reduce-scatter every microbatch
             # ZeRO-3, every microbatch: gather for forward, (recompute,) backward; scatter grads
-            m * (gathers * ag + rs))[lay.zero]
+            m * ((1 + redo) * ag + rs))[lay.zero] \
+        + collective_time_s("all_reduce", shard * g_bytes, cp, cp_bw, cp_alpha)
     dp_exposed = dp_s * (1 - eff.dp_overlap)
-
-    shard = local / (dp if lay.zero >= 1 else 1)  # --offload: grads down, params up over PCIe,
-    offload_s = (shard * (g_bytes + p_bytes) / (cluster.gpu.pcie_gbps * GB)  # Adam on the host
+    # --offload: gradients down and parameters up over PCIe, Adam on the host
+    offload_s = (shard * (g_bytes + p_bytes) / (cluster.gpu.pcie_gbps * GB)
                  + shard / eff.cpu_adam_params_per_s) if lay.offload else 0.0
 
     step = m * work_mb + bubble["relative"] * m * work_mb + p2p_s + dp_exposed + offload_s
     tflops = flops["hardware_flops"] / (step * lay.gpus) / 1e12
     model_tflops = flops["model_flops"] / (step * lay.gpus) / 1e12
     return {"model": model.name, "params": model.num_params(), "layout": lay.short(), **asdict(lay),
+            "n_experts": model.n_experts, "moe_top_k": model.moe_top_k,
             "micro_batch_size": b, "gpus": lay.gpus, "gpu": cluster.gpu.name,
-            "gpus_per_node": cluster.gpus_per_node,  # then memory
+            "gpus_per_node": cluster.gpus_per_node, "expert_params_per_gpu": experts,
             **{k: states[worst][k] for k in ("params_bytes", "grads_bytes", "optim_bytes",
                                              "master_bytes")},
             "cpu_offload_bytes": states[worst]["cpu_bytes"],
@@ -365,7 +434,10 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
             "zero3_gather_bytes": zero3_buffer, "memory_bytes_per_gpu": memory,
             "worst_stage": worst, "usable_bytes_per_gpu": usable, "fits": memory <= usable,
             "step_time_s": step, "compute_s": m * compute_mb, "gemm_s": m * gemm_s,
-            "elementwise_s": m * elementwise_s, "tp_comm_s": m * tp_mb,
+            "elementwise_s": m * elementwise_s, "tp_comm_s": m * tp_mb, "cp_comm_s": m * cp_mb,
+            "ep_comm_s": m * ep_mb, "cp_bytes_per_step": m * cp_bytes,
+            "ep_all_to_all_bytes_per_step": m * ep_bytes, "cp_crosses_nodes": cp_cross,
+            "ep_crosses_nodes": ep_cross,
             "bubble_s": bubble["relative"] * m * work_mb, "bubble_ratio": bubble["relative"],
             "bubble_fraction": bubble["of_step"],  # of the pipeline
             "pp_comm_s": p2p_s, "dp_comm_s": dp_s, "dp_comm_exposed_s": dp_exposed,
@@ -381,7 +453,8 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
 
 def candidate_layouts(model: ModelShape, gpus: int, batch_size: int, precision: str = "bf16",
                       fixed: dict | None = None, allow_offload: bool = False):
-    """Every layout of `gpus` GPUs that can run: dp·tp·pp = gpus, whole heads per tensor-
+    """Every layout of `gpus` GPUs that can run: dp·tp·pp = gpus (cp = ep = 1: the search
+    splits neither sequences nor experts; plan() takes them), whole heads per tensor-
     parallel rank, a global batch that splits into whole microbatches of 1, 2, 4 or 8, and each
     ZeRO stage, recompute mode, sequence parallel and pipeline schedule (interleaved with 2 to 8
     chunks). `fixed` pins fields of Layout to a value or a tuple of allowed values (e.g.
@@ -443,6 +516,7 @@ def search(model: ModelShape, gpus: int, cluster: Cluster | None = None,
 HEADLINE = ("model_state_bytes_per_gpu", "activation_bytes_per_gpu", "memory_bytes_per_gpu",
             "step_time_s", "tflops_per_gpu", "mfu", "layout")
 TIME_PARTS = {"compute_s": "compute", "tp_comm_s": "tensor-parallel comm",
+              "cp_comm_s": "context-parallel comm", "ep_comm_s": "expert all-to-all",
               "bubble_s": "pipeline bubble", "pp_comm_s": "pipeline sends",
               "dp_comm_exposed_s": "data-parallel/ZeRO comm", "offload_s": "offload"}
 KNOBS = {"zero": "ZeRO stage", "tp": "tensor parallel", "pp": "pipeline parallel",
@@ -512,8 +586,7 @@ def _neighbours(w: dict, plans: list[dict], knob: str, value) -> list[dict]:
     """Plans equal to the winner except for `knob` = value (dp and the number of microbatches
     follow from tp, pp and the micro-batch size). If there are none (say sequence parallel
     without tensor parallel), relax one more choice at a time, then all of them."""
-    keys = ("tp", "pp", "zero", "recompute", "sequence_parallel", "schedule", "virtual_stages",
-            "micro_batch_size", "offload")
+    keys = (*KNOBS, "virtual_stages", "offload")
     free = {knob, "virtual_stages"} if knob == "schedule" else {knob}
     for relax in ((), ("sequence_parallel",), ("virtual_stages",), ("schedule", "virtual_stages"),
                   ("micro_batch_size",), keys):
@@ -533,7 +606,8 @@ def _rows(pairs, width: int = 34) -> list[str]:
 
 
 def format_plan(p: dict) -> str:
-    out = [f"{p['model']} (Ψ = {p['params'] / 1e9:.3g} B) on {p['gpus']} × {p['gpu']} "
+    moe = f", {p['n_experts']} experts, top-{p['moe_top_k']}" * bool(p["n_experts"])
+    out = [f"{p['model']} (Ψ = {p['params'] / 1e9:.3g} B{moe}) on {p['gpus']} × {p['gpu']} "
            f"({p['gpus_per_node']} per node): {p['layout']}, {p['precision']}",
            "memory per GPU" + f" (worst: {p['worst_stage']} pipeline stage)" * (p["pp"] > 1)]
     rows = {"params_bytes": "parameters", "grads_bytes": "gradients",
@@ -555,6 +629,9 @@ def format_plan(p: dict) -> str:
     if p["dp_comm_s"] and p["dp_comm_exposed_s"] < p["dp_comm_s"]:
         out.append(f"  (data-parallel traffic {p['dp_comm_s']:.3g} s, of which hidden "
                    f"{p['dp_comm_s'] - p['dp_comm_exposed_s']:.3g} s)")
+    out += [f"  ({name} sends {p[key] / GB:.4g} GB per GPU per step)" for key, name in (
+        ("cp_bytes_per_step", "context parallel"), ("ep_all_to_all_bytes_per_step",
+                                                    "expert parallel")) if p[key]]
     out.append(f"throughput: {p['tokens_per_s']:.4g} tokens/s, {p['tflops_per_gpu']:.1f} TFLOP/s "
                f"per GPU (with recompute), {p['model_tflops_per_gpu']:.1f} model TFLOP/s, "
                f"MFU {p['mfu']:.1%}")
@@ -597,6 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--model": dict(default="gpt2", help="preset: hplab's tiny/gpt2/gpt2-medium, "
                             "gpt3-125m ... gpt3-175b, megatron-1.7b ... megatron-1t"),
             "--n-layer": n, "--n-embd": n, "--n-head": n, "--seq-len": n, "--vocab-size": n,
+            "--moe-experts": dict(n, dest="n_experts", help="a mixture of this many experts"),
+            "--moe-top-k": dict(n, dest="moe_top_k", help="experts per token (default 2)"),
             "--dropout": dict(preset, help="count dropout masks (default: as the preset)"),
             "--flash-attention": dict(preset, help="attention keeps no s×s matrices "
                                       "(default: as the preset)"),
@@ -604,6 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "parameters (with --dp, --zero, --precision)")},
         "layout (as hplab/train.py)": {
             "--dp": n, "--tp": dict(n, default=1), "--pp": dict(n, default=1),
+            "--cp": dict(n, default=1), "--cp-style": dict(default="ring", choices=CP_STYLES),
+            "--ep": dict(n, default=1, help="expert parallel, among the --dp ranks"),
             "--zero": dict(type=int, default=0, choices=(0, 1, 2, 3)),
             "--schedule": dict(default="1f1b", choices=SCHEDULES),
             "--virtual-stages": dict(n, default=1), "--microbatches": n,
@@ -638,12 +719,11 @@ def _run(args) -> tuple[dict, str]:
         dp, precision = args.dp or 1, args.precision or "bf16"
         st = model_state_bytes(args.params / (args.tp * args.pp), dp, args.zero, precision,
                                args.offload, args.padded)
-        kinds = ["params", "grads", "optim", "master"]
         res = {"params": args.params, "dp": dp, "tp": args.tp, "pp": args.pp, "zero": args.zero,
-               "precision": precision, **{k + "_bytes": st[k + "_bytes"] for k in kinds},
-               "cpu_offload_bytes": st["cpu_bytes"], "model_state_bytes_per_gpu": st["total_bytes"]}
-        kinds += ["cpu"] * bool(st["cpu_bytes"]) + ["total"]
-        rows = _rows([("on host" if k == "cpu" else k, st[k + "_bytes"]) for k in kinds], 8)
+               "precision": precision, **st, "cpu_offload_bytes": st["cpu_bytes"],
+               "model_state_bytes_per_gpu": st["total_bytes"]}
+        rows = _rows([(k[:-6].replace("cpu", "on host"), x) for k, x in st.items()
+                      if x or k != "cpu_bytes"], 8)
         return res, "\n".join([f"model states of Ψ = {args.params:.4g} parameters, {precision}, "
                                f"ZeRO-{args.zero} over dp={dp} (per GPU) [ZeRO Sec. 5]", *rows])
     presets = model_presets()
@@ -666,14 +746,15 @@ def _run(args) -> tuple[dict, str]:
         res["ranking"] = res["ranking"][:args.top]
         # the headline numbers of the winner, at top level for notebooks
         return {**res, **{k: res["winner"][k] for k in HEADLINE if res["winner"]}}, text
-    tp, pp = args.tp, args.pp
-    dp = args.dp or (args.gpus // (tp * pp) if args.gpus else 1)
-    if args.gpus and dp * tp * pp != args.gpus:
-        raise PlanError(f"dp×tp×pp = {dp}×{tp}×{pp} = {dp * tp * pp} but --gpus is {args.gpus}")
+    tp, pp, cp = args.tp, args.pp, args.cp
+    dp = args.dp or (args.gpus // (cp * tp * pp) if args.gpus else 1)
+    if args.gpus and dp * cp * tp * pp != args.gpus:
+        raise PlanError(f"dp×cp×tp×pp = {dp}×{cp}×{tp}×{pp} = {dp * cp * tp * pp} but --gpus is "
+                        f"{args.gpus}")
     recompute = "full" if args.recompute else ("selective" if args.selective_recompute else "none")
     m = args.microbatches or (max(1, batch // dp) if pp > 1 else 1)
     lay = Layout(dp, tp, pp, args.zero, args.schedule, args.virtual_stages, m, batch, precision,
-                 recompute, args.sequence_parallel, args.offload)
+                 recompute, args.sequence_parallel, args.offload, cp, args.cp_style, args.ep)
     res = plan(model, lay, cluster, eff, args.padded)
     res["activation_variants"] = {  # what recompute and sequence parallel would save
         f"recompute {rc}" + ", sequence parallel" * sp: max(a["first_stage_bytes"],

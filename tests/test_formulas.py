@@ -61,3 +61,20 @@ def test_bus_factor_and_alpha_beta_agree():
         for n in (2, 4, 8):
             assert F.alpha_beta_terms(op, n)[1] == F.bus_factor(op, n)
     assert F.alpha_beta_terms("all_reduce", 4) == (6, 1.5)
+
+
+def test_moe_parameter_count_matches_the_module():
+    """gpt_num_params with E experts adds exactly what hplab.moe's layer adds over one MLP."""
+    from hplab import moe
+    from hplab.models.gpt import MLP, GPTConfig
+
+    h, E, config = 8, 4, GPTConfig(n_embd=8, n_head=2)
+    layer, mlp = moe.MoE(h, E, 2, lambda: MLP(config)), MLP(config)
+    added = sum(p.numel() for p in layer.parameters()) - sum(p.numel() for p in mlp.parameters())
+    assert F.gpt_num_params(3, h, 32, 16, E) - F.gpt_num_params(3, h, 32, 16) == 3 * added
+
+
+def test_collective_time_of_several_calls():
+    # 5 all-to-alls among 4 ranks moving 8 GB in all: 5·3 latency steps, (4-1)/4 of 8 GB over β
+    assert F.collective_time_s("all_to_all", 8e9, 4, 1e9, 1e-6, calls=5) == \
+        pytest.approx(3 / 4 * 8 + 5 * 3 * 1e-6)

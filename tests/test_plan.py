@@ -251,7 +251,14 @@ def test_cli_text_report_and_search(capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--model", "tiny", "--tp", "3"], "not divisible by tp=3"),
-    (["--model", "tiny", "--dp", "2", "--gpus", "3"], "dp×tp×pp"),
+    (["--model", "tiny", "--dp", "2", "--gpus", "3"], "dp×cp×tp×pp"),
+    (["--model", "gpt2", "--cp", "5"], "divisible by 2×cp=10"),
+    (["--model", "gpt2", "--cp", "8", "--cp-style", "ulysses"], "12 heads per tensor-parallel"),
+    (["--model", "gpt2", "--moe-experts", "8", "--dp", "8", "--ep", "3"], "must divide"),
+    (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "dp=2"),
+    (["--model", "gpt2", "--dp", "2", "--ep", "2"], "--moe-experts 0"),
+    (["--model", "gpt2", "--moe-experts", "4", "--moe-top-k", "5"], "between 1 and the 4"),
+    (["--model", "gpt2", "--cp", "0"], "positive"),
     (["--model", "tiny", "--dp", "3", "--batch-size", "8"], "not divisible"),
     (["--model", "no-such-model"], "unknown model"),
     (["--model", "gpt2", "--search"], "--gpus"),
@@ -272,3 +279,78 @@ def test_module_runs_and_imports_no_torch():
     run = subprocess.run([sys.executable, "-m", "hplab.plan", "--model", "gpt3-1.3b", "--tp", "3"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.count("\n") == 1
+
+
+# --- context parallel and experts (issue 12): hand-computed cases -----------------------------
+# A toy MoE GPT: L=2, h=8, 2 heads, S=16, V=32, E=4 experts, top-2. Dense GPT-2 would have
+# Ψ = 32·8 + 16·8 + 2·(12·64 + 13·8) + 2·8 = 2144; one MLP is 8·64 + 5·8 = 552 parameters.
+MOE = P.ModelShape("toy-moe", 2, 8, 2, 16, 32, dropout=False, flash_attention=True,
+                   n_experts=4, moe_top_k=2)
+
+
+def test_moe_parameters_split_into_dense_and_experts():
+    experts, dense = 2 * 4 * 552, 2144 - 2 * 552 + 2 * 8 * 4  # E MLPs per block; router h·E
+    assert (MOE.num_params(), experts + dense) == (5520, 5520)
+    whole = P.params_per_stage(MOE)
+    assert (whole["first"], whole["experts"]) == (dense, experts)
+    # tp=2 halves each expert's matrices and column bias (8h² + 4h), keeps its row bias h
+    assert P.params_per_stage(MOE, tp=2, ep=2)["experts"] == 2 * (4 // 2) * ((512 + 32) / 2 + 8)
+    lay = P.Layout(dp=4, ep=2, zero=1, batch_size=4)
+    got = P.plan(MOE, lay)  # fp32: params and Adam's two moments
+    assert got["params_bytes"] == 4 * (dense + experts / 2)  # experts ÷ ep, dense whole
+    # ZeRO-1 shards the dense optimizer state over dp=4, the experts' over their 2 replicas
+    assert got["optim_bytes"] == 8 * (dense / 4 + experts / 2 / 2)
+
+
+def test_moe_flops_count_only_the_top_k_experts():
+    B, s, h, L, E, k = 3, MOE.seq_len, MOE.n_embd, MOE.n_layer, 4, 2
+    dense = P.flops_per_step(P.replace(MOE, n_experts=0), B)["model_flops"]
+    extra = 3 * L * B * s * (16 * h * h * (k - 1) + 2 * h * E)  # k MLPs instead of 1, router
+    assert P.flops_per_step(MOE, B)["model_flops"] == dense + extra
+
+
+def test_context_parallel_divides_activations_and_compute_by_cp():
+    tiny = P.model_presets()["tiny"]  # flash attention: every saved tensor grows with s
+    one, four = (P.plan(tiny, P.Layout(cp=cp, batch_size=2)) for cp in (1, 4))
+    assert four["activation_bytes_per_gpu"] == pytest.approx(one["activation_bytes_per_gpu"] / 4)
+    assert four["compute_s"] == pytest.approx(one["compute_s"] / 4)
+    assert four["params_bytes"] == one["params_bytes"]  # every cp rank holds all weights
+    gpt3 = P.GPT3_PRESETS["gpt3-1.3b"]  # stores s×s scores, which ring attention never does
+    ring = P.activation_memory(gpt3, P.Layout(cp=2, batch_size=8))["per_layer_bytes"]
+    assert ring == P.activation_bytes_per_layer(1024, 8, 2048, 16, act_bytes=4, dropout=True,
+                                                flash_attention=True)
+
+
+@pytest.mark.parametrize("style,recompute,blocks", [
+    ("ring", "none", 3 * 2 - 2), ("ring", "full", 4 * 2 - 3),  # K/V fwd (twice), K/V + dK/dV
+    ("ulysses", "none", 4), ("ulysses", "full", 6)])  # q,k,v + output (3 + 1 = 2 blocks) each way
+def test_context_parallel_traffic_per_step(style, recompute, blocks):
+    tiny = P.model_presets()["tiny"]  # L=4, h=64, s=64; b=2 per rank, fp32, cp=2, tp=2
+    got = P.plan(tiny, P.Layout(tp=2, cp=2, cp_style=style, batch_size=2, recompute=recompute))
+    block = 2 * 2 * (64 // 2) * (64 // 2) * 4  # K and V of this rank's tokens, its heads
+    assert got["cp_bytes_per_step"] == 4 * blocks * block
+    assert got["cp_comm_s"] > 0 and P.plan(tiny, P.Layout(batch_size=2))["cp_comm_s"] == 0
+    assert P.ulysses_bytes(2, 64, 32, 2) == {"forward": 2 * block, "backward": 2 * block}
+
+
+def test_expert_all_to_all_bytes_per_step():
+    lay = P.Layout(dp=4, ep=4, batch_size=8)  # b = 2 sequences of 16 tokens per rank, fp32
+    slots, layers = 2 * 16 * 2, 2  # tokens × top-k
+    per_layer = 8 * 4 + 4 * slots * 8 * 4  # counts (E int64); dispatch + combine, fwd + bwd
+    got = P.plan(MOE, lay)
+    assert got["ep_all_to_all_bytes_per_step"] == layers * per_layer
+    assert P.plan(MOE, P.replace(lay, recompute="full"))["ep_all_to_all_bytes_per_step"] == \
+        layers * (per_layer + 8 * 4 + 2 * slots * 8 * 4)  # the forward's exchanges again
+    # seconds: bus factor (ep-1)/ep of the bytes over β, (ep-1) latency steps per all-to-all
+    bw, alpha, _ = P.group_link(P.Cluster(P.GPU_PRESETS["a100-80g"]), 4, 1, P.Efficiency())
+    assert got["ep_comm_s"] == pytest.approx(3 / 4 * layers * per_layer / bw
+                                             + layers * 5 * 3 * alpha)
+    assert P.plan(MOE, P.replace(lay, ep=1))["ep_all_to_all_bytes_per_step"] == 0
+
+
+def test_cli_shows_context_and_expert_parallel(capsys):
+    P.main(["--model", "gpt2", "--moe-experts", "8", "--dp", "4", "--ep", "4", "--cp", "2"])
+    text = capsys.readouterr().out
+    for needle in ("8 experts, top-2", "cp2", "ep4", "context-parallel comm", "expert all-to-all",
+                   "context parallel sends", "expert parallel sends"):
+        assert needle in text, needle
