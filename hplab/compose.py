@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hplab import cp, fsdp, pp, tp
+from hplab import moe
 from hplab.ddp import DDP
 from hplab.dist import Mesh
 from hplab.formulas import learning_rate
@@ -55,6 +56,7 @@ class ParallelConfig:
     virtual_stages: int = 1
     microbatches: int = 1
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallel: dp ranks that share out each layer's experts (moe.py)
     cp: int = 1  # context parallel: ranks sharing each sequence, by `cp_style` and `cp_split`
     cp_style: str = "ring"
     cp_split: str = "zigzag"
@@ -78,7 +80,7 @@ class ParallelConfig:
 
 def check_config(config: ParallelConfig, model) -> None:
     """The refusals and checks that need no process (plain sentences); `model`: its config."""
-    c = config
+    c, experts = config, getattr(model, "n_experts", 0)
     refusals = [
         (c.zero == 3 and c.pp > 1, ("zero", "pp"), "ZeRO-3 with a pipeline would gather every "
          "layer again for every microbatch's forward and backward (DeepSpeed and Colossal-AI "
@@ -92,12 +94,20 @@ def check_config(config: ParallelConfig, model) -> None:
          "weight gradients; use ZeRO-1"),
         (c.offload and c.zero == 0, ("offload", "zero"), "offload moves ZeRO's sharded "
          "optimizer state to the CPU, so it needs ZeRO 1, 2 or 3"),
+        (experts and (c.pp > 1 or c.tp > 1 or c.zero == 3 or c.recompute), ("pp", "tp", "zero",
+         "recompute"), "experts run with data parallel, expert parallel and ZeRO-1/2 only (no "
+         "pipeline, tensor parallel, ZeRO-3 or recompute)"),
+        (c.ep > 1 and c.zero > 0, ("ep", "zero"), "ZeRO shards over the whole dp group, whose "
+         "ranks hold different experts under expert parallel"),
         (c.cp > 1 and c.sequence_parallel, ("cp", "sequence_parallel"), "context parallel "
          "already splits the sequence: use it without sequence parallel"),
     ]
     for refused, settings, reason in refusals:
         if refused:
             raise NotSupported(f"not supported: {reason}", settings)
+    if c.ep > 1 and (not experts or experts % c.ep or c.dp % c.ep):
+        raise ValueError(f"--ep {c.ep} must divide --moe-experts ({experts}) and --dp ({c.dp}): "
+                         "expert parallel shares out each layer's experts among dp ranks")
     if c.tp > 1:
         tp.check_divisible(model.n_head, model.n_embd, c.tp,
                            model.n_positions if c.sequence_parallel else None)
@@ -150,7 +160,8 @@ def parameter_groups(params, tied: nn.Parameter | None = None, is_first: bool = 
     and by weight decay (0 if `mark_no_decay` marked it: ZeRO's shards never mix groups)."""
     groups: dict[tuple, list] = {}
     for p in (p for p in params if p.requires_grad):
-        families = ("dp",) if getattr(p, "tp_split", None) is not None else ("dp", "tp")
+        families = ("edp",) if moe.is_expert(p) else ("dp",)  # experts: their replicas only
+        families += () if getattr(p, "tp_split", None) is not None else ("tp",)
         families += ("pp",) if p is tied and not is_first else ()
         decay = 0.0 if getattr(p, "hplab_no_decay", False) else weight_decay
         groups.setdefault((families, p is tied, decay), []).append(p)
@@ -181,6 +192,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
         plan = pp.build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages)[mesh.pp_rank]
         pipeline = pp.PipelineExecutor(stages, plan, mesh.pp, memory, precision.param_dtype)
     gpt.recompute = c.recompute  # recompute: a flag the blocks read
+    moe.parallelize(gpt, mesh.ep, mesh.dp)  # experts: this rank's E/ep (ep groups within dp)
     # data parallel over mesh.dp: DDP, ZeRO-1/2 as the optimizer, or ZeRO-3 as fully_shard
     settings = dict(lr=c.lr, weight_decay=c.weight_decay, **ADAMW)
     if c.zero == 3:
@@ -196,8 +208,9 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
             wrapped = params_module  # (gpt itself without a pipeline)
             optimizer = ZeroOptimizer(groups, torch.optim.AdamW, mesh.dp, stage=c.zero,
                                       bucket_mb=c.bucket_mb, offload=c.offload, **settings)
-        else:
-            wrapped = DDP(params_module, mesh.dp, bucket_mb=c.bucket_mb)
+        else:  # (under expert parallel the dp ranks hold different experts: finalize_grads)
+            wrapped = DDP(params_module, mesh.dp, bucket_mb=c.bucket_mb) if c.ep == 1 \
+                else params_module
             optimizer = MasterWeightOptimizer(groups, torch.optim.AdamW, **settings) \
                 if precision.mixed else torch.optim.AdamW(groups, **settings)
     # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one
@@ -229,12 +242,15 @@ def _all_reduce_grads(grads: list[torch.Tensor], comm, scale: float = 1.0) -> No
 @torch.no_grad()
 def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None) -> None:
     """Every synchronisation after backward (Megatron's `finalize_model_grads`), in order:
-    1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished;
+    1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished; under
+       expert parallel (no DDP) dense gradients are averaged over dp, experts' over edp;
     2. sequence parallel: tp-replicated parameters saw s/tp tokens per rank: sum their grads;
     3. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards;
        context parallel: each rank's loss saw its s/cp tokens: average the grads over cp;
     4. the pipeline's tied embedding: first and last stage sum its gradients (same step)."""
     finish_gradient_sync(model)
+    if mesh.ep_size > 1:  # expert parallel: dense gradients over dp, experts' over edp
+        moe.sync_gradients(list(model.parameters()), mesh.dp, mesh.edp)
     partial = [p.grad for p in model.parameters()
                if getattr(p, "sequence_parallel_partial", False) and p.grad is not None]
     if partial and mesh.tp_size > 1:

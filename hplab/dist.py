@@ -165,21 +165,34 @@ class Mesh:
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1,
                  device: torch.device | None = None, ledger: CommLedger | None = None,
-                 cp: int = 1):
+                 cp: int = 1, ep: int = 1):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         check_layout(self.world_size, dp, tp, pp, cp)
+        if ep < 1 or dp % ep:
+            raise LayoutError(f"--ep {ep} must divide --dp {dp}: expert parallel groups are "
+                              "carved out of the data-parallel ranks")
         self.dp_size, self.tp_size, self.pp_size, self.cp_size = dp, tp, pp, cp
         self.dp_rank, self.tp_rank, self.pp_rank = coordinates(self.rank, dp, tp, pp, cp)
         self.cp_rank = (self.rank // tp) % cp
         self.device, self.ledger = device or torch.device("cpu"), ledger or CommLedger()
         self.world = Communicator(dist.group.WORLD, "world", self.ledger, device=self.device)
         self.groups = group_ranks(dp, tp, pp, cp)
+        # expert parallel: each dp group cut into blocks of ep adjacent ranks (mesh.ep); the
+        # ranks with the same place in their block hold the same experts (mesh.edp)
+        self.ep_size, self.ep_rank, self.edp_rank = ep, self.dp_rank % ep, self.dp_rank // ep
+        if ep > 1:
+            dps = self.groups["dp"]
+            self.groups.update(ep=[d[s:s + ep] for d in dps for s in range(0, dp, ep)],
+                               edp=[d[j::ep] for d in dps for j in range(ep)])
         for family, lists in self.groups.items():
             for ranks in lists:  # every rank must create every group, in the same order
                 group = new_group(ranks) if len(ranks) > 1 else None
                 if self.rank in ranks:  # this rank's group of the family: mesh.dp, .tp, .pp
                     setattr(self, family, Communicator(group, family, self.ledger, ranks,
                                                        self.device))
+        if ep == 1:  # every expert on every rank: their replicas are the whole dp group
+            self.ep = Communicator(None, "ep", self.ledger, [self.rank], self.device)
+            self.edp = self.dp
 
     @classmethod
     def create(cls, *args, **kwargs) -> "Mesh":

@@ -39,8 +39,9 @@ gradients there and everything else over the whole dp group.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections import defaultdict
 
 import torch
 import torch.nn as nn
@@ -195,33 +196,35 @@ def sync_gradients(params, dp, edp) -> None:
 
 
 class RoutingStats:
-    """Observes every MoE layer of `model` from outside (a forward hook): per step, the
-    token-slots each expert took per layer, the dropped slots and the auxiliary loss."""
+    """Observes every MoE layer of `model` from outside (a forward hook): per training step
+    (`with stats.step():`), per layer, the token-slots each expert took and the slots dropped,
+    and the auxiliary loss added to the loss (mean over the step's microbatches), in
+    `per_step`. Forwards outside a step (evaluation) are not counted."""
 
     def __init__(self, model: nn.Module):
-        self.layers = moe_layers(model)
-        self.reset()
+        self.layers, self.per_step, self.now = moe_layers(model), [], None
         for index, layer in enumerate(self.layers):
-            layer.register_forward_hook(lambda m, args, out, i=index: self._record(i, m))
+            layer.register_forward_hook(functools.partial(self._record, index))
 
-    def reset(self) -> None:
-        self.tokens = defaultdict(lambda: [0] * self.layers[0].n_experts)
-        self.dropped, self.slots, self.aux_loss = defaultdict(int), defaultdict(int), 0.0
+    @contextlib.contextmanager
+    def step(self):
+        n, E = len(self.layers), self.layers[0].n_experts if self.layers else 0
+        self.now = dict(tokens_per_expert=[[0] * E for _ in range(n)], dropped=[0] * n,
+                        slots=[0] * n, aux_loss=0.0, forwards=0)
+        try:
+            yield
+        finally:
+            step, self.now = self.now, None
+            step["aux_loss"] /= max(step.pop("forwards"), 1)
+            self.per_step.append(step)
 
-    def _record(self, index: int, layer: MoE) -> None:
-        r = layer.routing
-        self.tokens[index] = [a + b for a, b in zip(self.tokens[index],
-                                                    r["tokens_per_expert"].tolist())]
-        self.dropped[index] += r["dropped"]
-        self.slots[index] += r["slots"]
-        self.aux_loss += float(layer.aux_loss.detach())
-
-    def as_dict(self) -> dict:
-        """`{tokens_per_expert: [per layer, per expert], dropped: [...], slots: [...],
-        aux_loss}` since the last reset; then resets."""
-        n = range(len(self.layers))
-        out = dict(tokens_per_expert=[self.tokens[i] for i in n],
-                   dropped=[self.dropped[i] for i in n], slots=[self.slots[i] for i in n],
-                   aux_loss=self.aux_loss)
-        self.reset()
-        return out
+    def _record(self, index: int, layer: MoE, args, output) -> None:
+        if self.now is None:
+            return
+        routing, now = layer.routing, self.now
+        now["tokens_per_expert"][index] = [a + b for a, b in zip(
+            now["tokens_per_expert"][index], routing["tokens_per_expert"].tolist())]
+        now["dropped"][index] += routing["dropped"]
+        now["slots"][index] += routing["slots"]
+        now["aux_loss"] += float(layer.aux_loss.detach())
+        now["forwards"] += index == 0

@@ -21,6 +21,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: import hplab 
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "accumulation, pipeline fill)"),
             "--sequence-parallel": dict(on, help="with --tp: split layer norms and dropout "
                                         "along the sequence"),
+            "--ep": dict(n, default=1, help="expert-parallel size: dp ranks sharing out the "
+                         "experts (divides --dp and --moe-experts)"),
             "--cp": dict(n, default=1, help="context-parallel size: ranks sharing each sequence"),
             "--cp-style": dict(default="ring", choices=CP_STYLES, help="context-parallel "
                                "attention: K/V around a ring, or Ulysses' all-to-all"),
@@ -81,7 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--bucket-mb": dict(nonneg, default=25.0,
                                 help="data-parallel gradient bucket size in MiB")},
         "model": {"--model": dict(default="tiny", help="preset: tiny, gpt2, gpt2-medium"),
-                  "--n-layer": n, "--n-embd": n, "--n-head": n, "--seq-len": n},
+                  "--n-layer": n, "--n-embd": n, "--n-head": n, "--seq-len": n,
+                  "--moe-experts": dict(type=at_least(0), default=0, help="experts per MLP "
+                                        "(mixture of experts; 0: dense)"),
+                  "--moe-top-k": dict(n, default=2, help="experts each token goes to"),
+                  "--moe-capacity-factor": dict(type=at_least(0, float, above=True), help=(
+                      "drop token-slots beyond cf · tokens · k / E per expert (default: none)")),
+                  "--moe-aux-coef": dict(nonneg, default=0.01, help="load-balancing loss weight")},
         "training": {
             "--data": dict(default="shakespeare", help="token file name in data/ or path "
                            "(see python -m hplab.data)"),
@@ -212,6 +221,10 @@ def preflight(args, world_size: int):
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
     config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
+    if args.moe_experts:  # each block's MLP a mixture of experts
+        config = dataclasses.replace(
+            config, n_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+            moe_capacity_factor=args.moe_capacity_factor or 0.0, moe_aux_coef=args.moe_aux_coef)
     check_config(ParallelConfig.from_namespace(args), config)
     saved = None
     if args.resume:  # damaged, of another shape, or already done: say so before starting
@@ -414,7 +427,7 @@ def run(args) -> dict | None:
     from torch.optim.lr_scheduler import LambdaLR
     from tqdm import tqdm
 
-    from hplab import checkpoint
+    from hplab import checkpoint, moe
     from hplab.compose import ParallelConfig, parallelize, pipeline_report, train_step
     from hplab.cp import AttentionMeter
     from hplab.data import get_batch, global_batch_indices, shard_for_rank
@@ -423,7 +436,7 @@ def run(args) -> dict | None:
 
     config, dataset, saved = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
     device = init_distributed(None if args.backend == "auto" else args.backend)
-    mesh = Mesh.create(args.dp, args.tp, args.pp, device, cp=args.cp)
+    mesh = Mesh.create(args.dp, args.tp, args.pp, device, ep=args.ep, cp=args.cp)
     model = build_model(config, args.seed).to(device)
     par = parallelize(model, mesh, ParallelConfig.from_namespace(args))
     first_step, scaler = 0, par.precision.scaler
@@ -442,6 +455,7 @@ def run(args) -> dict | None:
                unit="step", dynamic_ncols=True, file=sys.stdout)
     steps, tokens_per_step = [], args.batch_size * config.n_positions
     recorder = Recorder(par.gpt, args.trace, mesh.rank, range(first_step, args.steps))
+    routing = moe.RoutingStats(par.gpt)  # tokens per expert, per step (none if dense)
     meter = AttentionMeter(par.gpt, mesh.cp, args.cp_style, args.cp_split) if args.cp > 1 \
         else None  # each step's attention seconds and query-key pairs, on every rank
     for step in bar:
@@ -449,7 +463,8 @@ def run(args) -> dict | None:
         x, y = get_batch(dataset, shard_for_rank(indices, mesh.dp_rank, mesh.dp_size))
         lr, start = par.optimizer.param_groups[0]["lr"], time.perf_counter()
         with recorder.step(step), meter.step() if meter else contextlib.nullcontext():
-            loss = train_step(par, x.to(device), y.to(device))
+            with routing.step():
+                loss = train_step(par, x.to(device), y.to(device))
         elapsed = time.perf_counter() - start
         steps.append({"step": step, "loss": loss, "time_s": elapsed, "tokens": tokens_per_step,
                       "lr": lr})
@@ -464,6 +479,7 @@ def run(args) -> dict | None:
     per_op = mesh.ledger.by_group_dict().get("cp", {})
     per_rank = {"memory": par.memory.as_dict(), "comm": mesh.ledger.as_dict(),
                 "comm_by_group": mesh.ledger.by_group_dict(), "mesh": mesh.describe(),
+                "experts": routing.per_step,  # this rank's routing, per step
                 # the last step's timeline of every F, B, W, send, recv (--pp > 1)
                 "pipeline": pipeline_report(par) if args.pp > 1 else None,
                 "context_parallel": meter and {  # what the ledger's cp family moved, per step
@@ -479,6 +495,10 @@ def run(args) -> dict | None:
         "backend": dist.get_backend(), "device": device.type,
         "model": {"num_params": config.num_params(), **vars(config)}, "steps": steps,
         "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["time_s"] for s in timed),
+        "experts": None if not config.n_experts else {  # per rank (its tokens), step, layer
+            "n_experts": config.n_experts, "top_k": config.moe_top_k, "ep": args.ep,
+            **{key: [[s[key] for s in g["experts"]] for g in gathered]
+               for key in ("tokens_per_expert", "dropped", "slots", "aux_loss")}},
         **{key: [g[key] for g in gathered] for key in ("memory", "comm", "comm_by_group", "mesh")},
         "pipeline": None if pipeline is None else {
             "schedule": args.schedule, "stages": args.pp, "microbatches": args.microbatches,

@@ -1,6 +1,7 @@
 """Mixture of experts: the layer against a plain per-token reference, capacity dropping on a
 crafted routing, and expert parallel over 2 and 4 gloo ranks against one process."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -78,20 +79,21 @@ def test_capacity_drops_the_latest_slots_per_expert():
         layer.router.weight.copy_(torch.eye(E, H) * 10)
     route = [0, 0, 0, 1, 0, 2, 2, 2]
     x = torch.eye(E, H)[route] + 0.01 * torch.randn(8, H)
-    out = layer(x)
+    with stats.step():
+        out = layer(x)
     dropped = [2, 4, 7]  # expert 0's third and fourth slot, expert 2's third
     for t, e in enumerate(route):
         want = torch.zeros(H) if t in dropped else layer.experts[str(e)](x[t])
         torch.testing.assert_close(out[t], want, atol=1e-6, rtol=1e-6)
-    assert stats.as_dict() == dict(tokens_per_expert=[[2, 1, 2, 0]], dropped=[3], slots=[8],
-                                   aux_loss=float(layer.aux_loss.detach()))
+    assert stats.per_step == [dict(tokens_per_expert=[[2, 1, 2, 0]], dropped=[3], slots=[8],
+                                   aux_loss=float(layer.aux_loss.detach()))]
     layer.top_k, layer.capacity_factor = 2, 0.5  # capacity = ceil(0.5 · 8 · 2 / 4) = 2
     layer(x)
     assert layer.routing["dropped"] == 16 - 2 * E  # 2 per expert kept, 8 of 16 slots dropped
 
 
 def _expert_parallel(ep_sizes):
-    """On every rank: its quarter (or half) of the tokens, expert parallel over each ep size."""
+    """On every rank: its share of the tokens, the layer expert parallel over each ep size."""
     world, rank = dist.get_world_size(), dist.get_rank()
     x, w = inputs(tokens=8 * world)
     mine = slice(rank * 8, (rank + 1) * 8)
@@ -119,31 +121,109 @@ def _expert_parallel(ep_sizes):
     return results
 
 
-def test_expert_parallel_equals_one_process():
-    for world, ep_sizes in ((2, (2,)), (4, (4, 2))):
-        per_rank = run_distributed(_expert_parallel, world, ep_sizes)
-        x, w = inputs(tokens=8 * world)
-        layer = make_layer(aux_coef=0.1, z_coef=0.01)
-        xa = x.clone().requires_grad_()
-        out = layer(xa)
-        ((out * w).sum(-1).mean() + layer.aux_loss).backward()
-        want = grads(layer)
-        for ep in ep_sizes:
-            local = E // ep
-            for rank, result in enumerate(r[ep] for r in per_rank):
-                mine = slice(rank * 8, (rank + 1) * 8)
-                torch.testing.assert_close(result["out"], out[mine].detach(), atol=1e-5, rtol=0)
-                torch.testing.assert_close(result["x_grad"] / world, xa.grad[mine], atol=1e-5,
-                                           rtol=1e-5)
-                held = {str(e) for e in range(E) if e // local == rank % ep}
-                assert {n.split(".")[1] for n in result["grads"] if "experts" in n} == held
-                for name, grad in result["grads"].items():
-                    torch.testing.assert_close(grad, want[name], atol=1e-5, rtol=1e-5,
-                                               msg=f"ep={ep} rank {rank} {name}")
-                group = range(rank - rank % ep, rank - rank % ep + ep)
-                received = sum(per_rank[r][ep]["sent"][e] for r in group
-                               for e in range(E) if e // local == rank % ep)
-                assert result["a2a"]["calls"] == 5  # counts, dispatch, combine; the last 2 back
-                assert result["a2a"]["bytes"] == moe_all_to_all_bytes(
-                    sum(result["sent"]), received, H, E)
-                assert result["a2a"]["bus_bytes"] == result["a2a"]["bytes"] * (ep - 1) / ep
+TRAIN = ["--no-progress", "--n-layer", "2", "--batch-size", "8", "--lr", "3e-3",
+         "--moe-experts", "4", "--moe-top-k", "2", "--moe-aux-coef", "0.05", "--steps", "3"]
+TRAIN_RUNS = {4: {"dp4 ep4, saved at step 2": ["--dp", "4", "--ep", "4", "--steps", "2",
+                                                "--save", "{saved}"],
+                  "dp4 ep2": ["--dp", "4", "--ep", "2"],
+                  "dp4 ep2 resumed": ["--dp", "4", "--ep", "2", "--resume", "{saved}"]},
+              1: {"one process": [], "one process resumed": ["--resume", "{saved}"]}}
+
+
+def _launch(directory: str):
+    """One launch: the layer under ep 4 and ep 2 (4 ranks), then train.py's own run() for
+    each of TRAIN_RUNS[world]; rank 0 returns everything (the metrics of each run)."""
+    from hplab import train
+
+    world = dist.get_world_size()
+    out = {"layer": _expert_parallel((4, 2)) if world == 4 else None}
+    for name, flags in TRAIN_RUNS[world].items():
+        flags = [flag.format(saved=f"{directory}/saved") for flag in flags]
+        out[name] = train.run(train.parse_args(TRAIN + flags))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("moe"))
+    four = run_distributed(_launch, 4, directory, timeout_s=300)
+    return four, run_distributed(_launch, 1, directory, timeout_s=300)[0]
+
+
+def test_expert_parallel_layer_equals_one_process(runs):
+    per_rank, world = [r["layer"] for r in runs[0]], 4
+    x, w = inputs(tokens=8 * world)
+    layer = make_layer(aux_coef=0.1, z_coef=0.01)
+    xa = x.clone().requires_grad_()
+    out = layer(xa)
+    ((out * w).sum(-1).mean() + layer.aux_loss).backward()
+    want = grads(layer)
+    for ep in (4, 2):
+        local = E // ep
+        for rank, result in enumerate(r[ep] for r in per_rank):
+            mine = slice(rank * 8, (rank + 1) * 8)
+            torch.testing.assert_close(result["out"], out[mine].detach(), atol=1e-5, rtol=0)
+            torch.testing.assert_close(result["x_grad"] / world, xa.grad[mine], atol=1e-5,
+                                       rtol=1e-5)
+            held = {str(e) for e in range(E) if e // local == rank % ep}
+            assert {n.split(".")[1] for n in result["grads"] if "experts" in n} == held
+            for name, grad in result["grads"].items():
+                torch.testing.assert_close(grad, want[name], atol=1e-5, rtol=1e-5,
+                                           msg=f"ep={ep} rank {rank} {name}")
+            group = range(rank - rank % ep, rank - rank % ep + ep)
+            received = sum(per_rank[r][ep]["sent"][e] for r in group
+                           for e in range(E) if e // local == rank % ep)
+            assert result["a2a"]["calls"] == 5  # counts, dispatch, combine; the last 2 back
+            assert result["a2a"]["bytes"] == moe_all_to_all_bytes(
+                sum(result["sent"]), received, H, E)
+            assert result["a2a"]["bus_bytes"] == result["a2a"]["bytes"] * (ep - 1) / ep
+
+
+def losses(metrics) -> list[float]:
+    return [s["loss"] for s in metrics["steps"]]
+
+
+def test_train_expert_parallel_and_resharded_resume_equal_one_process(runs):
+    four, one = runs[0][0], runs[1]
+    reference = losses(one["one process"])
+    assert len(reference) == 3
+    for name, got, want in (("dp4 ep4", four["dp4 ep4, saved at step 2"], reference[:2]),
+                            ("dp4 ep2", four["dp4 ep2"], reference),
+                            ("resumed under ep2", four["dp4 ep2 resumed"], reference[2:]),
+                            ("resumed on one process", one["one process resumed"], reference[2:])):
+        assert losses(got) == pytest.approx(want, rel=1e-5, abs=0), name
+
+
+def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
+    metrics, seq = runs[0][0]["dp4 ep2"], 64
+    experts = metrics["experts"]
+    assert experts["n_experts"] == E and experts["ep"] == 2
+    for step in range(3):
+        for layer in range(2):
+            sent = [experts["tokens_per_expert"][r][step][layer] for r in range(4)]
+            assert sum(map(sum, sent)) == 8 * seq * 2  # dropless: every token reaches 2 experts
+            assert all(experts["dropped"][r][step][layer] == 0 for r in range(4))
+    for rank in range(4):  # ep groups {0, 1} and {2, 3}; rank r holds experts 2·(r % 2) + {0, 1}
+        group, mine = range(rank - rank % 2, rank - rank % 2 + 2), (2 * (rank % 2),
+                                                                     2 * (rank % 2) + 1)
+        want = sum(moe_all_to_all_bytes(
+            sum(experts["tokens_per_expert"][rank][step][layer]),
+            sum(experts["tokens_per_expert"][r][step][layer][e] for r in group for e in mine),
+            64, E) for step in range(3) for layer in range(2))
+        assert metrics["comm_by_group"][rank]["ep"]["all_to_all"]["bytes"] == want
+
+
+@pytest.mark.parametrize("flags, says", [
+    ("--ep 3 --moe-experts 4", "--ep 3 must divide --moe-experts (4) and --dp (4)"),
+    ("--ep 2", "--ep 2 must divide --moe-experts (0)"),
+    ("--moe-experts 4 --moe-top-k 5", "--moe-top-k 5 must be between 1 and the number of experts"),
+    ("--moe-experts 4 --moe-capacity-factor 0", "--moe-capacity-factor: must be a positive"),
+    ("--moe-experts 4 --ep 2 --zero 1", "ZeRO shards over the whole dp group"),
+    ("--moe-experts 4 --tp 2", "experts run with data parallel, expert parallel and ZeRO-1/2"),
+])
+def test_bad_expert_layouts_are_one_line_before_any_process(flags, says, capsys):
+    from hplab import train
+
+    assert train.main(["--nproc", "4", "--steps", "1", *flags.split()]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hplab.formulas import HPLAB_PRESETS, gpt_num_params
+from hplab.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class GPTConfig:
     n_head: int = 4
     layer_norm_epsilon: float = 1e-5
     tokenizer: str = "hplab-bpe"  # which shipped tokenizer produced the token ids
+    n_experts: int = 0  # > 0: each block's MLP is a mixture of experts (hplab/moe.py)
+    moe_top_k: int = 2  # experts per token
+    moe_capacity_factor: float = 0.0  # 0: dropless
+    moe_aux_coef: float = 0.01  # weight of the load-balancing loss added to the loss
 
     def __post_init__(self):
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -44,6 +49,9 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                              "pick a hidden size that is a multiple of the number of heads")
+        if self.n_experts and not 1 <= self.moe_top_k <= self.n_experts:
+            raise ValueError(f"--moe-top-k {self.moe_top_k} must be between 1 and the number "
+                             f"of experts, {self.n_experts}")
 
     def num_params(self) -> int:
         """Ψ, counted once for the tied embedding: V·h + S·h + L·(12h² + 13h) + 2h."""
@@ -106,7 +114,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config.n_embd, config.n_experts, config.moe_top_k, lambda: MLP(config),
+                       config.moe_capacity_factor, config.moe_aux_coef) \
+            if config.n_experts else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -175,7 +185,8 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = self.run_block(block, x)
         logits = self.head(x)
-        return logits, None if targets is None else self.loss_fn(logits, targets)
+        aux = sum(b.mlp.aux_loss for b in self.transformer.h if isinstance(b.mlp, MoE))
+        return logits, None if targets is None else self.loss_fn(logits, targets) + aux
 
 
 def build_model(config: GPTConfig, seed: int = 0) -> GPT:
@@ -214,6 +225,7 @@ def to_hf_config(config: GPTConfig):
     from transformers import GPT2Config
 
     eos = config.vocab_size - 1
-    shape = {k: v for k, v in asdict(config).items() if k != "tokenizer"}  # GPT2Config's names
+    shape = {k: v for k, v in asdict(config).items()  # GPT2Config's names
+             if k != "tokenizer" and not k.startswith(("n_experts", "moe_"))}
     return GPT2Config(**shape, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
                       attn_pdrop=0.0, bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
