@@ -72,6 +72,21 @@ def test_layer_equals_the_per_token_reference():
         torch.testing.assert_close(got_x, xb.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_gpt_blocks_are_mixtures_of_experts_and_counted():
+    from hplab.models.gpt import build_model
+
+    config = GPTConfig(n_layer=2, n_experts=3, moe_top_k=1)
+    model = build_model(config)
+    assert all(isinstance(b.mlp, moe.MoE) and len(b.mlp.experts) == 3
+               for b in model.transformer.h)
+    assert sum(p.numel() for p in model.parameters()) == config.num_params()
+    x = torch.randint(0, config.vocab_size, (2, 8))
+    _, loss = model(x, x)
+    dense_loss = torch.nn.functional.cross_entropy(model(x)[0].flatten(0, 1), x.flatten())
+    aux = sum(b.mlp.aux_loss for b in model.transformer.h)
+    assert float(aux.detach()) > 0 and torch.allclose(loss, dense_loss + aux)
+
+
 def test_capacity_drops_the_latest_slots_per_expert():
     layer = make_layer(top_k=1, capacity_factor=1.0)  # capacity = ceil(1 · 8 · 1 / 4) = 2
     stats = moe.RoutingStats(layer)

@@ -54,8 +54,10 @@ class GPTConfig:
                              f"of experts, {self.n_experts}")
 
     def num_params(self) -> int:
-        """Ψ, counted once for the tied embedding: V·h + S·h + L·(12h² + 13h) + 2h."""
-        return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.n_positions)
+        """Ψ, counted once for the tied embedding: V·h + S·h + L·(12h² + 13h) + 2h, and with
+        E experts E MLPs and a router (h·E) per block in place of one MLP."""
+        return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.n_positions,
+                              self.n_experts)
 
 
 #: tiny (seconds on a laptop CPU, hplab's small BPE), gpt2 and gpt2-medium (the real sizes,
