@@ -10,9 +10,9 @@ Two ways to give it them:
 **Ring attention** (Liu et al. 2023). The ranks form a ring. Each starts with its own K/V block
 and, N times, computes its queries against the block it holds, then hands that block to the next
 rank and takes one from the previous. The next block's send/recv is posted *before* computing
-on the current one, so the transfer runs under the compute where the backend allows. Each block
-gives a partial result O_j = softmax(Q·K_jᵀ/√d)·V_j with its log-sum-exp L_j = log Σ exp(scores)
-per query; two partials merge exactly (the online softmax of FlashAttention):
+on the current one, so the transfer runs under the compute where the backend allows. Each
+block gives a partial result O_j = softmax(Q·K_jᵀ/√d)·V_j with its log-sum-exp per query,
+L_j = log Σ exp(scores); two partials merge exactly (the online softmax of FlashAttention):
 
     L = log(e^L_a + e^L_b),     O = e^(L_a - L)·O_a + e^(L_b - L)·O_b
 
@@ -50,8 +50,6 @@ import torch.nn.functional as F
 from hplab.comm import Communicator, communicator
 from hplab.formulas import CP_SPLITS, CP_STYLES
 
-STYLES, SPLITS = CP_STYLES, CP_SPLITS
-
 
 class ContextParallelError(ValueError):
     """A sequence or a model that cannot be split over this many context-parallel ranks."""
@@ -60,9 +58,9 @@ class ContextParallelError(ValueError):
 def check_divisible(seq_len: int, n_head: int, cp: int, style: str, split: str) -> None:
     """Raise ContextParallelError unless the sequence (and for Ulysses the heads) split."""
     chunks = 2 * cp if split == "zigzag" else cp
-    if style not in STYLES or split not in SPLITS:
-        raise ContextParallelError(f"context parallel style {style!r} / split {split!r}: "
-                                   f"choose a style of {STYLES} and a split of {SPLITS}")
+    if style not in CP_STYLES or split not in CP_SPLITS:
+        raise ContextParallelError(f"context parallel: choose a style of {CP_STYLES} and a "
+                                   f"split of {CP_SPLITS}, not {style!r} and {split!r}")
     if seq_len % chunks:
         raise ContextParallelError(f"the {split} split cuts the {seq_len}-token sequence into "
                                    f"{chunks} chunks for {cp} context-parallel ranks: make the "
@@ -93,11 +91,6 @@ def unshard(shards: list[torch.Tensor], split: str = "zigzag", dim: int = 1) -> 
     seq_len = sum(s.shape[dim] for s in shards)
     order = torch.cat([positions(seq_len, r, len(shards), split) for r in range(len(shards))])
     return torch.cat(shards, dim).index_select(dim, order.argsort().to(shards[0].device))
-
-
-def local_positions(local_len: int, device=None, *, rank: int, size: int, split: str):
-    """`torch.arange`'s place in the model's embedding: the true positions of its tokens."""
-    return positions(local_len * size, rank, size, split).to(device)
 
 
 # --- 2. One block of attention, its log-sum-exp, and the merge -----------------------------
@@ -167,6 +160,18 @@ def _pass_on(t: torch.Tensor, comm: Communicator):
     return buffer, [post() for post in (ops if me % 2 == 0 else ops[::-1])]
 
 
+def _around_the_ring(kv: torch.Tensor, comm: Communicator):
+    """Yield (src, the K/V block of rank src) N times, starting with our own; each next block
+    is already travelling while the caller computes on the current one."""
+    for step in range(comm.size):
+        last = step == comm.size - 1
+        next_kv, pending = (kv, []) if last else _pass_on(kv, comm)
+        yield (comm.rank - step) % comm.size, kv
+        for p in pending:
+            p.wait()
+        kv = next_kv
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's q, k, v [b, heads, s/N, d] (its tokens of the `split`)
     against every rank's keys and values, passed around the ring (see the module docstring)."""
@@ -174,38 +179,27 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: Communicator, split: str):
         dtype, (q, k, v) = q.dtype, (t.float() for t in (q, k, v))
-        kv, n = torch.stack([k, v]), q.shape[2]  # one message per ring step: K and V together
-        out = lse = None
-        for step in range(comm.size):
-            src, last = (comm.rank - step) % comm.size, step == comm.size - 1  # src: whose K/V
-            # the next block travels while we compute on this one
-            next_kv, pending = _pass_on(kv, comm) if not last else (kv, [])
-            if work := block_work(comm.rank, src, comm.size, split, n):
+        out = lse = None  # one message per ring step: K and V stacked
+        for src, kv in _around_the_ring(torch.stack([k, v]), comm):
+            if work := block_work(comm.rank, src, comm.size, split, q.shape[2]):
                 rows, cols, causal = work
                 o, l = block_attention(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal)
                 if out is None:  # step 0: our own block, every query (so no -inf to merge)
                     out, lse = o, l
                 else:
                     out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
-            for p in pending:
-                p.wait()
-            kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.split = comm, split
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        comm, dtype, n = ctx.comm, d_out.dtype, q.shape[2]
+        (q, k, v, out, lse), comm, dtype = ctx.saved_tensors, ctx.comm, d_out.dtype
         d_out = d_out.float()
-        delta = (d_out * out).sum(-1)
-        dq, kv = torch.zeros_like(q), torch.stack([k, v])
-        dkv = torch.zeros_like(kv)  # the dK/dV of the block we hold: it travels with the block
-        for step in range(comm.size):
-            src, last = (comm.rank - step) % comm.size, step == comm.size - 1
-            next_kv, pending = _pass_on(kv, comm) if not last else (kv, [])
-            if work := block_work(comm.rank, src, comm.size, ctx.split, n):
+        delta, dq = (d_out * out).sum(-1), torch.zeros_like(q)
+        dkv = torch.zeros_like(torch.stack([k, v]))  # of the block we hold: it travels with it
+        for src, kv in _around_the_ring(torch.stack([k, v]), comm):
+            if work := block_work(comm.rank, src, comm.size, ctx.split, q.shape[2]):
                 rows, cols, causal = work
                 dq_b, dk_b, dv_b = block_attention_backward(
                     q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], d_out[:, :, rows],
@@ -214,9 +208,8 @@ class RingAttention(torch.autograd.Function):
                 dkv[0][:, :, cols] += dk_b
                 dkv[1][:, :, cols] += dv_b
             dkv, sent = _pass_on(dkv, comm)  # after N hops each accumulator is home
-            for p in sent + pending:
+            for p in sent:
                 p.wait()
-            kv = next_kv
         return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None
 
 
@@ -253,12 +246,9 @@ class AllToAll(torch.autograd.Function):
 def ulysses_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> torch.Tensor:
     """Causal attention of this rank's tokens [b, heads, s/N, d]: q, k, v go to [b, heads/N,
     s, d] (one all-to-all for the three), SDPA runs on whole sequences, an all-to-all returns."""
-    if q.shape[1] % comm.size:
-        raise ContextParallelError(f"Ulysses cannot share {q.shape[1]} heads among "
-                                   f"{comm.size} context-parallel ranks")
-    seq_len = q.shape[2] * comm.size
-    by_rank = torch.cat([positions(seq_len, r, comm.size, split) for r in range(comm.size)])
-    by_rank = by_rank.to(q.device)  # the positions the gathered tokens arrive in
+    check_divisible(q.shape[2] * comm.size, q.shape[1], comm.size, "ulysses", split)
+    by_rank = torch.cat([positions(q.shape[2] * comm.size, r, comm.size, split)
+                         for r in range(comm.size)]).to(q.device)  # as the tokens arrive
     qkv = AllToAll.apply(torch.stack([q, k, v]), comm, 2, 3)  # [3, b, heads/N, s, d]
     q, k, v = qkv.index_select(3, by_rank.argsort())  # into sequence order
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -277,20 +267,20 @@ def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
     attend = ring_attention if style == "ring" else ulysses_attention
     for block in model.transformer.h:
         block.attn.attend = functools.partial(attend, comm=comm, split=split)
-    model.position_ids = functools.partial(local_positions, rank=comm.rank, size=comm.size,
-                                           split=split)
+    model.position_ids = lambda n, device=None: positions(  # torch.arange's place: n local
+        n * comm.size, comm.rank, comm.size, split).to(device)  # tokens' true positions
     return model
 
 
 class AttentionMeter:
-    """Observes every attention core of a model from outside: per training step (`with
+    """Observes every attention core of a model from outside: for each training step (`with
     meter.step():`), the seconds its forward calls took on this rank and the query-key pairs
     they attended (summed over sequences, heads and layers)."""
 
     def __init__(self, model, comm: Communicator, style: str, split: str):
         self.seconds_per_step, self.pairs_per_step, self.seconds, self.pairs = [], [], 0.0, 0
         for block in model.transformer.h:
-            block.attn.attend = self._wrap(block.attn.attend, comm, style, split)
+            block.attn.attend = self._timed(block.attn.attend, comm, style, split)
 
     @contextlib.contextmanager
     def step(self):
@@ -299,15 +289,12 @@ class AttentionMeter:
         self.seconds_per_step.append(self.seconds)
         self.pairs_per_step.append(self.pairs)
 
-    def _wrap(self, attend, comm, style, split):
+    def _timed(self, attend, comm, style, split):
         def timed(q, k, v):
-            start = time.perf_counter()
+            start, (b, heads, n, _), size = time.perf_counter(), q.shape, comm.size
             y = attend(q, k, v)
             self.seconds += time.perf_counter() - start
-            (b, heads, n, _), size = q.shape, comm.size
-            if style == "ring":  # every head, this rank's queries against the blocks it needs
-                self.pairs += b * heads * pairs_computed(comm.rank, size, split, n)
-            else:  # Ulysses: heads/N heads over the whole causal sequence
-                self.pairs += b * heads // size * pairs_computed(0, 1, split, n * size)
-            return y
+            self.pairs += b * (heads * pairs_computed(comm.rank, size, split, n) if style == "ring"
+                               else heads // size * pairs_computed(0, 1, split, n * size))
+            return y  # (ring: every head, the blocks it needs; Ulysses: heads/N, whole sequences)
         return timed
