@@ -168,8 +168,7 @@ def flops_per_step(model, batch_size: int, recompute: str = "none") -> dict:
     k·16·B·s·h² plus the router's 2·B·s·h·E (Switch Transformer's "FLOPs per token").
     """
     B, s, h, L, V = batch_size, model.seq_len, model.n_embd, model.n_layer, model.vocab_size
-    E = getattr(model, "n_experts", 0)  # (a dense model: 0)
-    k = model.moe_top_k if E else 1
+    E, k = model.n_experts, model.moe_top_k if model.n_experts else 1  # (dense: E = 0)
     block_fwd = 8 * B * s * h * h + k * 16 * B * s * h * h + 2 * B * s * h * E + 4 * B * s * s * h
     head_fwd = 2 * B * s * h * V
     model_flops = 3 * (L * block_fwd + head_fwd)
@@ -228,7 +227,7 @@ def model_state_bytes(psi: float, dp: int = 1, zero: int = 0, precision: str = "
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
                                act_bytes: int = 2, dropout: bool = True,
-                               flash_attention: bool = False) -> float:
+                               flash_attention: bool = False, moe_top_k: int = 0) -> float:
     """Bytes one transformer block saves for backward, for one microbatch. [SP] Sec. 4.
 
     Counted tensor by tensor (s sequence, b microbatch, h hidden, a heads, t tensor parallel):
@@ -238,7 +237,11 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
       * inside them, split by t: Q, K, V, the attention projection's input, the GeLU input and
         the second MLP matrix's input (12·sbh elements);
       * attention scores, split by t: softmax output, its dropout mask and the dropped-out
-        scores (a·s²·b each) — FlashAttention instead keeps only a log-sum-exp per row (fp32).
+        scores (a·s²·b each) — FlashAttention instead keeps only a log-sum-exp per row (fp32);
+      * a mixture of experts routing each token to `moe_top_k` = k of them keeps per token-slot
+        the copy routed to its expert, the GeLU and second-matrix inputs, and the expert's
+        output before and after its gate (hplab's sum over slots keeps it): k·11·sbh for the
+        MLP's 8·sbh (the router's few T×E numbers are left out).
     With 2-byte activations and dropout this is the paper's Table 2:
         no parallelism       sbh·(34 + 5as/h)
         tensor parallel      sbh·(10 + 24/t + 5as/(ht))
@@ -251,7 +254,7 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
     if recompute == "full":
         return act_bytes * sbh / (t if sequence_parallel else 1)
     outside = 4 * sbh * act_bytes + 2 * sbh * mask
-    inside = 12 * sbh * act_bytes
+    inside = (4 + (11 * moe_top_k if moe_top_k else 8)) * sbh * act_bytes
     if flash_attention:
         scores = a * s * b * 4  # logsumexp, fp32
     elif recompute == "selective":

@@ -10,15 +10,14 @@ formulas about clusters no laptop has:
     python -m hplab.plan ... --json          # the same numbers for a notebook
 
 Memory per GPU = model states (parameters, gradients, optimizer state, fp32 master weights;
-sharded by ZeRO over data parallel, split by tensor and pipeline parallel, experts by expert
-parallel) + activations (per layer per microbatch, of s/cp tokens under context parallel ×
-layers on a stage × microbatches the schedule keeps in flight). Step time = compute of the
-busiest stage (FLOPs ÷ achievable FLOP/s, plus memory-bound element-wise work) + tensor-
-parallel collectives + context-parallel ring sends or all-to-alls + expert all-to-alls +
+sharded by ZeRO over data parallel, split by tensor, pipeline and expert parallel) +
+activations (per layer per microbatch of s/cp tokens × layers on a stage × microbatches the
+schedule keeps in flight). Step time = compute of the busiest stage (FLOPs ÷ achievable FLOP/s,
+plus memory-bound element-wise work) + tensor-, context- and expert-parallel traffic +
 pipeline bubble and sends + the exposed data-parallel and ZeRO traffic. Collectives follow the
 α-β model of ring algorithms; ranks are numbered as in `hplab.dist` (tensor parallel innermost,
-then context, then data with expert parallel innermost in it, then pipeline), which decides
-which groups stay inside a node's fast links. Every efficiency assumption is a field of `Efficiency`, never
+then context, data (expert parallel within it), pipeline), which decides which groups stay
+inside a node's fast links. Every efficiency assumption is a field of `Efficiency`, never
 a hidden constant. No torch here: the module loads fast on machines without a GPU.
 
 Sources: [ZeRO] Rajbhandari et al., SC 2020 (memory Sec. 3, 5; communication Sec. 7).
@@ -206,13 +205,11 @@ class Layout:
 
 def check_layout(model: ModelShape, lay: Layout) -> None:
     """Raise PlanError with one clear line if the layout cannot run."""
-    for obj, names in ((model, ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size")),
-                       (lay, ("dp", "tp", "pp", "cp", "ep", "microbatches", "virtual_stages",
-                              "batch_size"))):
-        for name in names:
-            if getattr(obj, name) < 1:
-                raise PlanError(f"--{name.replace('_', '-')} must be at least 1, "
-                                f"got {getattr(obj, name)}")
+    sizes = {**asdict(model), **asdict(lay)}
+    for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "dp", "tp", "pp", "cp",
+                 "ep", "microbatches", "virtual_stages", "batch_size"):
+        if sizes[name] < 1:
+            raise PlanError(f"--{name.replace('_', '-')} must be at least 1, got {sizes[name]}")
     L, h, a, tp, cp, E, ep = (model.n_layer, model.n_embd, model.n_head, lay.tp, lay.cp,
                               model.n_experts, lay.ep)
     chunks = lay.pp * (lay.virtual_stages if lay.schedule == "interleaved" else 1)
@@ -277,16 +274,20 @@ def activation_memory(model: ModelShape, lay: Layout) -> dict:
     norm's and the LM head's inputs (2·sbh elements, /t with sequence parallel) and the fp32
     logits of the cross-entropy (4·s·b·V/t bytes) for its one microbatch in flight. A block that
     full recompute runs backward holds its activations again (`recompute_working_bytes`).
-    Context parallel: each rank holds s/cp tokens, and ring attention (or Ulysses) keeps only a
-    log-sum-exp per row, as FlashAttention; the K/V blocks in flight are not counted. Experts
-    are counted as one dense MLP per token (its k expert copies are not modelled)."""
+    Context parallel: each rank holds s/cp tokens; ring attention (or Ulysses) keeps only a
+    log-sum-exp per row, as FlashAttention, but hplab's returns its output head-major, so the
+    projection's input is a copy: one more b·(s/cp)·h per layer (the K/V blocks in flight are
+    not counted). A mixture of experts keeps each token's k slots (`formulas`)."""
     s, b, h, a, t = model.seq_len // lay.cp, lay.micro_batch_size, model.n_embd, model.n_head, \
         lay.tp
     act = PRECISION_BYTES[lay.precision][4]
     kw = dict(s=s, b=b, h=h, a=a, t=t, sequence_parallel=lay.sequence_parallel, act_bytes=act,
-              dropout=model.dropout, flash_attention=model.flash_attention or lay.cp > 1)
-    per_layer = activation_bytes_per_layer(recompute=lay.recompute, **kw)
-    unrecomputed = activation_bytes_per_layer(recompute="none", **kw)  # all a block's tensors
+              dropout=model.dropout, flash_attention=model.flash_attention or lay.cp > 1,
+              moe_top_k=model.moe_top_k if model.n_experts else 0)
+    head_major = s * b * h * act / t if lay.cp > 1 else 0.0
+    per_layer = activation_bytes_per_layer(recompute=lay.recompute, **kw) \
+        + head_major * (lay.recompute != "full")
+    unrecomputed = activation_bytes_per_layer(recompute="none", **kw) + head_major  # all of it
     sp_div = t if lay.sequence_parallel else 1
     layers = math.ceil(model.n_layer / lay.pp)
     embed_extra = (s * b * h / sp_div) if model.dropout else 0
@@ -368,8 +369,8 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     tp_mb = n_coll * layers * times * collective_time_s(op, tp_msg, tp, tp_bw, tp_alpha) \
         * (1 - eff.tp_overlap)
 
-    # --- context parallel, per layer: the ring sends (cp−1)·redo + 2cp−1 K/V (or dK/dV) blocks;
-    # Ulysses runs 2·redo + 2 all-to-alls. Recompute repeats the forward's traffic -------------
+    # --- context parallel, per layer: the ring sends (cp−1)·redo + 2cp−1 K/V (or dK/dV) blocks,
+    # Ulysses runs 2·redo + 2 all-to-alls ------------------------------------------------------
     cp_bw, cp_alpha, cp_cross = group_link(cluster, cp, tp, eff)
     ring = lay.cp_style == "ring"
     sent = (ring_attention_bytes if ring else ulysses_bytes)(
@@ -379,9 +380,8 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     cp_mb = collective_time_s("send" if ring else "all_to_all", cp_bytes, cp, cp_bw, cp_alpha,
                               messages) * (1 - eff.cp_overlap)
 
-    # --- expert parallel, per layer: the counts, dispatch and combine all-to-alls forward (again
-    # with recompute: a forward alone moves what the formula gives for half the slots), the
-    # reverse two backward; balanced routing: every rank sends its tokens × k token-slots ------
+    # --- expert parallel, per layer: counts, dispatch, combine forward (a forward alone moves the
+    # formula's bytes of half the slots), the reverse two backward; each rank sends T·k slots --
     ep_bw, ep_alpha, ep_cross = group_link(cluster, ep, tp * cp, eff)
     a2a = [moe_all_to_all_bytes(slots, slots, model.n_embd, model.n_experts, act_bytes)
            for slots in (tokens * model.moe_top_k, tokens * model.moe_top_k / 2)]
@@ -433,16 +433,16 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
             **{k: acts[k] for k in ("in_flight_microbatches", "recompute_working_bytes")},
             "zero3_gather_bytes": zero3_buffer, "memory_bytes_per_gpu": memory,
             "worst_stage": worst, "usable_bytes_per_gpu": usable, "fits": memory <= usable,
-            "step_time_s": step, "compute_s": m * compute_mb, "gemm_s": m * gemm_s,
-            "elementwise_s": m * elementwise_s, "tp_comm_s": m * tp_mb, "cp_comm_s": m * cp_mb,
-            "ep_comm_s": m * ep_mb, "cp_bytes_per_step": m * cp_bytes,
-            "ep_all_to_all_bytes_per_step": m * ep_bytes, "cp_crosses_nodes": cp_cross,
-            "ep_crosses_nodes": ep_cross,
+            "step_time_s": step, **{k: m * v for k, v in dict(  # per microbatch × m
+                compute_s=compute_mb, gemm_s=gemm_s, elementwise_s=elementwise_s, tp_comm_s=tp_mb,
+                cp_comm_s=cp_mb, ep_comm_s=ep_mb, cp_bytes_per_step=cp_bytes,
+                ep_all_to_all_bytes_per_step=ep_bytes).items()},
             "bubble_s": bubble["relative"] * m * work_mb, "bubble_ratio": bubble["relative"],
             "bubble_fraction": bubble["of_step"],  # of the pipeline
             "pp_comm_s": p2p_s, "dp_comm_s": dp_s, "dp_comm_exposed_s": dp_exposed,
-            "offload_s": offload_s, "tp_crosses_nodes": tp_cross, "dp_crosses_nodes": dp_cross,
-            "pp_crosses_nodes": pp_cross, "model_flops_per_step": flops["model_flops"],
+            "offload_s": offload_s, **{f"{g}_crosses_nodes": crosses for g, crosses in zip(
+                ("tp", "cp", "ep", "dp", "pp"), (tp_cross, cp_cross, ep_cross, dp_cross, pp_cross))},
+            "model_flops_per_step": flops["model_flops"],
             "hardware_flops_per_step": flops["hardware_flops"],
             "tokens_per_s": lay.batch_size * model.seq_len / step, "tflops_per_gpu": tflops,
             "model_tflops_per_gpu": model_tflops, "mfu": model_tflops * 1e12 / peak,
@@ -629,9 +629,8 @@ def format_plan(p: dict) -> str:
     if p["dp_comm_s"] and p["dp_comm_exposed_s"] < p["dp_comm_s"]:
         out.append(f"  (data-parallel traffic {p['dp_comm_s']:.3g} s, of which hidden "
                    f"{p['dp_comm_s'] - p['dp_comm_exposed_s']:.3g} s)")
-    out += [f"  ({name} sends {p[key] / GB:.4g} GB per GPU per step)" for key, name in (
-        ("cp_bytes_per_step", "context parallel"), ("ep_all_to_all_bytes_per_step",
-                                                    "expert parallel")) if p[key]]
+    out += [f"  ({key[:2]} group: each GPU sends {p[key] / GB:.4g} GB per step)"
+            for key in ("cp_bytes_per_step", "ep_all_to_all_bytes_per_step") if p[key]]
     out.append(f"throughput: {p['tokens_per_s']:.4g} tokens/s, {p['tflops_per_gpu']:.1f} TFLOP/s "
                f"per GPU (with recompute), {p['model_tflops_per_gpu']:.1f} model TFLOP/s, "
                f"MFU {p['mfu']:.1%}")
