@@ -197,14 +197,8 @@ def gather_full_state(par) -> tuple[dict, dict]:
     model_state = {name: _tensor_parallel(p, values[p], mesh, True) for name, p in params}
     optimizer_state = {name: {k: _tensor_parallel(p, t, mesh, True) for k, t in states[p].items()}
                        for name, p in params}
-    if mesh.ep_size > 1:  # experts: E/ep on each rank of rank 0's ep group, to rank 0
-        experts = [name for name, p in params if moe.is_expert(p)] if mesh.edp_rank == 0 else []
-        mine = ({n: model_state[n] for n in experts}, {n: optimizer_state[n] for n in experts})
-        everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None
-        dist.gather_object(mine, everyone, dst=0)
-        for model_part, optimizer_part in everyone or []:
-            model_state.update(model_part)
-            optimizer_state.update(optimizer_part)
+    if mesh.ep_size > 1:  # each rank of rank 0's ep group holds E/ep experts: to rank 0
+        moe.gather_experts(params, model_state, optimizer_state, mesh)
     if mesh.pp_size > 1:  # each stage's (dp 0, tp 0) rank hands its stage to rank 0
         mine = (model_state, optimizer_state) if mesh.dp_rank == mesh.tp_rank == 0 else ({}, {})
         everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None

@@ -94,9 +94,9 @@ def check_config(config: ParallelConfig, model) -> None:
          "weight gradients; use ZeRO-1"),
         (c.offload and c.zero == 0, ("offload", "zero"), "offload moves ZeRO's sharded "
          "optimizer state to the CPU, so it needs ZeRO 1, 2 or 3"),
-        (experts and (c.pp > 1 or c.tp > 1 or c.zero == 3 or c.recompute), ("pp", "tp", "zero",
-         "recompute"), "experts run with data parallel, expert parallel and ZeRO-1/2 only (no "
-         "pipeline, tensor parallel, ZeRO-3 or recompute)"),
+        (experts and (c.pp > 1 or c.tp > 1 or c.cp > 1 or c.zero == 3 or c.recompute), ("pp",
+         "tp", "cp", "zero", "recompute"), "experts run with data parallel, expert parallel and "
+         "ZeRO-1/2 only (no pipeline, tensor or context parallel, ZeRO-3 or recompute)"),
         (c.ep > 1 and c.zero > 0, ("ep", "zero"), "ZeRO shards over the whole dp group, whose "
          "ranks hold different experts under expert parallel"),
         (c.cp > 1 and c.sequence_parallel, ("cp", "sequence_parallel"), "context parallel "
@@ -105,9 +105,7 @@ def check_config(config: ParallelConfig, model) -> None:
     for refused, settings, reason in refusals:
         if refused:
             raise NotSupported(f"not supported: {reason}", settings)
-    if c.ep > 1 and (not experts or experts % c.ep or c.dp % c.ep):
-        raise ValueError(f"--ep {c.ep} must divide --moe-experts ({experts}) and --dp ({c.dp}): "
-                         "expert parallel shares out each layer's experts among dp ranks")
+    moe.check_layout(experts, c.ep, c.dp)
     if c.tp > 1:
         tp.check_divisible(model.n_head, model.n_embd, c.tp,
                            model.n_positions if c.sequence_parallel else None)

@@ -274,27 +274,34 @@ def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
 
 class AttentionMeter:
     """Observes every attention core of a model from outside: for each training step (`with
-    meter.step():`), the seconds its forward calls took on this rank and the query-key pairs
-    they attended (summed over sequences, heads and layers)."""
+    meter.step():`), the seconds its forward calls took on this rank, the part of them it was
+    blocked in the cp group's communication (the ledger's time), and the query-key pairs they
+    attended (summed over sequences, heads and layers)."""
 
     def __init__(self, model, comm: Communicator, style: str, split: str):
-        self.seconds_per_step, self.pairs_per_step, self.seconds, self.pairs = [], [], 0.0, 0
+        self.per_step = {"attention_s": [], "attention_blocked_s": [], "attention_pairs": []}
+        self.now = dict.fromkeys(self.per_step, 0)
         for block in model.transformer.h:
             block.attn.attend = self._timed(block.attn.attend, comm, style, split)
 
     @contextlib.contextmanager
     def step(self):
-        self.seconds, self.pairs = 0.0, 0
+        self.now = dict.fromkeys(self.per_step, 0)
         yield
-        self.seconds_per_step.append(self.seconds)
-        self.pairs_per_step.append(self.pairs)
+        for key, value in self.now.items():
+            self.per_step[key].append(value)
 
     def _timed(self, attend, comm, style, split):
+        def blocked() -> float:  # seconds this rank has spent in the cp group's calls so far
+            return sum(op.time_s for op in comm.ledger.by_group[comm.name].values())
+
         def timed(q, k, v):
-            start, (b, heads, n, _), size = time.perf_counter(), q.shape, comm.size
+            start, was, (b, heads, n, _), size = time.perf_counter(), blocked(), q.shape, comm.size
             y = attend(q, k, v)
-            self.seconds += time.perf_counter() - start
-            self.pairs += b * (heads * pairs_computed(comm.rank, size, split, n) if style == "ring"
-                               else heads // size * pairs_computed(0, 1, split, n * size))
+            self.now["attention_s"] += time.perf_counter() - start
+            self.now["attention_blocked_s"] += blocked() - was
+            self.now["attention_pairs"] += b * (
+                heads * pairs_computed(comm.rank, size, split, n) if style == "ring"
+                else heads // size * pairs_computed(0, 1, split, n * size))
             return y  # (ring: every head, the blocks it needs; Ulysses: heads/N, whole sequences)
         return timed

@@ -169,16 +169,14 @@ class Mesh:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         check_layout(self.world_size, dp, tp, pp, cp)
         if ep < 1 or dp % ep:
-            raise LayoutError(f"--ep {ep} must divide --dp {dp}: expert parallel groups are "
-                              "carved out of the data-parallel ranks")
+            raise LayoutError(f"--ep {ep} must divide --dp {dp}: ep groups are cut out of dp")
         self.dp_size, self.tp_size, self.pp_size, self.cp_size = dp, tp, pp, cp
         self.dp_rank, self.tp_rank, self.pp_rank = coordinates(self.rank, dp, tp, pp, cp)
         self.cp_rank = (self.rank // tp) % cp
         self.device, self.ledger = device or torch.device("cpu"), ledger or CommLedger()
         self.world = Communicator(dist.group.WORLD, "world", self.ledger, device=self.device)
         self.groups = group_ranks(dp, tp, pp, cp)
-        # expert parallel: each dp group cut into blocks of ep adjacent ranks (mesh.ep); the
-        # ranks with the same place in their block hold the same experts (mesh.edp)
+        # ep: each dp group cut into blocks of ep ranks; edp: the same place in every block
         self.ep_size, self.ep_rank, self.edp_rank = ep, self.dp_rank % ep, self.dp_rank // ep
         if ep > 1:
             dps = self.groups["dp"]

@@ -44,6 +44,7 @@ import functools
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -170,12 +171,18 @@ def parallelize(model: nn.Module, ep=None, dp=None) -> None:
         layer.dp = dp if dp is not None and dp.size > 1 else None
         if ep is None or ep.size == 1:
             continue
-        if layer.n_experts % ep.size:
-            raise ValueError(f"{layer.n_experts} experts do not split over ep={ep.size} ranks")
+        check_layout(layer.n_experts, ep.size, dp.size if dp is not None else ep.size)
         local = layer.n_experts // ep.size
         mine = range(ep.rank * local, (ep.rank + 1) * local)
         layer.experts = nn.ModuleDict({str(e): layer.experts[str(e)] for e in mine})
         layer.ep = ep
+
+
+def check_layout(n_experts: int, ep: int, dp: int) -> None:
+    """ep ranks, out of the dp ranks, share out each layer's experts."""
+    if ep > 1 and (not n_experts or n_experts % ep or dp % ep):
+        raise ValueError(f"--ep {ep} must divide --moe-experts ({n_experts}) and --dp ({dp}): "
+                         "expert parallel shares out each layer's experts among dp ranks")
 
 
 def is_expert(p: torch.Tensor) -> bool:
@@ -228,3 +235,15 @@ class RoutingStats:
         now["slots"][index] += routing["slots"]
         now["aux_loss"] += float(layer.aux_loss.detach())
         now["forwards"] += index == 0
+
+
+def gather_experts(named_params, model_state: dict, optimizer_state: dict, mesh) -> None:
+    """For a checkpoint: rank 0 receives, into its single-device dicts, the experts the other
+    ranks of its ep group hold (E/ep each, already under their single-device names)."""
+    experts = [n for n, p in named_params if is_expert(p)] if mesh.edp_rank == 0 else []
+    mine = ({n: model_state[n] for n in experts}, {n: optimizer_state[n] for n in experts})
+    everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0)  # in memory, between our own processes
+    for model_part, optimizer_part in everyone or []:
+        model_state.update(model_part)
+        optimizer_state.update(optimizer_part)

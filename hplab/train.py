@@ -487,8 +487,7 @@ def run(args) -> dict | None:
                 "experts": routing.per_step,  # this rank's routing, per step
                 # the last step's timeline of every F, B, W, send, recv (--pp > 1)
                 "pipeline": pipeline_report(par) if args.pp > 1 else None,
-                "context_parallel": meter and {  # what the ledger's cp family moved, per step
-                    "attention_s": meter.seconds_per_step, "attention_pairs": meter.pairs_per_step,
+                "context_parallel": meter and {**meter.per_step,  # + the cp family's bytes
                     "bytes_per_step": {op: o["bytes"] / len(steps) for op, o in per_op.items()}}}
     gathered = [None] * dist.get_world_size() if is_rank0 else None
     dist.gather_object(per_rank, gathered, dst=0)

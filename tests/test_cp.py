@@ -8,6 +8,8 @@ formula. One launch per world size runs every check and returns plain numbers.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,10 +81,11 @@ def batches():
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def train(layout: dict) -> list[float]:
+def train(layout: dict) -> dict:
     """The losses of STEPS AdamW steps (clipped, decayed) of `layout` (one process: {}), then
     the global gradient norm of each step: AdamW and clipping hide a gradient's scale from the
-    losses, so a missing average over cp shows only there."""
+    losses, so a missing average over cp shows only there. With cp, what the AttentionMeter
+    saw."""
     from hplab import compose
     from hplab.compose import ParallelConfig, parallelize, train_step
     from hplab.dist import Mesh
@@ -94,12 +97,17 @@ def train(layout: dict) -> list[float]:
                       ParallelConfig(**TRAINING, **layout))
     share = BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
-    norms, clip = [], compose.clip_grad_norm_
+    c = par.config
+    meter = cp.AttentionMeter(par.gpt, mesh.cp, c.cp_style, c.cp_split) if c.cp > 1 else None
+    norms, clip, losses = [], compose.clip_grad_norm_, []
     compose.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]
     try:
-        return [train_step(par, x[mine], y[mine]) for x, y in batches()] + norms
+        for x, y in batches():
+            with meter.step() if meter else contextlib.nullcontext():
+                losses.append(train_step(par, x[mine], y[mine]))
     finally:
         compose.clip_grad_norm_ = clip
+    return {"losses": losses + norms, "meter": meter and meter.per_step}
 
 
 def worker():
@@ -120,11 +128,13 @@ def gathered(results: list[dict], key, name):
 @pytest.fixture(scope="module", params=[2, 4])
 def world(request):
     results = run_distributed(worker, request.param)
-    return request.param, [r["attention"] for r in results], results[0]["losses"]
+    losses = {name: run["losses"] for name, run in results[0]["losses"].items()}
+    meters = {name: [r["losses"][name]["meter"] for r in results] for name in losses}
+    return request.param, [r["attention"] for r in results], losses, meters
 
 
 def test_every_layout_trains_the_model_one_process_trains(world):
-    reference = run_distributed(train, 1, {})[0]
+    reference = run_distributed(train, 1, {})[0]["losses"]
     for name, losses in world[2].items():
         torch.testing.assert_close(losses, reference, rtol=RTOL, atol=0, msg=name)
 
@@ -132,7 +142,7 @@ def test_every_layout_trains_the_model_one_process_trains(world):
 @pytest.mark.parametrize("key", [("ring", "contiguous"), ("ring", "zigzag"),
                                  ("ulysses", "zigzag"), ("ulysses", "contiguous")])
 def test_attention_equals_sdpa_on_the_whole_sequence(world, key):
-    _, results, _ = world
+    _, results, *_ = world
     ref = reference()
     for name in ("out", "dq", "dk", "dv"):
         torch.testing.assert_close(gathered(results, key, name), ref[name], rtol=RTOL, atol=ATOL,
@@ -142,7 +152,7 @@ def test_attention_equals_sdpa_on_the_whole_sequence(world, key):
 def test_ring_bytes_per_step_match_the_formula(world):
     """formulas.ring_attention_bytes: forward N-1 K/V blocks, backward N-1 K/V blocks and N
     dK/dV blocks, each 2·b·(s/N)·h fp32 numbers; every send has its recv."""
-    n, results, _ = world
+    n, results, *_ = world
     want = ring_attention_bytes(B, SEQ, HEADS * D, n)
     for split in ("contiguous", "zigzag"):
         for r in results:
@@ -155,12 +165,26 @@ def test_ring_bytes_per_step_match_the_formula(world):
 
 def test_ulysses_moves_four_all_to_alls(world):
     """q, k, v in one all-to-all, the output in another; the same two backward."""
-    n, results, _ = world
+    n, results, *_ = world
     for r in results:
         ops = r["ulysses", "zigzag"]["all"]
         assert ops["all_to_all"]["calls"] == 4
         assert ops["all_to_all"]["bytes"] == 8 * B * HEADS * (SEQ // n) * D * 4
         assert "send" not in ops
+
+
+def test_the_meter_counts_each_ranks_attention_work(world):
+    """Per step: b·heads·layers × the pairs each rank attends, seconds ≥ blocked ≥ 0."""
+    (n, *_, meters), seq = world, CONFIG["n_positions"]
+    per_rank = BATCH * CONFIG["n_head"] * CONFIG["n_layer"]
+    for name, split, style in ((f"cp{n} ring contiguous", "contiguous", "ring"),
+                               (f"cp{n} ring zigzag", "zigzag", "ring"),
+                               (f"cp{n} ulysses", "zigzag", "ulysses")):
+        want = [per_rank * cp.pairs_computed(r, n, split, seq // n) for r in range(n)] \
+            if style == "ring" else [per_rank * seq * (seq + 1) // 2 // n] * n
+        assert [m["attention_pairs"] for m in meters[name]] == [[p] * STEPS for p in want]
+        for m in meters[name]:
+            assert all(s >= b >= 0 for s, b in zip(m["attention_s"], m["attention_blocked_s"]))
 
 
 def test_zigzag_evens_the_causal_work():

@@ -235,6 +235,7 @@ def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
     ("--moe-experts 4 --moe-capacity-factor 0", "--moe-capacity-factor: must be a positive"),
     ("--moe-experts 4 --ep 2 --zero 1", "ZeRO shards over the whole dp group"),
     ("--moe-experts 4 --tp 2", "experts run with data parallel, expert parallel and ZeRO-1/2"),
+    ("--moe-experts 4 --cp 2", "(no pipeline, tensor or context parallel, ZeRO-3 or recompute)"),
 ])
 def test_bad_expert_layouts_are_one_line_before_any_process(flags, says, capsys):
     from hplab import train
