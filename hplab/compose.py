@@ -332,6 +332,19 @@ def context_shard(par: Parallel, x: torch.Tensor, y: torch.Tensor):
     return (x, y) if c.cp == 1 else tuple(cp.shard(t, rank, c.cp, c.cp_split) for t in (x, y))
 
 
+@torch.no_grad()
+def evaluate(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
+    """`train_step`'s forward only, nothing random: the global batch's mean cross-entropy (no MoE
+    balance loss). Each cp, dp and microbatch share has as many tokens: averaging means is exact."""
+    m, mesh = par.config.microbatches, par.mesh
+    microbatches = list(zip(*(t.chunk(m) for t in context_shard(par, x, y))))
+    if par.pipeline is not None:  # only the last stage has losses
+        loss = mesh.pp.all_reduce_scalar(sum(par.pipeline.forward_only(microbatches))) / m
+    else:  # (ZeRO-3: each unit is gathered for its forward and freed after it, as in training)
+        loss = sum(float(par.gpt.loss_fn(par.model(xm)[0], ym)) for xm, ym in microbatches) / m
+    return mesh.dp.all_reduce_scalar(mesh.cp.all_reduce_scalar(loss) / mesh.cp_size) / mesh.dp_size
+
+
 def memory_tensors(par: Parallel) -> dict[str, list]:
     """What this rank holds, by kind, read from the outside of every building block."""
     model, opt = par.model, par.optimizer

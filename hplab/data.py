@@ -10,12 +10,13 @@ The path from text to a training batch, in the order this file walks it:
 3. **Token file.** Tokenizing happens once, ahead of time: ``NAME.bin`` holds the ids
    (uint16), ``NAME.json`` beside it says which tokenizer made them. Training only reads numbers.
 4. **TokenDataset.** Cuts the memory-mapped ``.bin`` into samples: input ``x`` and target
-   ``y`` (``x`` shifted by one).
+   ``y`` (``x`` shifted by one); ``split="val"`` is the last 5%, which training never reads.
 5. **Sampler.** ``global_batch_indices`` picks the global batch of a step from (number of
    samples, step, batch size, seed) alone, never from how many ranks share it: that is why
    every parallel layout trains the same model, and why a checkpoint needs only the step
    number to resume on exactly the next batch. ``shard_for_rank`` gives each data-parallel
-   rank its slice.
+   rank its slice. Validation batches are fixed instead: batch ``k`` is samples ``[k*B,
+   (k+1)*B)`` of ``split="val"``, the same at every evaluation in every layout (train.py).
 
 ``python -m hplab.data prepare`` turns your own JSONL corpus into a token file;
 ``data/build.py`` rebuilds the shipped ``data/`` folder. ``torch`` and ``transformers`` are

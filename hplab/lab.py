@@ -145,10 +145,9 @@ class Run:
     config = property(lambda self: self.metrics["config"])
     num_params = property(lambda self: self.metrics["model"]["num_params"])
     tokens_per_s = property(lambda self: self.metrics["tokens_per_s"])  # first step excluded
-
-    @property
-    def losses(self) -> list[float]:
-        return [s["loss"] for s in self.metrics["steps"]]
+    losses = property(lambda self: [s["loss"] for s in self.metrics["steps"]])
+    val_losses = property(lambda self: [(e["step"], e["loss"])  # `eval_every=N`: the loss after
+                                        for e in self.metrics.get("eval", [])])  # `step` steps
 
     def memory_bytes(self, rank: int = 0) -> dict[str, int]:
         """Bytes this rank held, by kind: params, grads, optim, master, activation."""

@@ -321,3 +321,22 @@ class PipelineExecutor:
         for _, pending in sends:
             pending.wait()
         return [float(loss) for loss in step_losses]
+
+    @torch.no_grad()
+    def forward_only(self, microbatches: list) -> list[float]:
+        """Evaluation: each (x, y) microbatch through every chunk in order, a blocking message per
+        hop; nothing kept, traced or counted. The losses, on the last chunk's rank (else [])."""
+        p, losses = self.comm.size, []
+        last = p * len(self.stages) - 1  # (every rank holds as many chunks)
+        for x, y in microbatches:
+            for c in range(last + 1):  # chunk c-1 ran on rank (c-1) mod p, c runs on c mod p
+                if c - 1 in self.stages:
+                    self.comm.send(x, chunk_owner(c, p))
+                elif c in self.stages and c > 0:
+                    x = x.new_empty((*y.shape, self.stages[c].gpt.config.n_embd), dtype=self.dtype)
+                    self.comm.recv(x, chunk_owner(c - 1, p))
+                if c in self.stages:
+                    x = self.stages[c](x)
+            if last in self.stages:  # x: the logits
+                losses.append(float(self.stages[last].gpt.loss_fn(x, y)))
+        return losses

@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--offload": dict(on, help="keep optimizer state and step on the CPU (with --zero)")},
         "output": {
             "--metrics": dict(help="write the metrics JSON here (rank 0)"),
+            "--eval-every": dict(type=at_least(0), default=0, help="validation loss every N steps"),
+            "--eval-batches": dict(n, default=4, help="fixed validation batches of --batch-size"),
             "--save": dict(help="save a unified checkpoint to this directory at the end "
                            "(one single-device, Hugging Face-loadable layout)"),
             "--trace": dict(metavar="DIR", help="write a Chrome trace per rank, DIR/rank0.json, "
@@ -178,7 +180,7 @@ def preflight(args, world_size: int):
     """Every check that needs no process group, so a bad command line fails at once with one
     line (LayoutError / ValueError) instead of after N processes have started. Fills in --dp,
     --warmup-steps (from --warmup-fraction) and --decay-steps; returns the model config, the
-    dataset and the checkpoint to resume (None without one)."""
+    dataset, the checkpoint to resume and the validation split (None without them)."""
     from hplab import checkpoint
     from hplab.compose import ParallelConfig, check_config
     from hplab.data import TokenDataset
@@ -247,7 +249,12 @@ def preflight(args, world_size: int):
     if dataset.vocab_size > config.vocab_size:
         raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
                          f"vocabulary of {config.vocab_size}")
-    return config, dataset, saved
+    validation = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions,
+                              split="val") if args.eval_every else None
+    if validation is not None and len(validation) < args.eval_batches * args.batch_size:
+        raise ValueError(f"--eval-batches {args.eval_batches} × --batch-size {args.batch_size}"
+                         f" exceeds the validation split: {len(validation)} sequences (last 5%)")
+    return config, dataset, saved, validation
 
 
 def check_outputs(args, checkpoint) -> None:
@@ -372,9 +379,9 @@ def launch(args, argv: list[str]) -> int:
 
 
 def summary_table(metrics: dict) -> str:
-    """The end-of-run report: loss, throughput; per rank its mesh coordinates, memory by kind,
-    and communication by dimension (dp / tp / pp / world) as calls and MiB."""
-    MiB, steps, memory = 2**20, metrics["steps"], metrics["memory"]
+    """The end-of-run report: loss, validation loss, throughput; per rank its mesh coordinates,
+    memory by kind, and communication by dimension (dp / tp / pp / world) as calls and MiB."""
+    MiB, steps, memory, evals = 2**20, metrics["steps"], metrics["memory"], metrics.get("eval")
     mesh = metrics.get("mesh") or [{"dp_rank": 0, "tp_rank": 0, "pp_rank": 0}] * len(memory)
     where = "dp{dp_rank} tp{tp_rank} pp{pp_rank}" + (" cp{cp_rank}" if metrics.get(
         "context_parallel") else "")
@@ -384,6 +391,9 @@ def summary_table(metrics: dict) -> str:
              f"{metrics['tokens_per_s']:,.0f} tokens/s on {metrics['world_size']} processes "
              f"({metrics['backend']})", "",
              "memory per rank (MiB)   params    grads    optim   master  activ.     peak"]
+    if evals:  # the first and the last evaluation
+        lines.insert(1, "validation loss " + " → ".join(
+            f"{e['loss']:.4f} after {e['step']} steps" for e in evals[:1] + evals[1:][-1:]))
     lines += [head + "".join(f"{m[k + '_bytes'] / MiB:9.2f}" for k in (
         "params", "grads", "optim", "master", "activation", "peak"))
         for head, m in zip(heads, memory)]
@@ -405,6 +415,28 @@ def summary_table(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def unrecorded(ledger):
+    """Collectives that are not training (checkpoint gathers, evaluation) stay out of `comm`."""
+    training_traffic = ledger.by_group
+    ledger.reset()
+    yield
+    ledger.by_group = training_traffic
+
+
+def validation_loss(par, validation, args) -> float:
+    """The mean loss of the --eval-batches fixed validation batches, batch k = samples
+    [k·B, (k+1)·B), each dp rank its shard of each, forward only (compose.evaluate)."""
+    from hplab.compose import evaluate
+    from hplab.data import get_batch, shard_for_rank
+
+    mesh, B = par.mesh, args.batch_size
+    with unrecorded(mesh.ledger):
+        return sum(evaluate(par, *(t.to(mesh.device) for t in get_batch(validation, shard_for_rank(
+            list(range(k * B, (k + 1) * B)), mesh.dp_rank, mesh.dp_size))))
+            for k in range(args.eval_batches)) / args.eval_batches
+
+
 def save(par, args, config, step: int, steps: list) -> None:
     """Gather the single-device state (a collective), rank 0 writes it atomically, then
     everyone waits so no rank runs ahead of a checkpoint still being written."""
@@ -412,11 +444,8 @@ def save(par, args, config, step: int, steps: list) -> None:
 
     from hplab import checkpoint
 
-    ledger = par.mesh.ledger  # the gathers are checkpoint traffic, not training: unrecorded
-    training_traffic = ledger.by_group
-    ledger.reset()
-    model_state, optimizer_state = checkpoint.gather_full_state(par)
-    ledger.by_group = training_traffic
+    with unrecorded(par.mesh.ledger):  # the gathers are checkpoint traffic, not training
+        model_state, optimizer_state = checkpoint.gather_full_state(par)
     if dist.get_rank() == 0:
         scaler = par.precision.scaler
         trainer_state = {"step": step, "config": vars(args), "losses": [s["loss"] for s in steps],
@@ -439,7 +468,7 @@ def run(args) -> dict | None:
     from hplab.dist import Mesh, init_distributed
     from hplab.models.gpt import build_model
 
-    config, dataset, saved = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
+    config, dataset, saved, validation = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
     device = init_distributed(None if args.backend == "auto" else args.backend)
     mesh = Mesh.create(args.dp, args.tp, args.pp, device, ep=args.ep, cp=args.cp)
     model = build_model(config, args.seed).to(device)
@@ -458,7 +487,7 @@ def run(args) -> dict | None:
     is_rank0 = mesh.rank == 0
     bar = tqdm(range(first_step, args.steps), disable=not is_rank0 or args.no_progress,
                unit="step", dynamic_ncols=True, file=sys.stdout)
-    steps, tokens_per_step = [], args.batch_size * config.n_positions
+    steps, evals, tokens_per_step = [], [], args.batch_size * config.n_positions
     recorder = Recorder(par.gpt, args.trace, mesh.rank, range(first_step, args.steps))
     routing = moe.RoutingStats(par.gpt)  # tokens per expert, per step (none if dense)
     meter = AttentionMeter(par.gpt, mesh.cp, args.cp_style, args.cp_split) if args.cp > 1 \
@@ -473,7 +502,10 @@ def run(args) -> dict | None:
         elapsed = time.perf_counter() - start
         steps.append({"step": step, "loss": loss, "time_s": elapsed, "tokens": tokens_per_step,
                       "lr": lr})
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            evals.append({"step": step + 1, "loss": validation_loss(par, validation, args)})
+        val = {"val": f"{evals[-1]['loss']:.4f}"} if evals else {}  # the latest
+        bar.set_postfix(loss=f"{loss:.4f}", **val, tok_s=f"{tokens_per_step / elapsed:,.0f}")
         if args.save and (step + 1 == args.steps or
                           (args.save_every and (step + 1) % args.save_every == 0)):
             save(par, args, config, step + 1, steps)
@@ -498,6 +530,7 @@ def run(args) -> dict | None:
         "version": METRICS_VERSION, "config": vars(args), "world_size": dist.get_world_size(),
         "backend": dist.get_backend(), "device": device.type,
         "model": {"num_params": config.num_params(), **vars(config)}, "steps": steps,
+        "eval": evals,  # the validation loss after `step` training steps (--eval-every)
         "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["time_s"] for s in timed),
         "experts": None if not config.n_experts else {  # per rank (its tokens), step, layer
             "n_experts": config.n_experts, "top_k": config.moe_top_k, "ep": args.ep,

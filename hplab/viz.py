@@ -32,13 +32,18 @@ def _finish(ax, grid: dict | None = None, legend: dict | None = None, **settings
 
 
 def plot_loss_curves(runs: dict, ax=None, title: str = "Training loss"):
-    """A loss curve per run ({label: Run or metrics}); later ones thinner, dashed (they overlap)."""
+    """A loss curve per run ({label: Run or metrics}); later ones thinner, dashed (they overlap).
+    A run with validation losses (`--eval-every`) gets them beside, dots in the same colour."""
     ax = _axes(ax)
     styles = [dict(lw=3.5, alpha=0.5), dict(lw=1.8, ls="--"), dict(lw=1.2, ls=":"),
               dict(lw=1.0, ls="-.")]
     for i, (label, run) in enumerate(runs.items()):
-        losses = [s["loss"] for s in getattr(run, "metrics", run)["steps"]]
-        ax.plot(range(len(losses)), losses, label=label, **styles[i % len(styles)])
+        metrics, style = getattr(run, "metrics", run), styles[i % len(styles)]
+        line, = ax.plot(*zip(*((s["step"], s["loss"]) for s in metrics["steps"])), label=label,
+                        **style)
+        if evals := metrics.get("eval"):  # after `step` steps: the weights of that train point
+            ax.plot(*zip(*((e["step"], e["loss"]) for e in evals)), marker="o", **style,
+                    ms=3 * style["lw"], color=line.get_color(), label=f"{label}, validation")
     return _finish(ax, xlabel="step", ylabel="loss (cross-entropy, nats)", title=title)
 
 
