@@ -125,9 +125,8 @@ def gpt_num_params(n_layer: int, n_embd: int, vocab_size: int, seq_len: int,
         Ψ = V·h + S·h + L·(12h² + 13h) + 2h
 
     per block: QKV 3h²+3h, attention projection h²+h, MLP 4h²+4h and 4h²+h, two layer
-    norms 4h; then the final layer norm 2h. A mixture of E experts (n_experts > 0) swaps each
-    block's MLP for E of them, L·E·(8h² + 5h) *expert* parameters, and a router h·E (no bias).
-    The rest is *dense*: every token uses all of it."""
+    norms 4h; then the final layer norm 2h. E experts (n_experts > 0) swap each MLP for E of
+    them, L·E·(8h² + 5h) *expert* parameters, and a router h·E; the rest is *dense*."""
     h, L, E = n_embd, n_layer, n_experts
     moe = L * ((E - 1) * (8 * h * h + 5 * h) + h * E) if E else 0
     return vocab_size * h + seq_len * h + L * (12 * h * h + 13 * h) + 2 * h + moe

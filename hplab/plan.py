@@ -45,7 +45,6 @@ from hplab.formulas import (HPLAB_PRESETS, PRECISION_BYTES, SCHEDULES,  # noqa: 
                             in_flight_microbatches, model_state_bytes, moe_all_to_all_bytes,
                             ring_attention_bytes, ulysses_bytes)
 
-bubble_fraction = bubble_ratio  # old name of the *ratio* (p−1)/m: not formulas.bubble_fraction
 GB, GIB = 1e9, 2**30
 
 # --- 1. The model, the cluster and the efficiency assumptions --------------------------------
@@ -274,10 +273,9 @@ def activation_memory(model: ModelShape, lay: Layout) -> dict:
     norm's and the LM head's inputs (2·sbh elements, /t with sequence parallel) and the fp32
     logits of the cross-entropy (4·s·b·V/t bytes) for its one microbatch in flight. A block that
     full recompute runs backward holds its activations again (`recompute_working_bytes`).
-    Context parallel: each rank holds s/cp tokens; ring attention (or Ulysses) keeps only a
-    log-sum-exp per row, as FlashAttention, but hplab's returns its output head-major, so the
-    projection's input is a copy: one more b·(s/cp)·h per layer (the K/V blocks in flight are
-    not counted). A mixture of experts keeps each token's k slots (`formulas`)."""
+    Context parallel: a rank holds s/cp tokens; ring attention (or Ulysses) keeps a log-sum-exp
+    per row, as FlashAttention, and hplab's its output head-major beside the projection's copy
+    of it: b·(s/cp)·h more per layer (K/V blocks in flight not counted)."""
     s, b, h, a, t = model.seq_len // lay.cp, lay.micro_batch_size, model.n_embd, model.n_head, \
         lay.tp
     act = PRECISION_BYTES[lay.precision][4]
@@ -336,11 +334,10 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     # experts' states over their dp/ep replicas; replicated over cp (as hplab keeps them) --------
     stage_params = params_per_stage(model, tp, pp, ep)
     experts = stage_params["experts"]
-    expert_states = model_state_bytes(experts, dp // ep, lay.zero, lay.precision, lay.offload,
-                                      padded)
+    sharding = (lay.zero, lay.precision, lay.offload, padded)
+    expert_states = model_state_bytes(experts, dp // ep, *sharding)
     states = {where: {k: v + expert_states[k] for k, v in model_state_bytes(
-        stage_params[where], dp, lay.zero, lay.precision, lay.offload, padded).items()}
-        for where in ("first", "last")}
+        stage_params[where], dp, *sharding).items()} for where in ("first", "last")}
     acts = activation_memory(model, lay)
     # ZeRO-3 gathers whole blocks: the one in use and the next one, prefetched
     zero3_buffer = 2 * stage_params["block"] * p_bytes if lay.zero == 3 and dp > 1 else 0.0
@@ -364,13 +361,11 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     # sequence parallel: all-gather + reduce-scatter, same bytes, twice the latency -------------
     tp_bw, tp_alpha, tp_cross = group_link(cluster, tp, 1, eff)
     tp_msg = tokens * model.n_embd * act_bytes
-    n_coll = 2 + 2 * redo
     op, times = ("all_gather", 2) if lay.sequence_parallel else ("all_reduce", 1)
-    tp_mb = n_coll * layers * times * collective_time_s(op, tp_msg, tp, tp_bw, tp_alpha) \
+    tp_mb = (2 + 2 * redo) * layers * times * collective_time_s(op, tp_msg, tp, tp_bw, tp_alpha) \
         * (1 - eff.tp_overlap)
 
-    # --- context parallel, per layer: the ring sends (cp−1)·redo + 2cp−1 K/V (or dK/dV) blocks,
-    # Ulysses runs 2·redo + 2 all-to-alls ------------------------------------------------------
+    # --- context parallel, per layer: (cp−1)·redo + 2cp−1 ring sends, or 2·redo + 2 all-to-alls
     cp_bw, cp_alpha, cp_cross = group_link(cluster, cp, tp, eff)
     ring = lay.cp_style == "ring"
     sent = (ring_attention_bytes if ring else ulysses_bytes)(
@@ -380,8 +375,7 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     cp_mb = collective_time_s("send" if ring else "all_to_all", cp_bytes, cp, cp_bw, cp_alpha,
                               messages) * (1 - eff.cp_overlap)
 
-    # --- expert parallel, per layer: counts, dispatch, combine forward (a forward alone moves the
-    # formula's bytes of half the slots), the reverse two backward; each rank sends T·k slots --
+    # --- expert parallel, per layer, T·k slots per rank (a forward moves half the formula's slots)
     ep_bw, ep_alpha, ep_cross = group_link(cluster, ep, tp * cp, eff)
     a2a = [moe_all_to_all_bytes(slots, slots, model.n_embd, model.n_experts, act_bytes)
            for slots in (tokens * model.moe_top_k, tokens * model.moe_top_k / 2)]
@@ -440,9 +434,9 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
             "bubble_s": bubble["relative"] * m * work_mb, "bubble_ratio": bubble["relative"],
             "bubble_fraction": bubble["of_step"],  # of the pipeline
             "pp_comm_s": p2p_s, "dp_comm_s": dp_s, "dp_comm_exposed_s": dp_exposed,
-            "offload_s": offload_s, **{f"{g}_crosses_nodes": crosses for g, crosses in zip(
-                ("tp", "cp", "ep", "dp", "pp"), (tp_cross, cp_cross, ep_cross, dp_cross, pp_cross))},
-            "model_flops_per_step": flops["model_flops"],
+            "offload_s": offload_s, "tp_crosses_nodes": tp_cross, "cp_crosses_nodes": cp_cross,
+            "ep_crosses_nodes": ep_cross, "dp_crosses_nodes": dp_cross,
+            "pp_crosses_nodes": pp_cross, "model_flops_per_step": flops["model_flops"],
             "hardware_flops_per_step": flops["hardware_flops"],
             "tokens_per_s": lay.batch_size * model.seq_len / step, "tflops_per_gpu": tflops,
             "model_tflops_per_gpu": model_tflops, "mfu": model_tflops * 1e12 / peak,
@@ -620,9 +614,6 @@ def format_plan(p: dict) -> str:
     out += _rows((label, p[k]) for k, label in rows.items() if p[k])
     out[-1] += "  fits" if p["fits"] else "  DOES NOT FIT"
     out += _rows([("offloaded to host", p["cpu_offload_bytes"])] * bool(p["cpu_offload_bytes"]))
-    if p.get("activation_variants"):
-        out += ["activations per GPU with other choices [SP Table 2]",
-                *_rows(p["activation_variants"].items())]
     out.append(f"time per step: {p['step_time_s']:.4g} s")
     out += [f"  {label:<34s}{p[key]:10.4g} s  {p[key] / p['step_time_s']:6.1%}"
             for key, label in TIME_PARTS.items() if p[key]]  # (compute: never 0)
@@ -755,11 +746,6 @@ def _run(args) -> tuple[dict, str]:
     lay = Layout(dp, tp, pp, args.zero, args.schedule, args.virtual_stages, m, batch, precision,
                  recompute, args.sequence_parallel, args.offload, cp, args.cp_style, args.ep)
     res = plan(model, lay, cluster, eff, args.padded)
-    res["activation_variants"] = {  # what recompute and sequence parallel would save
-        f"recompute {rc}" + ", sequence parallel" * sp: max(a["first_stage_bytes"],
-                                                            a["last_stage_bytes"])
-        for rc, sp in itertools.product(RECOMPUTE, (False, True)[:1 + (tp > 1)])
-        for a in [activation_memory(model, replace(lay, recompute=rc, sequence_parallel=sp))]}
     return res, format_plan(res)
 
 
