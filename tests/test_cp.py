@@ -64,13 +64,15 @@ CONFIG = dict(vocab_size=101, n_positions=16, n_embd=32, n_layer=2, n_head=4)
 BATCH, STEPS, TRAINING = 4, 3, dict(lr=1e-3, weight_decay=0.1, grad_clip=0.5)
 LAYOUTS = {2: {"cp2 ring zigzag": dict(cp=2), "cp2 ring contiguous": dict(cp=2,
                                                                           cp_split="contiguous"),
-               "cp2 ulysses": dict(cp=2, cp_style="ulysses")},
+               "cp2 ulysses": dict(cp=2, cp_style="ulysses"),
+               "cp2 recompute": dict(cp=2, recompute=True)},
            4: {"cp4 ring zigzag": dict(cp=4), "cp4 ring contiguous": dict(cp=4,
                                                                           cp_split="contiguous"),
                "cp4 ulysses": dict(cp=4, cp_style="ulysses"),
                "cp2 tp2": dict(cp=2, tp=2), "cp2 tp2 ulysses": dict(cp=2, tp=2,
                                                                      cp_style="ulysses"),
                "cp2 dp2 zero2": dict(cp=2, dp=2, zero=2), "cp2 dp2": dict(cp=2, dp=2),
+               "cp2 dp2 zero3": dict(cp=2, dp=2, zero=3),
                "cp2 pp2": dict(cp=2, pp=2, microbatches=2)}}
 
 
