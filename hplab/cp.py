@@ -153,7 +153,7 @@ def pairs_computed(rank: int, size: int, split: str, n: int) -> int:
 def _pass_on(t: torch.Tensor, comm: Communicator):
     """Post the send of `t` to the next rank of the ring and a receive from the previous one;
     return the buffer being filled and the two pending operations. Even ranks send first, odd
-    ones receive first, so two neighbours never both wait to send (NCCL pairs them in order)."""
+    ones receive first: even where a send blocks until its receive is posted, no ring stalls."""
     buffer, me, n = torch.empty_like(t), comm.rank, comm.size
     ops = [lambda: comm.send(t, (me + 1) % n, async_op=True),
            lambda: comm.recv(buffer, (me - 1) % n, async_op=True)]
