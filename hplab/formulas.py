@@ -98,9 +98,8 @@ def alpha_beta_terms(op: str, n: int) -> tuple[float, float]:
 
 def collective_time_s(op: str, nbytes: float, n: int, bw: float, alpha: float,
                       calls: int = 1) -> float:
-    """Seconds of one ring `op` on a payload of nbytes among n ranks, link β = bw bytes/s and
-    α = alpha s per step (all-reduce: 2(n−1)·α + 2(n−1)/n · S/β); of `calls` such ops moving
-    nbytes in all: calls·steps·α + factor·S/β. One rank sends nothing."""
+    """Seconds of `calls` ring `op`s moving nbytes in all among n ranks, link β = bw bytes/s,
+    α = alpha s per step: calls·steps·α + factor·S/β (all-reduce: 2(n−1)·α + 2(n−1)/n · S/β)."""
     if n <= 1:
         return 0.0
     steps, factor = alpha_beta_terms(op, n)
@@ -296,7 +295,6 @@ def ring_attention_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -
 
 
 def ulysses_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -> dict:
-    """Payload bytes one rank sends per layer in Ulysses: forward, an all-to-all of q, k, v
-    (3·b·(s/cp)·h numbers) and one of the output (b·(s/cp)·h); backward, the same two reversed.
-    (cp−1)/cp of each leaves the rank (`bus_factor`)."""
+    """Payload bytes one rank sends per layer in Ulysses: all-to-alls of q, k, v (3·b·(s/cp)·h
+    numbers) and of the output (b·(s/cp)·h) forward, the same two reversed backward."""
     return dict.fromkeys(("forward", "backward"), 4 * b * s // cp * h * elem_bytes)

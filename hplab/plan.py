@@ -54,8 +54,7 @@ class ModelShape:
     """The sizes that decide memory and time. `dropout` and `flash_attention` change what the
     forward pass saves for backward: the papers' models use dropout and store the s×s attention
     matrices; hplab's own GPT has no dropout and uses `scaled_dot_product_attention`, which
-    (like FlashAttention) keeps only the output and a log-sum-exp per row. `n_experts` E > 0
-    makes every block's MLP a mixture of E experts, each token routed to `moe_top_k` of them."""
+    (like FlashAttention) keeps only the output and a log-sum-exp per row."""
 
     name: str
     n_layer: int
@@ -66,8 +65,8 @@ class ModelShape:
     dropout: bool = True
     flash_attention: bool = False
     default_batch_size: int = 8  # global batch in sequences, when the command line gives none
-    n_experts: int = 0  # 0: a dense GPT-2
-    moe_top_k: int = 2
+    n_experts: int = 0  # E > 0: each block's MLP is E experts (a mixture), 0: dense
+    moe_top_k: int = 2  # the experts each token goes to
 
     def num_params(self) -> int:
         """Ψ of GPT-2: V·h + S·h + L·(12h² + 13h) + 2h, experts included (`formulas`)."""
@@ -194,8 +193,7 @@ class Layout:
         chunks = f"×{self.virtual_stages}" * (self.virtual_stages > 1)
         bits = [f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero}",
                 (f"cp{self.cp}" + "-ulysses" * (self.cp_style == "ulysses")) * (self.cp > 1),
-                f"ep{self.ep}" * (self.ep > 1),
-                (self.schedule + chunks) * (self.pp > 1),
+                f"ep{self.ep}" * (self.ep > 1), (self.schedule + chunks) * (self.pp > 1),
                 f"b{self.micro_batch_size}×m{self.microbatches}",
                 f"rc-{self.recompute}" * (self.recompute != "none"), "sp" * self.sequence_parallel,
                 "offload" * self.offload]
@@ -739,8 +737,7 @@ def _run(args) -> tuple[dict, str]:
     tp, pp, cp = args.tp, args.pp, args.cp
     dp = args.dp or (args.gpus // (cp * tp * pp) if args.gpus else 1)
     if args.gpus and dp * cp * tp * pp != args.gpus:
-        raise PlanError(f"dp×cp×tp×pp = {dp}×{cp}×{tp}×{pp} = {dp * cp * tp * pp} but --gpus is "
-                        f"{args.gpus}")
+        raise PlanError(f"dp×cp×tp×pp = {dp}×{cp}×{tp}×{pp} ≠ --gpus {args.gpus}")
     recompute = "full" if args.recompute else ("selective" if args.selective_recompute else "none")
     m = args.microbatches or (max(1, batch // dp) if pp > 1 else 1)
     lay = Layout(dp, tp, pp, args.zero, args.schedule, args.virtual_stages, m, batch, precision,
