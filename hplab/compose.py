@@ -105,7 +105,7 @@ def check_config(config: ParallelConfig, model) -> None:
     for refused, settings, reason in refusals:
         if refused:
             raise NotSupported(f"not supported: {reason}", settings)
-    moe.check_layout(experts, c.ep, c.dp)
+    moe.check_layout(experts, getattr(model, "moe_top_k", 1), c.ep, c.dp)
     if c.tp > 1:
         tp.check_divisible(model.n_head, model.n_embd, c.tp,
                            model.n_positions if c.sequence_parallel else None)
@@ -206,9 +206,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
             wrapped = params_module  # (gpt itself without a pipeline)
             optimizer = ZeroOptimizer(groups, torch.optim.AdamW, mesh.dp, stage=c.zero,
                                       bucket_mb=c.bucket_mb, offload=c.offload, **settings)
-        else:  # (under expert parallel the dp ranks hold different experts: finalize_grads)
-            wrapped = DDP(params_module, mesh.dp, bucket_mb=c.bucket_mb) if c.ep == 1 \
-                else params_module
+        else:  # (under ep the dp ranks hold different experts: finalize_grads syncs them)
+            wrapped = params_module if c.ep > 1 else DDP(params_module, mesh.dp, c.bucket_mb)
             optimizer = MasterWeightOptimizer(groups, torch.optim.AdamW, **settings) \
                 if precision.mixed else torch.optim.AdamW(groups, **settings)
     # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one

@@ -58,8 +58,7 @@ class MoE(nn.Module):
                  capacity_factor: float = 0.0, aux_coef: float = 0.01, z_coef: float = 0.0,
                  renormalize: bool = True):
         super().__init__()
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top-k={top_k} must be between 1 and the {n_experts} experts")
+        check_layout(n_experts, top_k)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_coef, self.z_coef, self.renormalize = aux_coef, z_coef, renormalize
         self.router = nn.Linear(n_embd, n_experts, bias=False)
@@ -171,15 +170,18 @@ def parallelize(model: nn.Module, ep=None, dp=None) -> None:
         layer.dp = dp if dp is not None and dp.size > 1 else None
         if ep is None or ep.size == 1:
             continue
-        check_layout(layer.n_experts, ep.size, dp.size if dp is not None else ep.size)
+        check_layout(layer.n_experts, layer.top_k, ep.size, dp.size if dp else ep.size)
         local = layer.n_experts // ep.size
         mine = range(ep.rank * local, (ep.rank + 1) * local)
         layer.experts = nn.ModuleDict({str(e): layer.experts[str(e)] for e in mine})
         layer.ep = ep
 
 
-def check_layout(n_experts: int, ep: int, dp: int) -> None:
-    """ep ranks, out of the dp ranks, share out each layer's experts."""
+def check_layout(n_experts: int, top_k: int, ep: int = 1, dp: int = 1) -> None:
+    """Each token goes to k of the E experts; ep of the dp ranks share out each layer's E."""
+    if n_experts and not 1 <= top_k <= n_experts:
+        raise ValueError(f"--moe-top-k {top_k} must be between 1 and the number of experts, "
+                         f"{n_experts}")
     if ep > 1 and (not n_experts or n_experts % ep or dp % ep):
         raise ValueError(f"--ep {ep} must divide --moe-experts ({n_experts}) and --dp ({dp}): "
                          "expert parallel shares out each layer's experts among dp ranks")

@@ -74,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "accumulation, pipeline fill)"),
             "--sequence-parallel": dict(on, help="with --tp: split layer norms and dropout "
                                         "along the sequence"),
-            "--ep": dict(n, default=1, help="expert-parallel size: dp ranks sharing out the "
-                         "experts (divides --dp and --moe-experts)"),
+            "--ep": dict(n, default=1, help="expert-parallel size, out of the --dp ranks"),
             "--cp": dict(n, default=1, help="context-parallel size: ranks sharing each sequence"),
             "--cp-style": dict(default="ring", choices=CP_STYLES, help="context-parallel "
                                "attention: K/V around a ring, or Ulysses' all-to-all"),
@@ -85,8 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="data-parallel gradient bucket size in MiB")},
         "model": {"--model": dict(default="tiny", help="preset: tiny, gpt2, gpt2-medium"),
                   "--n-layer": n, "--n-embd": n, "--n-head": n, "--seq-len": n,
-                  "--moe-experts": dict(type=at_least(0), default=0, help="experts per MLP "
-                                        "(mixture of experts; 0: dense)"),
+                  "--moe-experts": dict(type=at_least(0), default=0, help="experts per MLP"),
                   "--moe-top-k": dict(n, default=2, help="experts each token goes to"),
                   "--moe-capacity-factor": dict(type=at_least(0, float, above=True), help=(
                       "drop token-slots beyond cf · tokens · k / E per expert (default: none)")),

@@ -49,9 +49,6 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                              "pick a hidden size that is a multiple of the number of heads")
-        if self.n_experts and not 1 <= self.moe_top_k <= self.n_experts:
-            raise ValueError(f"--moe-top-k {self.moe_top_k} must be between 1 and the number "
-                             f"of experts, {self.n_experts}")
 
     def num_params(self) -> int:
         """Ψ, counted once for the tied embedding: V·h + S·h + L·(12h² + 13h) + 2h, and with
