@@ -35,7 +35,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hplab import fsdp, moe, tp
-from hplab.models.gpt import GPTConfig, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from hplab.models.gpt import (GPT, GPTConfig, config_from_hf, from_hf_state_dict, to_hf_config,
+                              to_hf_state_dict)
 from hplab.zero import ZeroOptimizer
 
 FORMAT_VERSION = 1
@@ -101,8 +102,8 @@ def find(directory: str | Path) -> Path:
     for candidate in (directory, _aside(directory, "previous")):
         if (candidate / "trainer_state.json").exists():
             return candidate
-    raise CheckpointError(f"no checkpoint in {directory}: expected the files that --save "
-                          "writes (config.json, model.safetensors, trainer_state.json, ...)")
+    raise CheckpointError(f"no checkpoint in {directory} (--save writes trainer_state.json): "
+                          "to start from weights alone, e.g. save_pretrained's, use --init-from")
 
 
 def sha256(path: Path) -> str:
@@ -118,20 +119,14 @@ def load(directory: str | Path) -> dict:
     names and full single-device tensors, whatever layout saved it. A missing, damaged or
     non-finite piece is a CheckpointError that names it; the files are never changed."""
     directory = find(directory)
-    for name in CHECKPOINT_FILES:
-        if not (directory / name).is_file():
-            raise CheckpointError(f"{directory} is incomplete: {name} is missing")
+    _refuse(directory, "is incomplete:",
+            [f"{name} is missing" for name in CHECKPOINT_FILES if not (directory / name).is_file()])
     try:
         trainer_state = json.loads((directory / "trainer_state.json").read_text())
-        hf_config = json.loads((directory / "config.json").read_text())
         for name, expected in trainer_state.get("checksums", {}).items():
             if sha256(directory / name) != expected:
                 raise CheckpointError(f"{directory / name} is damaged: its checksum differs "
                                       "from the one saved with it; resume from another copy")
-        if "hplab" not in hf_config:
-            raise CheckpointError(f"{directory}/config.json was not written by hplab --save")
-        config = GPTConfig(**hf_config["hplab"]["config"])
-        model = from_hf_state_dict(load_file(directory / "model.safetensors"))
         optimizer: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in load_file(directory / "optimizer.safetensors").items():
             name, state_key = key.split("::")
@@ -141,12 +136,46 @@ def load(directory: str | Path) -> dict:
         if isinstance(err, CheckpointError):
             raise
         raise CheckpointError(f"{directory} is damaged and cannot be read ({err})") from None
-    bad = [name for name, t in model.items() if not torch.isfinite(t).all()]
-    if bad:
-        raise CheckpointError(f"{directory} holds non-finite weights (NaN or inf) in "
-                              f"{', '.join(bad[:3])}: resume from an earlier checkpoint")
-    return {"config": config, "model": model, "optimizer": optimizer, "rng": rng,
+    return {**load_pretrained(directory), "optimizer": optimizer, "rng": rng,  # config, model
             "trainer_state": trainer_state, "directory": directory}
+
+
+def _refuse(directory: Path, problem: str, names: list[str], advice: str = "") -> None:
+    if names:
+        raise CheckpointError(f"{directory} {problem} {', '.join(names[:3])}"
+                              f"{', ...' if len(names) > 3 else ''}{advice}")
+
+
+def load_pretrained(directory: str | Path) -> dict:
+    """{"config", "model"}: hplab names, fp32, from any GPT-2 folder `save_pretrained` wrote
+    (config.json, model.safetensors or its shards) or --save; checked against config.json."""
+    directory = Path(directory)
+    try:
+        config = config_from_hf(json.loads((directory / "config.json").read_text()))
+    except OSError as err:
+        raise CheckpointError(f"{directory}/config.json: {err.strerror}: expected a Hugging Face "
+                              "model folder (save_pretrained) or an hplab checkpoint") from None
+    except (ValueError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{directory}/config.json {err}") from None
+    index = directory / "model.safetensors.index.json"  # a sharded model's list of its files
+    try:
+        files = {*json.loads(index.read_text())["weight_map"].values()} if index.is_file() \
+            else ["model.safetensors"]
+        hf_state = {name: t for f in files for name, t in load_file(directory / f).items()}
+    except (ValueError, TypeError, KeyError, OSError, SafetensorError) as err:
+        raise CheckpointError(f"{directory} holds no readable model.safetensors ({err}); a "
+                              "pytorch_model.bin is never read: unpickling can run code") from None
+    if not any(name.startswith("transformer.") for name in hf_state):  # a bare GPT2Model
+        hf_state = {f"transformer.{name}": t for name, t in hf_state.items()}
+    model = from_hf_state_dict(hf_state)
+    with torch.device("meta"):  # the model's names and shapes, without its memory
+        shapes = {name: t.shape for name, t in GPT(config).state_dict().items()}
+    _refuse(directory, "lacks tensors of its model:", [n for n in shapes if n not in model])
+    _refuse(directory, "holds tensors of other shapes than its config.json says:",
+            [f"{n} {list(model[n].shape)}" for n in shapes if model[n].shape != shapes[n]])
+    _refuse(directory, "holds non-finite weights (NaN or inf) in",
+            [name for name, t in model.items() if not torch.isfinite(t).all()])
+    return {"config": config, "model": {name: model[name].float() for name in shapes}}
 
 
 def restore_rng(rng: dict[str, torch.Tensor]) -> None:
@@ -156,13 +185,12 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
 
 
-def check_compatible(saved: GPTConfig, wanted: GPTConfig) -> None:
+def check_compatible(saved, wanted, advice="resume with the same --model and size flags"):
     """A run resumes only into the model it saved (the layout may change, the model not)."""
     a, b = asdict(saved), asdict(wanted)
     if a != b:
         diffs = "; ".join(f"{k}: saved {a[k]}, asked {b[k]}" for k in a if a[k] != b[k])
-        raise CheckpointError(f"the checkpoint holds a different model ({diffs}): resume with "
-                              "the same --model and size flags")
+        raise CheckpointError(f"the checkpoint holds a different model ({diffs}): {advice}")
 
 
 # --- from a layout's pieces to the single-device state, and back ------------------------------
@@ -241,10 +269,8 @@ def check_save_target(directory: str | Path) -> None:
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"{directory} is a file, not a checkpoint folder: choose another "
                               "path (nothing was changed)")
-    others = sorted(p.name for p in directory.iterdir()
-                    if p.name not in CHECKPOINT_FILES) if directory.is_dir() else []
-    if others:
-        raise CheckpointError(
-            f"{directory} holds files that are not part of an hplab checkpoint "
-            f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): save into a new "
-            "or empty folder (nothing was changed)")
+    names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    ours = CHECKPOINT_FILES if "trainer_state.json" in names else ()  # (save_pretrained's: not)
+    _refuse(directory, "holds files that are not part of an hplab checkpoint:",
+            [name for name in names if name not in ours],
+            ": save into a new or empty folder (nothing was changed)")

@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="with --save: also save every N steps (0: only at the end)"),
             "--resume": dict(help="resume from a unified checkpoint directory, under any "
                              "layout; --steps counts from the start of the first run"),
+            "--init-from": dict(metavar="DIR", help="start from the weights of a Hugging Face "
+                                "GPT-2 folder or checkpoint, in any layout: new optimizer, step 0"),
             "--config": dict(help="a recipe file from configs/"),
             "--backend": dict(default="auto", choices=["auto", "gloo", "nccl"]),
             "--nproc": dict(n, help="launch N local processes yourself (checks the flags "
@@ -220,13 +222,20 @@ def preflight(args, world_size: int):
     args.no_decay_bias_norm = args.weight_decay > 0 and not args.decay_bias_norm  # (as the seeds)
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
-    config = config_from_preset(args.model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
+    if args.init_from and args.resume:
+        raise ValueError("--init-from starts a new run, --resume continues one: give one of them")
+    saved = checkpoint.load_pretrained(args.init_from) if args.init_from else None
+    model = saved["config"] if saved and args.model == build_parser().get_default("model") \
+        else args.model  # --init-from: its config.json sets the model, flags may only agree
+    config = config_from_preset(model, args.n_layer, args.n_embd, args.n_head, args.seq_len)
     if args.moe_experts:  # each block's MLP a mixture of experts
         config = dataclasses.replace(
             config, n_experts=args.moe_experts, moe_top_k=args.moe_top_k,
             moe_capacity_factor=args.moe_capacity_factor or 0.0, moe_aux_coef=args.moe_aux_coef)
+    if saved:  # (after --moe-experts, which it may contradict too)
+        checkpoint.check_compatible(saved["config"], config, "leave those flags out: "
+                                    f"--init-from {args.init_from} sets the model")
     check_config(ParallelConfig.from_namespace(args), config)
-    saved = None
     if args.resume:  # damaged, of another shape, or already done: say so before starting
         saved = checkpoint.load(args.resume)
         checkpoint.check_compatible(saved["config"], config)
@@ -472,7 +481,9 @@ def run(args) -> dict | None:
     model = build_model(config, args.seed).to(device)
     par = parallelize(model, mesh, ParallelConfig.from_namespace(args))
     first_step, scaler = 0, par.precision.scaler
-    if saved:  # every rank loads it (the files are local) into this layout
+    if args.init_from:  # the weights, cut for this layout; a new optimizer, from step 0
+        checkpoint.load_full_state(par, saved["model"], optimizer_state={})
+    elif saved:  # every rank loads it (the files are local) into this layout
         state, first_step = saved["trainer_state"], saved["trainer_state"]["step"]
         checkpoint.load_full_state(par, saved["model"], saved["optimizer"])
         checkpoint.restore_rng(saved["rng"])

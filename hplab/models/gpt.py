@@ -62,14 +62,14 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**size) for name, size in HPLAB_PRESETS.items()}
 
 
-def config_from_preset(name: str, n_layer=None, n_embd=None, n_head=None,
+def config_from_preset(name: str | GPTConfig, n_layer=None, n_embd=None, n_head=None,
                        seq_len=None) -> GPTConfig:
-    """A preset with the command line's overrides (`--n-layer --n-embd --n-head --seq-len`)."""
-    if name not in PRESETS:
+    """A preset (or a GPTConfig) with the overrides `--n-layer --n-embd --n-head --seq-len`."""
+    if isinstance(name, str) and name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
     overrides = {k: v for k, v in dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                                        n_positions=seq_len).items() if v is not None}
-    return replace(PRESETS[name], **overrides)
+    return replace(PRESETS[name] if isinstance(name, str) else name, **overrides)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -213,7 +213,8 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
     causal-mask buffers dropped."""
     out = to_hf_state_dict({name: t for name, t in state_dict.items()
                             if not name.endswith((".attn.bias", ".attn.masked_bias"))})
-    out.setdefault("lm_head.weight", out["transformer.wte.weight"])
+    if "transformer.wte.weight" in out:  # tied: the head is the embedding
+        out.setdefault("lm_head.weight", out["transformer.wte.weight"])
     return out
 
 
@@ -228,3 +229,25 @@ def to_hf_config(config: GPTConfig):
              if k != "tokenizer" and not k.startswith(("n_experts", "moe_"))}
     return GPT2Config(**shape, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
                       attn_pdrop=0.0, bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
+
+
+def config_from_hf(hf: dict) -> GPTConfig:
+    """The inverse of `to_hf_config`: GPT-2's config.json → GPTConfig (keys left out: the gpt2
+    preset's; the shipped tokenizer of `vocab_size` ids). ValueError where HF's GPT-2 differs."""
+    if hf.get("model_type") != "gpt2":
+        raise ValueError(f"says model_type {hf.get('model_type')!r}: not a GPT-2 model ('gpt2')")
+    if "hplab" in hf:  # written by hplab's --save: its own config, tokenizer included
+        return GPTConfig(**hf["hplab"]["config"])
+    shape = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon")
+    config = replace(PRESETS["gpt2"], **{k: hf[k] for k in shape if k in hf})
+    same_math = dict(activation_function=("gelu_new", "gelu_pytorch_tanh"), n_inner=(
+        None, 4 * config.n_embd), scale_attn_weights=(True,), tie_word_embeddings=(True,),
+        scale_attn_by_inverse_layer_idx=(False,))  # (cross-attention: unused without encoder)
+    for key, same in same_math.items():
+        if hf.get(key, same[0]) not in same:
+            raise ValueError(f"has {key} {hf[key]!r}: hplab's GPT-2 has {same[0]!r}")
+    tokenizers = {size["vocab_size"]: size["tokenizer"] for size in HPLAB_PRESETS.values()}
+    if config.vocab_size not in tokenizers:
+        raise ValueError(f"has vocab_size {config.vocab_size}, the vocabulary of no shipped "
+                         f"tokenizer ({', '.join(f'{t}: {v}' for v, t in tokenizers.items())} ids)")
+    return replace(config, tokenizer=tokenizers[config.vocab_size])
