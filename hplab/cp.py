@@ -1,42 +1,38 @@
 """Context parallel: one long sequence split over the N ranks of a `cp` group, from scratch.
 
-Activations grow with the sequence length s. Tensor and sequence parallel split them inside a
-node; context parallel splits the *sequence itself* over N more ranks: each rank embeds, norms,
-projects and runs the MLP on its s/N tokens only, with its own copy of every weight (so its
-gradients are averaged over cp, as data parallel averages them over dp). Everything is local
-to a token except attention, where each query needs the keys and values of every earlier token.
-Two ways to give it them:
+Activations grow with the sequence length s. Context parallel splits the *sequence itself* over
+N ranks: each embeds, norms, projects and runs the MLP on its s/N tokens only, with its own copy
+of every weight (so gradients are averaged over cp, as over dp). Only attention needs the other
+tokens: each query, the keys and values of every earlier one. Two ways to give it them:
 
-**Ring attention** (Liu et al. 2023). The ranks form a ring. Each starts with its own K/V block
-and, N times, computes its queries against the block it holds, then hands that block to the next
-rank and takes one from the previous. The next block's send/recv is posted *before* computing
-on the current one, so the transfer runs under the compute where the backend allows. Each
-block gives a partial result O_j = softmax(Q·K_jᵀ/√d)·V_j with its log-sum-exp per query,
-L_j = log Σ exp(scores); two partials merge exactly (the online softmax of FlashAttention):
+**Ring attention** (Liu et al. 2023). Each rank starts with its own K/V block and, N times,
+computes its queries against the block it holds, hands that block to the next rank and takes one
+from the previous; the next block's send/recv is posted *before* computing on the current one,
+so the transfer runs under the compute where the backend allows. Each block gives a partial
+result O_j = softmax(Q·K_jᵀ/√d)·V_j and, per query, its log-sum-exp L_j = log Σ exp(scores);
+two partials merge exactly (the online softmax of FlashAttention):
 
     L = log(e^L_a + e^L_b),     O = e^(L_a - L)·O_a + e^(L_b - L)·O_b
 
 Backward is a second ring: the K/V blocks travel again, each with the dK/dV accumulator of its
 tokens, to which every rank adds its queries' share; one more hop brings each accumulator home.
-The block's probabilities are recomputed from the saved L (FlashAttention's way: nothing T×T
-is kept). Per layer and step each rank sends (N-1) K/V blocks forward, (N-1) K/V blocks and N
-dK/dV blocks backward, each 2·b·(s/N)·h numbers.
+Probabilities are recomputed from the saved L (FlashAttention's way: nothing s×s is kept). Per
+layer and step a rank sends N-1 K/V blocks forward, N-1 K/V and N dK/dV blocks backward, each
+2·b·(s/N)·h numbers (`formulas.ring_attention_bytes`).
 
 **The causal mask, and the split.** A block of keys later than every query is skipped; the
-rank's own block (the diagonal) is causal; an earlier block is attended in full. Cut the sequence
-into N contiguous pieces and rank r does r + ½ blocks of work: the last rank does N times what
-the first does, and everyone waits for it. The **zig-zag** split cuts the sequence into 2N
-chunks and gives rank r chunks r and 2N-1-r, one early and one late. Against another rank's
-block, either all its queries see the block's early chunk (the block came from a lower rank) or
-only its late chunk sees the whole block (a higher rank): half a block, on every rank, every
-step, and the work evens out (Megatron-LM, Llama 3).
+rank's own block (the diagonal) is causal; an earlier block is attended in full. Cut into N
+contiguous pieces, rank r does r + ½ blocks of work: the last N times the first's, and everyone
+waits for it. The **zig-zag** split cuts 2N chunks and gives rank r chunks r and 2N-1-r, one
+early, one late: against a lower rank's block all its queries see that block's early chunk,
+against a higher rank's only its late chunk sees the whole block. Half a block, on every rank,
+every step: the work evens out (Megatron-LM, Llama 3).
 
 **Ulysses** (Jacobs et al. 2023). An all-to-all turns [b, heads, s/N, d] (all heads, my tokens)
 into [b, heads/N, s, d] (my heads, all tokens); ordinary causal attention runs on whole
-sequences; a second all-to-all turns the result back. Its backward is the reverse all-to-all.
-It moves less than the ring, but needs the heads to divide by N.
-
-All communication goes through the group's `Communicator` (`mesh.cp`): the ledger counts it.
+sequences; a second all-to-all turns the result back; backward, the reverse all-to-alls. It
+moves less than the ring, but needs the heads to divide by N. Every message goes through the
+group's `Communicator` (`mesh.cp`): the ledger counts it.
 """
 from __future__ import annotations
 
@@ -273,16 +269,17 @@ def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
 
 
 class AttentionMeter:
-    """Observes every attention core of a model from outside: for each training step (`with
-    meter.step():`), the seconds its forward calls took on this rank, the part of them it was
-    blocked in the cp group's communication (the ledger's time), and the query-key pairs they
-    attended (summed over sequences, heads and layers)."""
+    """Observes every attention core of a model from outside: per training step (`with
+    meter.step():`), the seconds its forward calls took on this rank, how many of them it was
+    blocked in the cp group's calls (the ledger's time), and the query-key pairs it attended
+    (summed over sequences, heads and layers)."""
 
     def __init__(self, model, comm: Communicator, style: str, split: str):
         self.per_step = {"attention_s": [], "attention_blocked_s": [], "attention_pairs": []}
-        self.now = dict.fromkeys(self.per_step, 0)
+        self.now = dict.fromkeys(self.per_step, 0)  # (calls outside a step count nowhere)
+        self.comm, self.style, self.split = comm, style, split
         for block in model.transformer.h:
-            block.attn.attend = self._timed(block.attn.attend, comm, style, split)
+            block.attn.attend = functools.partial(self._timed, block.attn.attend)
 
     @contextlib.contextmanager
     def step(self):
@@ -291,17 +288,15 @@ class AttentionMeter:
         for key, value in self.now.items():
             self.per_step[key].append(value)
 
-    def _timed(self, attend, comm, style, split):
-        def blocked() -> float:  # seconds this rank has spent in the cp group's calls so far
-            return sum(op.time_s for op in comm.ledger.by_group[comm.name].values())
+    def _timed(self, attend, q, k, v):
+        comm, (b, heads, n, _) = self.comm, q.shape
+        start, was, y = time.perf_counter(), self._blocked_s(), attend(q, k, v)
+        self.now["attention_s"] += time.perf_counter() - start
+        self.now["attention_blocked_s"] += self._blocked_s() - was
+        self.now["attention_pairs"] += b * (  # ring: all heads; Ulysses: heads/N, the sequence
+            heads * pairs_computed(comm.rank, comm.size, self.split, n) if self.style == "ring"
+            else heads // comm.size * pairs_computed(0, 1, self.split, n * comm.size))
+        return y
 
-        def timed(q, k, v):
-            start, was, (b, heads, n, _), size = time.perf_counter(), blocked(), q.shape, comm.size
-            y = attend(q, k, v)
-            self.now["attention_s"] += time.perf_counter() - start
-            self.now["attention_blocked_s"] += blocked() - was
-            self.now["attention_pairs"] += b * (
-                heads * pairs_computed(comm.rank, size, split, n) if style == "ring"
-                else heads // size * pairs_computed(0, 1, split, n * size))
-            return y  # (ring: every head, the blocks it needs; Ulysses: heads/N, whole sequences)
-        return timed
+    def _blocked_s(self) -> float:  # this rank's seconds in the cp group's calls so far
+        return sum(op.time_s for op in self.comm.ledger.by_group[self.comm.name].values())
