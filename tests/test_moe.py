@@ -137,7 +137,8 @@ def _expert_parallel(ep_sizes):
 
 
 TRAIN = ["--no-progress", "--n-layer", "2", "--batch-size", "8", "--lr", "3e-3",
-         "--moe-experts", "4", "--moe-top-k", "2", "--moe-aux-coef", "0.05", "--steps", "3"]
+         "--moe-experts", "4", "--moe-top-k", "2", "--moe-aux-coef", "0.05", "--steps", "3",
+         "--grad-clip", "1e9"]  # never clips: the norm checks the gradients (AdamW hides a scale)
 TRAIN_RUNS = {4: {"dp4 ep4, saved at step 2": ["--dp", "4", "--ep", "4", "--steps", "2",
                                                 "--save", "{saved}"],
                   "dp4 ep2": ["--dp", "4", "--ep", "2"],
@@ -148,13 +149,16 @@ TRAIN_RUNS = {4: {"dp4 ep4, saved at step 2": ["--dp", "4", "--ep", "4", "--step
 def _launch(directory: str):
     """One launch: the layer under ep 4 and ep 2 (4 ranks), then train.py's own run() for
     each of TRAIN_RUNS[world]; rank 0 returns everything (the metrics of each run)."""
-    from hplab import train
+    from hplab import compose, train
 
-    world = dist.get_world_size()
+    world, clip = dist.get_world_size(), compose.clip_grad_norm_
     out = {"layer": _expert_parallel((4, 2)) if world == 4 else None}
     for name, flags in TRAIN_RUNS[world].items():
         flags = [flag.format(saved=f"{directory}/saved") for flag in flags]
+        norms = out[f"{name}: gradient norms"] = []
+        compose.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]
         out[name] = train.run(train.parse_args(TRAIN + flags))
+    compose.clip_grad_norm_ = clip
     return out
 
 
@@ -200,13 +204,14 @@ def losses(metrics) -> list[float]:
 
 def test_train_expert_parallel_and_resharded_resume_equal_one_process(runs):
     four, one = runs[0][0], runs[1]
-    reference = losses(one["one process"])
-    assert len(reference) == 3
-    for name, got, want in (("dp4 ep4", four["dp4 ep4, saved at step 2"], reference[:2]),
-                            ("dp4 ep2", four["dp4 ep2"], reference),
-                            ("resumed under ep2", four["dp4 ep2 resumed"], reference[2:]),
-                            ("resumed on one process", one["one process resumed"], reference[2:])):
-        assert losses(got) == pytest.approx(want, rel=1e-5, abs=0), name
+    reference, norms = losses(one["one process"]), one["one process: gradient norms"]
+    assert len(reference) == len(norms) == 3
+    for name, run, steps in (("dp4 ep4, saved at step 2", four, slice(0, 2)),
+                             ("dp4 ep2", four, slice(0, 3)),
+                             ("dp4 ep2 resumed", four, slice(2, 3)),
+                             ("one process resumed", one, slice(2, 3))):
+        assert losses(run[name]) == pytest.approx(reference[steps], rel=1e-5, abs=0), name
+        assert run[f"{name}: gradient norms"] == pytest.approx(norms[steps], rel=1e-5), name
 
 
 def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
