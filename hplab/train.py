@@ -405,11 +405,6 @@ def summary_table(metrics: dict) -> str:
         "params", "grads", "optim", "master", "activation", "peak"))
         for head, m in zip(heads, memory)]
     by_group = metrics.get("comm_by_group") or [{"all": c} for c in metrics["comm"]]
-    if metrics.get("experts"):  # the last step's routing: every rank's tokens, every layer
-        x = metrics["experts"]
-        slots = [sum(c) for c in zip(*(layer for r in x["tokens_per_expert"] for layer in r[-1]))]
-        lines += ["", f"experts: token-slots per expert in the last step {slots}, dropped "
-                  f"{sum(sum(r[-1]) for r in x['dropped'])}"]
     for family in ("dp", "cp", "ep", "edp", "tp", "pp", "world", "all"):
         rows = [g.get(family, {}) for g in by_group]
         ops = sorted({op for row in rows for op in row})
