@@ -1,16 +1,16 @@
 """Sampling: read what a trained model writes, one token at a time.
 
 Generation is a loop: run the text so far, take the last position's scores (logits) for every
-possible next token, choose one, append it, repeat. **Greedy** decoding takes the highest score
-(deterministic, and prone to loops); **sampling** draws from softmax(logits / T) over the k
-highest scores (top-k): T < 1 sharpens the distribution, T > 1 flattens it, k = 1 is greedy
-again. The model reads at most n_positions tokens, so the context is cropped to the last ones.
+possible next token, choose one, append it, repeat. **Greedy** takes the highest score (and is
+prone to loops); **sampling** draws from softmax(logits / T) over the k highest (top-k): T < 1
+sharpens, T > 1 flattens, k = 1 is greedy. The context is cropped to the model's n_positions.
 
     python -m hplab.sample --checkpoint DIR --prompt "HAMLET:" [--top-k 40 --temperature 0.8]
 """
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -48,9 +48,10 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 40, top_k: int
 
 
 def load_model(directory):
-    """(model, tokenizer): the GPT a `train.py --save DIR` checkpoint holds, in eval mode, and
-    the tokenizer its data used. Missing or damaged files: a CheckpointError (a ValueError)."""
-    saved = checkpoint.load(directory)
+    """(model, tokenizer) from a `train.py --save` checkpoint (checksums verified) or any Hugging
+    Face GPT-2 folder, in eval mode. Missing or damaged files: a CheckpointError (ValueError)."""
+    saved = (checkpoint.load if (Path(directory) / "trainer_state.json").is_file()
+             else checkpoint.load_pretrained)(directory)
     model = GPT(saved["config"])
     model.load_state_dict(saved["model"])
     return model.eval(), load_tokenizer(saved["config"].tokenizer)
@@ -59,7 +60,7 @@ def load_model(directory):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser("python -m hplab.sample", description=__doc__.split("\n")[0])
     parser.error = lambda message: parser.exit(2, f"hplab: error: {message} (see --help)\n")
-    parser.add_argument("--checkpoint", required=True, help="a folder written by train.py --save")
+    parser.add_argument("--checkpoint", required=True, help="a --save or save_pretrained folder")
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
@@ -67,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     args = parser.parse_args(argv)
     try:
-        check_options(args.prompt, args.max_new_tokens, args.top_k, args.temperature)
         print(generate(*load_model(args.checkpoint), args.prompt, args.max_new_tokens,
                        args.top_k, args.temperature, args.seed))
     except (ValueError, OSError) as err:  # a CheckpointError is a ValueError

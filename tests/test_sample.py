@@ -97,6 +97,14 @@ def test_top_k_sampling_is_seeded_and_draws_only_from_the_top_k(models):
             assert ((freq - p).abs() > four_sigma).any(), (freq, p)
 
 
+def test_a_hugging_face_folder_samples_like_the_checkpoint(saved, models, tmp_path):
+    """What `save_pretrained` writes (no trainer_state.json, no hplab config) loads too."""
+    models[1].save_pretrained(tmp_path / "hf")
+    from_hf, tokenizer = sample.load_model(tmp_path / "hf")
+    assert sample.generate(from_hf, tokenizer, "HAMLET:", 20, top_k=5) == \
+        sample.generate(*sample.load_model(saved), "HAMLET:", 20, top_k=5)
+
+
 def one_error_line(capsys, argv):
     assert sample.main(argv) == 2
     err = capsys.readouterr().err
@@ -111,11 +119,13 @@ def test_bad_input_is_one_line(saved, tmp_path, capsys):
     assert "positive, got 0.0" in one_error_line(capsys, good + ["--temperature", "0"])
     assert "positive, got 0" in one_error_line(capsys, good + ["--max-new-tokens", "0"])
     assert "empty" in one_error_line(capsys, ["--checkpoint", str(saved), "--prompt", ""])
-    assert "no checkpoint" in one_error_line(capsys, good[:1] + [str(tmp_path / "no")] + good[2:])
-    hf_only = tmp_path / "hf_only"  # a plain Hugging Face directory is not an hplab checkpoint
-    hf_only.mkdir()
-    shutil.copy(saved / "config.json", hf_only)
-    assert "no checkpoint" in one_error_line(capsys, ["--checkpoint", str(hf_only)] + good[2:])
+    assert "expected a Hugging Face model folder" in one_error_line(
+        capsys, ["--checkpoint", str(tmp_path / "no")] + good[2:])
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(saved / "config.json", config_only)
+    assert "no readable model.safetensors" in one_error_line(
+        capsys, ["--checkpoint", str(config_only)] + good[2:])
     for name in ("model.safetensors", "trainer_state.json"):
         damaged = shutil.copytree(saved, tmp_path / f"damaged_{name}")
         data = bytearray((damaged / name).read_bytes())
