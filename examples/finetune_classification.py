@@ -82,7 +82,8 @@ def parameter_groups(model, weight_decay: float) -> list:
 
 @torch.no_grad()
 def accuracy(model, test: dict) -> float:
-    """The share of held-out lines classified right: each rank scores every other line."""
+    """The share of held-out examples classified right: each rank scores every world-size-th
+    one (rank 0 the 0th, 2nd, ... on 2 processes) and the counts are summed."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {k: v[rank::world] for k, v in test.items()}
     model.eval()
