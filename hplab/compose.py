@@ -94,9 +94,10 @@ def check_config(config: ParallelConfig, model) -> None:
          "weight gradients; use ZeRO-1"),
         (c.offload and c.zero == 0, ("offload", "zero"), "offload moves ZeRO's sharded "
          "optimizer state to the CPU, so it needs ZeRO 1, 2 or 3"),
-        (experts and (c.pp > 1 or c.tp > 1 or c.cp > 1 or c.zero == 3 or c.recompute), ("pp",
-         "tp", "cp", "zero", "recompute"), "experts run with data parallel, expert parallel and "
-         "ZeRO-1/2 only (no pipeline, tensor or context parallel, ZeRO-3 or recompute)"),
+        (experts and (c.pp > 1 or c.cp > 1 or c.zero == 3 or c.recompute or c.sequence_parallel),
+         ("pp", "cp", "zero", "recompute", "sequence_parallel"), "experts run with data, expert "
+         "and tensor parallel and ZeRO-1/2 only (no pipeline, context or sequence parallel, "
+         "ZeRO-3 or recompute)"),
         (c.ep > 1 and c.zero > 0, ("ep", "zero"), "ZeRO shards over the whole dp group, whose "
          "ranks hold different experts under expert parallel"),
         (c.cp > 1 and c.sequence_parallel, ("cp", "sequence_parallel"), "context parallel "
@@ -176,7 +177,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
     if c.no_decay_bias_norm:  # by role, while the model is whole
         mark_no_decay(gpt)
     if c.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
-        tp.parallelize(gpt, mesh.tp, tp.GPT_PLAN, sequence_parallel=c.sequence_parallel)
+        tp.parallelize(gpt, mesh.tp, tp.MOE_GPT_PLAN if gpt.config.n_experts else tp.GPT_PLAN,
+                       sequence_parallel=c.sequence_parallel)
     if c.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
         cp.parallelize(gpt, mesh.cp, c.cp_style, c.cp_split)
     if c.pp > 1:  # the pipeline split: this rank's stages (the other layers are freed)

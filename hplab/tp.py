@@ -319,6 +319,8 @@ GPT_PLAN = {  # hplab's GPT (hplab/models/gpt.py); the order matters: wte before
     "transformer.wpe": SequenceParallelPositions,
     **_BLOCKS, "transformer.h.*.attn": divide("n_head"),  # this rank's heads
     "": vocab_parallel_loss}
+MOE_GPT_PLAN = {  # with a mixture of experts (hplab/moe.py) each expert's MLP is cut the same way
+    pattern.replace(".mlp.", ".mlp.experts.*."): style for pattern, style in GPT_PLAN.items()}
 HF_GPT2_PLAN = {  # Hugging Face GPT2LMHeadModel, handed s/T ids under sequence parallel
     "": needs_sdpa,
     "transformer.wte": functools.partial(VocabParallelEmbedding, given_slice=True),

@@ -303,23 +303,24 @@ def check_machine(args, config, world_size: int) -> None:
     estimates it, cannot fit here."""
     import torch
 
-    from hplab.formulas import model_state_bytes
-    from hplab.plan import Layout, ModelShape, activation_memory
+    from hplab.plan import Layout, ModelShape, PlanError, plan
 
     gpus = torch.cuda.device_count() if torch.distributed.is_nccl_available() else 0
     if args.backend == "nccl" and gpus < world_size:
         raise ValueError(f"--backend nccl needs one GPU per process: {world_size} processes, "
                          f"{gpus} GPU(s) usable by NCCL here: use --backend gloo")
     model = ModelShape(args.model, config.n_layer, config.n_embd, config.n_head,  # hplab's GPT:
-                       config.n_positions, config.vocab_size, dropout=False, flash_attention=True)
+                       config.n_positions, config.vocab_size, dropout=False, flash_attention=True,
+                       n_experts=config.n_experts, moe_top_k=config.moe_top_k)
     layout = Layout(args.dp, args.tp, args.pp, args.zero, args.schedule, args.virtual_stages,
                     args.microbatches, args.batch_size, args.precision,
-                    "full" if args.recompute else "none", args.sequence_parallel, args.offload)
-    activations = activation_memory(model, layout)  # the planner's, checked against real runs
-    states = model_state_bytes(model.num_params() / (args.tp * args.pp), args.dp, args.zero,
-                               args.precision)["total_bytes"]
-    need = states + max(activations["first_stage_bytes"], activations["last_stage_bytes"]) \
-        + activations["recompute_working_bytes"]
+                    "full" if args.recompute else "none", args.sequence_parallel, args.offload,
+                    args.cp, args.cp_style, args.ep)
+    try:
+        planned = plan(model, layout)  # the planner's memory, checked against real runs
+    except PlanError:  # a layout it does not model (e.g. a contiguous cp split): no estimate
+        return
+    states, need = planned["model_state_bytes_per_gpu"], planned["memory_bytes_per_gpu"]
     if torch.cuda.is_available() and args.backend != "gloo":
         have, per = torch.cuda.get_device_properties(0).total_memory, "per GPU"
     else:
@@ -330,7 +331,7 @@ def check_machine(args, config, world_size: int) -> None:
             f"this run needs about {need / 2**30:.1f} GiB per process (estimated: model states "
             f"{states / 2**30:.1f}, activations and logits {(need - states) / 2**30:.1f}) but "
             f"there are {have / 2**30:.1f} GiB {per}: use a smaller --seq-len or "
-            "--batch-size, more --microbatches, --recompute, or more --tp / --pp")
+            "--batch-size, more --microbatches, --recompute, or more --tp / --pp / --cp")
 
 
 def launch(args, argv: list[str]) -> int:

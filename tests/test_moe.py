@@ -142,6 +142,7 @@ TRAIN = ["--no-progress", "--n-layer", "2", "--batch-size", "8", "--lr", "3e-3",
 TRAIN_RUNS = {4: {"dp4 ep4, saved at step 2": ["--dp", "4", "--ep", "4", "--steps", "2",
                                                 "--save", "{saved}"],
                   "dp4 ep2": ["--dp", "4", "--ep", "2"],
+                  "dp2 tp2 ep2": ["--dp", "2", "--tp", "2", "--ep", "2"],
                   "dp4 ep2 resumed": ["--dp", "4", "--ep", "2", "--resume", "{saved}"]},
               1: {"one process": [], "one process resumed": ["--resume", "{saved}"]}}
 
@@ -208,6 +209,7 @@ def test_train_expert_parallel_and_resharded_resume_equal_one_process(runs):
     assert len(reference) == len(norms) == 3
     for name, run, steps in (("dp4 ep4, saved at step 2", four, slice(0, 2)),
                              ("dp4 ep2", four, slice(0, 3)),
+                             ("dp2 tp2 ep2", four, slice(0, 3)),
                              ("dp4 ep2 resumed", four, slice(2, 3)),
                              ("one process resumed", one, slice(2, 3))):
         assert losses(run[name]) == pytest.approx(reference[steps], rel=1e-5, abs=0), name
@@ -239,8 +241,9 @@ def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
     ("--moe-experts 4 --moe-top-k 5", "--moe-top-k 5 must be between 1 and the number of experts"),
     ("--moe-experts 4 --moe-capacity-factor 0", "--moe-capacity-factor: must be a positive"),
     ("--moe-experts 4 --ep 2 --zero 1", "ZeRO shards over the whole dp group"),
-    ("--moe-experts 4 --tp 2", "experts run with data parallel, expert parallel and ZeRO-1/2"),
-    ("--moe-experts 4 --cp 2", "(no pipeline, tensor or context parallel, ZeRO-3 or recompute)"),
+    ("--moe-experts 4 --pp 2", "experts run with data, expert and tensor parallel and ZeRO-1/2"),
+    ("--moe-experts 4 --cp 2", "(no pipeline, context or sequence parallel, ZeRO-3 or"),
+    ("--moe-experts 4 --tp 2 --sequence-parallel", "--sequence-parallel: not supported: experts run"),
 ])
 def test_bad_expert_layouts_are_one_line_before_any_process(flags, says, capsys):
     from hplab import train
