@@ -8,6 +8,8 @@ The building blocks, used the way PyTorch's own are (in an ordinary training loo
     hplab.full_parameters(model), hplab.finish_gradient_sync(model)
     hplab.tp.parallelize(model, group, plan)       Megatron-style tensor parallel
     hplab.pp                                       pipeline stages, schedules, executor
+    hplab.cp.ring_attention, hplab.cp.ulysses_attention   context parallel
+    hplab.moe.MoE                                  experts, routed; expert parallel
 
 and their composition for a whole layout: `hplab.Mesh`, `hplab.init_distributed`,
 `hplab.parallelize(model, mesh, config)` and `hplab.finalize_grads(model, mesh, optimizer)`.
@@ -23,7 +25,7 @@ _PUBLIC = {name: module for module, names in {  # name -> the module that define
                       "train_step"]}.items() for name in names}
 _MODULES = {"tp", "pp", "comm", "dist", "memory", "plan", "formulas", "lab", "viz",
             "checkpoint", "data", "precision", "ddp", "zero", "fsdp", "models", "check",
-            "compose", "schedule"}
+            "compose", "schedule", "cp", "moe", "sample", "timeline"}
 
 __all__ = sorted(_PUBLIC) + sorted(_MODULES)
 
