@@ -22,11 +22,11 @@ layer and step a rank sends N-1 K/V blocks forward, N-1 K/V and N dK/dV blocks b
 
 **The causal mask, and the split.** A block of keys later than every query is skipped; the
 rank's own block (the diagonal) is causal; an earlier block is attended in full. Cut into N
-contiguous pieces, rank r does r + ½ blocks of work: the last N times the first's, and everyone
-waits for it. The **zig-zag** split cuts 2N chunks and gives rank r chunks r and 2N-1-r, one
-early, one late: against a lower rank's block all its queries see that block's early chunk,
-against a higher rank's only its late chunk sees the whole block. Half a block, on every rank,
-every step: the work evens out (Megatron-LM, Llama 3).
+contiguous pieces, rank r does r + ½ blocks of work: the last 2N−1 times the first's, and
+everyone waits for it. The **zig-zag** split cuts 2N chunks and gives rank r chunks r and
+2N-1-r, one early, one late: against a lower rank's block all its queries see that block's
+early chunk, against a higher rank's only its late chunk sees the whole block. Half a block, on
+every rank, every step: the work evens out (Megatron-LM, Llama 3).
 
 **Ulysses** (Jacobs et al. 2023). An all-to-all turns [b, heads, s/N, d] (all heads, my tokens)
 into [b, heads/N, s, d] (my heads, all tokens); ordinary causal attention runs on whole
@@ -174,12 +174,12 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, comm: Communicator, split: str):
-        dtype, (q, k, v) = q.dtype, (t.float() for t in (q, k, v))
-        out = lse = None  # one message per ring step: K and V stacked
-        for src, kv in _around_the_ring(torch.stack([k, v]), comm):
+        dtype, out, lse = q.dtype, None, None  # blocks travel in q's dtype, math runs in fp32
+        for src, kv in _around_the_ring(torch.stack([k, v]), comm):  # one message: K and V
             if work := block_work(comm.rank, src, comm.size, split, q.shape[2]):
                 rows, cols, causal = work
-                o, l = block_attention(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal)
+                o, l = block_attention(q[:, :, rows].float(), kv[0][:, :, cols].float(),
+                                       kv[1][:, :, cols].float(), causal)
                 if out is None:  # step 0: our own block, every query (so no -inf to merge)
                     out, lse = o, l
                 else:
@@ -191,18 +191,18 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         (q, k, v, out, lse), comm, dtype = ctx.saved_tensors, ctx.comm, d_out.dtype
-        d_out = d_out.float()
+        q, d_out = q.float(), d_out.float()
         delta, dq = (d_out * out).sum(-1), torch.zeros_like(q)
         dkv = torch.zeros_like(torch.stack([k, v]))  # of the block we hold: it travels with it
         for src, kv in _around_the_ring(torch.stack([k, v]), comm):
             if work := block_work(comm.rank, src, comm.size, ctx.split, q.shape[2]):
                 rows, cols, causal = work
                 dq_b, dk_b, dv_b = block_attention_backward(
-                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], d_out[:, :, rows],
-                    lse[:, :, rows], delta[:, :, rows], causal)
+                    q[:, :, rows], kv[0][:, :, cols].float(), kv[1][:, :, cols].float(),
+                    d_out[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal)
                 dq[:, :, rows] += dq_b
-                dkv[0][:, :, cols] += dk_b
-                dkv[1][:, :, cols] += dv_b
+                dkv[0][:, :, cols] += dk_b.to(dtype)  # (summed in q's dtype, as it travels)
+                dkv[1][:, :, cols] += dv_b.to(dtype)
             dkv, sent = _pass_on(dkv, comm)  # after N hops each accumulator is home
             for p in sent:
                 p.wait()

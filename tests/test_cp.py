@@ -28,9 +28,10 @@ def full_inputs():
     return q, k, v, d_out
 
 
-def reference():
-    """One process, the whole sequence: PyTorch's attention, output and gradients."""
-    q, k, v, d_out = full_inputs()
+def reference(dtype=torch.float32):
+    """One process, the whole sequence: PyTorch's attention, output and gradients (in fp32, of
+    the inputs rounded to `dtype`)."""
+    q, k, v, d_out = (t.to(dtype).float() for t in full_inputs())
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     y.backward(d_out)
@@ -45,16 +46,17 @@ def attention_worker():
     ledger = CommLedger()
     comm = Communicator(None if dist.get_world_size() == 1 else dist.group.WORLD, "cp", ledger)
     results = {}
-    for style, split in (("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag"),
-                         ("ulysses", "contiguous")):
+    for key in (("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag"),
+                ("ulysses", "contiguous"), ("ring", "zigzag", "bf16")):
         ledger.reset()
+        style, split, dtype = *key[:2], torch.bfloat16 if "bf16" in key else torch.float32
         attend = cp.ring_attention if style == "ring" else cp.ulysses_attention
-        mine = [cp.shard(t, comm.rank, comm.size, split, dim=2) for t in full_inputs()]
+        mine = [cp.shard(t.to(dtype), comm.rank, comm.size, split, dim=2) for t in full_inputs()]
         q, k, v = (t.requires_grad_() for t in mine[:3])
         y = attend(q, k, v, comm, split)
         forward_sends = dict(ledger.by_group_dict()).get("cp", {})
         y.backward(mine[3])
-        results[style, split] = {
+        results[key] = {
             "out": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
             "forward": forward_sends, "all": ledger.by_group_dict().get("cp", {})}
     return results
@@ -163,6 +165,23 @@ def test_ring_bytes_per_step_match_the_formula(world):
             assert both["send"]["bytes"] == want["forward"] + want["backward"]
             assert both["recv"]["bytes"] == both["send"]["bytes"]
             assert both["send"]["calls"] == 3 * n - 2
+
+
+def test_the_ring_sends_in_the_inputs_dtype(world):
+    """In bf16 the K/V blocks and the dK/dV accumulators travel as bf16: half the fp32 bytes
+    (the math runs in fp32); the result is within bf16's rounding of the fp32 one."""
+    n, results, *_ = world
+    want = ring_attention_bytes(B, SEQ, HEADS * D, n, elem_bytes=2)
+    for r in results:
+        sent = r["ring", "zigzag", "bf16"]["all"]["send"]["bytes"]
+        assert sent == want["forward"] + want["backward"]
+        assert {r["ring", "zigzag", "bf16"][t].dtype for t in ("out", "dq", "dk", "dv")} \
+            == {torch.bfloat16}
+    ref = reference(torch.bfloat16)
+    for name in ("out", "dq", "dk", "dv"):  # a few bf16 roundings (2^-8 each) of O(1) values
+        got = gathered(results, ("ring", "zigzag", "bf16"), name).float()
+        torch.testing.assert_close(got, ref[name], rtol=2 ** -6, atol=2 ** -6,
+                                   msg=lambda m: f"bf16 {name}: {m}")
 
 
 def test_ulysses_moves_four_all_to_alls(world):
