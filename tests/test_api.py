@@ -1,8 +1,10 @@
-"""The public API (`import hplab`) and the library's size budget (issue: the redesign).
+"""The public API (`import hplab`) and the library's size budget (issues: the redesign; context
+and expert parallel).
 
 The budget is part of the design: each strategy file reads top to bottom as the explanation
 of that strategy, so it stays under 400 lines, no class grows past 150 lines, and the whole
-library stays within 6,200 lines (it was 7,545 before the building blocks replaced the four
+library stays within 7,000 lines with context and expert parallel in it (the redesign's 6,200
+for the strategies before them; it was 7,545 before the building blocks replaced the four
 engine classes).
 """
 
@@ -19,15 +21,17 @@ REPO = Path(__file__).resolve().parent.parent
 LIBRARY = REPO / "hplab"
 PUBLIC = ["DDP", "ZeroOptimizer", "fully_shard", "full_parameters", "finish_gradient_sync",
           "parallelize", "finalize_grads", "Mesh", "init_distributed", "tp", "pp"]
-STRATEGIES = ["ddp.py", "zero.py", "fsdp.py", "tp.py", "pp.py"]
-LIBRARY_BUDGET = 6200
+STRATEGIES = ["ddp.py", "zero.py", "fsdp.py", "tp.py", "pp.py", "cp.py", "moe.py"]
+LIBRARY_BUDGET = 7000
 # Where the library stands now: it may only shrink until the budget is met. (From 7,545: the
 # engines are gone, every module was simplified; plan.py and check.py still hold ~1,250 lines.
 # It rose 6,374 -> 6,719 only by later issues' features: the labs issue's timeline
 # (timeline.py, 186, viz.plot_timeline), viz.explore for the widgets, the ring-step and
-# core-wait measurements; the recipe issue's lr schedule and no-decay groups (+82); see the
-# issues' closing notes.)
-LIBRARY_NOW = 6719
+# core-wait measurements; the recipe issue's lr schedule and no-decay groups (+82); then to
+# 7,834 by context parallel (cp.py ~300 + the mesh, loop and planner), experts (moe.py ~250 +
+# the same), evaluation (+70), --init-from (+60), hplab.sample (80) and the lab 08/09 checkers
+# (+105); see the issues' closing notes.)
+LIBRARY_NOW = 7834
 
 
 def test_import_hplab_is_cheap_and_lazy():
