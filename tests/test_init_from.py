@@ -117,6 +117,8 @@ def _in_two_processes(directory: str, saved: str) -> dict:
         save = ["--save", saved] if name == "dp2" else []
         out[name]["metrics"] = train.run(train.parse_args(
             [*COMMON, *flags, "--steps", str(STEPS), "--init-from", directory, *save]))
+    out["cp2"] = {"metrics": train.run(train.parse_args(  # context parallel: trained, not probed
+        [*COMMON, "--cp", "2", "--steps", str(STEPS), "--init-from", directory]))}
     out["tp2 from the checkpoint"] = {"metrics": train.run(train.parse_args(
         [*COMMON, "--tp", "2", "--steps", "2", "--init-from", saved]))}
     return out
@@ -154,7 +156,7 @@ def test_every_layout_loads_the_logits_of_from_pretrained(world2, hf_dir, layout
     assert torch.allclose(logits, hf_logits(hf_dir), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "cp2"])
 def test_training_from_it_equals_one_process(world2, hf_dir, layout):
     steps = world2[0][0][layout]["metrics"]["steps"]
     want = one_process(str(hf_dir), STEPS)
