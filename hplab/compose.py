@@ -26,8 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from hplab import cp, fsdp, pp, tp
-from hplab import moe
+from hplab import cp, fsdp, moe, pp, tp
 from hplab.ddp import DDP
 from hplab.dist import Mesh
 from hplab.formulas import learning_rate
