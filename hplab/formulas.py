@@ -2,11 +2,7 @@
 
 Everything hplab measures has a formula from the papers next to it: the pipeline bubble, the
 cost of a collective, a GPT's parameters and FLOPs, the bytes of its model states and
-activations. They live here once, for `pp`, `viz`, `comm`, `lab`, `models.gpt`, `plan` and
-`train`; only the standard library is imported, so this loads at once without torch.
-
-Sources: [ZeRO] Rajbhandari et al. 2020; [PTD-P] Narayanan et al. 2021 (Megatron-LM);
-[SP] Korthikanti et al. 2022; [ZB] Qi et al. 2024; [Ring] Thakur et al. 2005. See plan.py.
+activations. The sources ([ZeRO], [PTD-P], [SP], [ZB], [Ring]) are cited in plan.py.
 """
 
 from __future__ import annotations
@@ -43,14 +39,12 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b:
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, **costs) -> float:
-    """Idle share of the step, (p−1)/(m+p−1) for GPipe and 1F1B: the bubble as the plots,
-    `pp.Simulation.bubble_fraction` and the metrics file's measured `bubble_fraction` give it."""
+    """Idle share of the step, (p−1)/(m+p−1) for GPipe and 1F1B, as the plots and traces show."""
     return bubble_formula(schedule, p, m, v, **costs)["of_step"]
 
 
 def bubble_ratio(schedule: str, p: int, m: int, v: int = 1, **costs) -> float:
-    """Idle time relative to compute time, (p−1)/m for GPipe and 1F1B: the form the papers
-    write and the planner multiplies by the compute time to get the bubble's seconds."""
+    """Idle time relative to compute time, (p−1)/m for GPipe and 1F1B, as the papers write it."""
     return bubble_formula(schedule, p, m, v, **costs)["relative"]
 
 
@@ -72,16 +66,8 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int,
 
 # --- 2. Collectives: bus bytes and the α-β model of ring algorithms  [Ring] -----------------------
 
-def bus_factor(op: str, n: int) -> float:
-    """How many payload-sizes cross each rank's link for `op` among n ranks (ring), the
-    nccl-tests "bus bytes" factor: all-reduce 2(n-1)/n (a reduce-scatter, then an
-    all-gather); all-gather, reduce-scatter and all-to-all (n-1)/n (all-to-all's payload is
-    what a rank sends; the 1/n addressed to itself stays home); broadcast, send, recv 1."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
+#: Ring steps per (n − 1) ranks: an all-reduce is a reduce-scatter, then an all-gather.
+RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
 
 
 def alpha_beta_terms(op: str, n: int) -> tuple[float, float]:
@@ -89,11 +75,19 @@ def alpha_beta_terms(op: str, n: int) -> tuple[float, float]:
 
         T(S) = steps · α + factor · S / β
 
-    all-reduce: 2(n-1) steps; all-gather, reduce-scatter, all-to-all (pairwise): n-1;
-    broadcast, send/recv: 1; the factor is `bus_factor(op, n)`."""
-    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1,
-             "all_to_all": n - 1}
-    return steps.get(op, 1), bus_factor(op, n)
+    A ring collective takes RING_STEPS[op]·(n−1) steps, each moving 1/n of the payload, so
+    factor = steps / n: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (pairwise;
+    the 1/n a rank addresses to itself stays home) (n-1)/n. Broadcast, send, recv: 1 and 1."""
+    if op not in RING_STEPS:
+        return 1, 1.0
+    steps = RING_STEPS[op] * (n - 1)
+    return steps, steps / n
+
+
+def bus_factor(op: str, n: int) -> float:
+    """How many payload-sizes cross each rank's link for `op` among n ranks (ring): the
+    nccl-tests "bus bytes" factor, `alpha_beta_terms(op, n)[1]`."""
+    return alpha_beta_terms(op, n)[1]
 
 
 def collective_time_s(op: str, nbytes: float, n: int, bw: float, alpha: float,
@@ -202,19 +196,13 @@ def model_state_bytes(psi: float, dp: int = 1, zero: int = 0, precision: str = "
     to host memory (ZeRO-Offload); they are reported under `cpu_bytes`.
     """
     p_bytes, g_bytes, m_bytes, o_bytes, _ = PRECISION_BYTES[precision]
-
-    def shard(n_elements: float, sharded: bool) -> float:
-        if not sharded or dp == 1:
-            return n_elements
-        return math.ceil(n_elements / dp) if padded else n_elements / dp
-
-    out = {
-        "params_bytes": p_bytes * shard(psi, zero >= 3),
-        "grads_bytes": g_bytes * shard(psi, zero >= 2),
-        "optim_bytes": o_bytes * shard(psi, zero >= 1),
-        "master_bytes": m_bytes * shard(psi, zero >= 1),
-        "cpu_bytes": 0.0,
-    }
+    shard = psi / dp  # what each data-parallel rank keeps of a sharded state
+    if padded and dp > 1:
+        shard = math.ceil(shard)
+    out = {f"{kind}_bytes": nbytes * (shard if zero >= stage else psi) for kind, nbytes, stage
+           in [("params", p_bytes, 3), ("grads", g_bytes, 2), ("optim", o_bytes, 1),
+               ("master", m_bytes, 1)]}
+    out["cpu_bytes"] = 0.0
     if offload:
         out["cpu_bytes"] = out["optim_bytes"] + out["master_bytes"]
         out["optim_bytes"] = out["master_bytes"] = 0.0

@@ -575,18 +575,12 @@ def explain(winner: dict | None, plans: list[dict], gpus: int, batch_size: int) 
 
 
 def _neighbours(w: dict, plans: list[dict], knob: str, value) -> list[dict]:
-    """Plans equal to the winner except for `knob` = value (dp and the number of microbatches
-    follow from tp, pp and the micro-batch size). If there are none (say sequence parallel
-    without tensor parallel), relax one more choice at a time, then all of them."""
-    keys = (*KNOBS, "virtual_stages", "offload")
-    free = {knob, "virtual_stages"} if knob == "schedule" else {knob}
-    for relax in ((), ("sequence_parallel",), ("virtual_stages",), ("schedule", "virtual_stages"),
-                  ("micro_batch_size",), keys):
-        found = [p for p in plans if p[knob] == value
-                 and all(p[k] == w[k] for k in keys if k not in free.union(relax))]
-        if found:
-            return found
-    return []
+    """Plans with `knob` = value that keep the most of the winner's other choices (dp and the
+    number of microbatches follow from tp, pp and the micro-batch size)."""
+    keys = [k for k in (*KNOBS, "virtual_stages", "offload") if k != knob]
+    changed = {id(p): sum(p[k] != w[k] for k in keys) for p in plans if p[knob] == value}
+    fewest = min(changed.values(), default=0)
+    return [p for p in plans if changed.get(id(p)) == fewest]
 
 
 # --- 6. Reports for humans, and the command line ---------------------------------------------
