@@ -86,8 +86,6 @@ def encode_documents(tokenizer, documents: list[str]) -> list[int]:
 def write_sidecar(prefix: Path, tokenizer_name: str, vocab_size: int, num_tokens: int,
                   num_documents: int, source: str) -> dict:
     """Write ``prefix.json``, the description of ``prefix.bin``; return it as a dict."""
-    if vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
-        raise DataError(f"vocabulary of {vocab_size} ids does not fit in uint16 token files")
     sidecar = {"tokenizer": tokenizer_name, "vocab_size": vocab_size, "dtype": "uint16",
                "num_tokens": num_tokens, "num_documents": num_documents, "source": source}
     Path(f"{prefix}.json").write_text(json.dumps(sidecar, indent=2) + "\n", encoding="utf-8")
@@ -119,12 +117,9 @@ def _jsonl_texts(input_path: Path, text_key: str):
 
 def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-bpe",
                   text_key: str = "text", docs_per_batch: int = 1000) -> dict:
-    """Tokenize a JSONL corpus (one ``{"id": ..., "text": ...}`` object per line).
-
-    The file is streamed line by line and tokenized in batches, so it may be larger
-    than memory. Ids go to ``prefix.bin.tmp`` first and are renamed to ``prefix.bin``
-    only when every line was fine: a failed run leaves no half-written data behind.
-    """
+    """Tokenize a JSONL corpus (one ``{"id": ..., "text": ...}`` object per line), streamed in
+    batches, so it may be larger than memory. Ids go to ``prefix.bin.tmp``, renamed to
+    ``prefix.bin`` only when every line was fine: a failed run leaves no half-written data."""
     input_path, prefix = Path(input_path), Path(prefix)
     if not input_path.is_file():
         raise DataError(f"input file not found: {input_path}")
@@ -184,15 +179,12 @@ def _read_sidecar(bin_path: Path) -> dict:
 
 
 class TokenDataset:
-    """Non-overlapping training samples cut from a token file.
+    """Non-overlapping samples cut from a token file (``split="train"``: the first 95%).
 
-    Sample ``i`` covers tokens ``[i*seq_len, i*seq_len + seq_len + 1)``: its first
-    ``seq_len`` tokens are the input ``x``, its last ``seq_len`` the target ``y``, so the
-    model learns to predict every next token. ``split="train"`` uses the first 95% of the
-    tokens, ``split="val"`` the last 5%. The file is memory-mapped: opening it costs no
-    RAM, and every process of a multi-process run shares the operating system's cache.
-    ``len`` and ``[i]`` are all ``torch.utils.data.DataLoader`` needs from a dataset.
-    """
+    Sample ``i`` covers tokens ``[i*seq_len, i*seq_len + seq_len + 1)``: its first ``seq_len``
+    tokens are the input ``x``, its last ``seq_len`` the target ``y``. The file is memory-mapped:
+    opening it costs no RAM, and every process of a run shares the operating system's cache.
+    ``len`` and ``[i]`` are all ``torch.utils.data.DataLoader`` needs from a dataset."""
 
     def __init__(self, path_or_name: str | Path = "shakespeare", tokenizer: str = "hplab-bpe",
                  seq_len: int = 64, split: str = "train"):
@@ -204,8 +196,7 @@ class TokenDataset:
             raise ValueError(f"{self.path} was made with the {meta['tokenizer']!r} tokenizer but "
                              f"this model uses {tokenizer!r}: prepare it again with --tokenizer "
                              f"{tokenizer}, or pick the model for {meta['tokenizer']!r}")
-        self.tokenizer_name = tokenizer
-        self.vocab_size = int(meta["vocab_size"])
+        self.tokenizer_name, self.vocab_size = tokenizer, meta["vocab_size"]
         if self.path.stat().st_size % TOKEN_DTYPE.itemsize:
             raise ValueError(f"{self.path} is damaged: {self.path.stat().st_size} bytes is not a "
                              "whole number of uint16 token ids; prepare it again")
@@ -248,28 +239,18 @@ def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
 def global_batch_indices(num_samples: int, step: int, global_batch: int, seed: int) -> list[int]:
     """Sample indices of the whole global batch at ``step`` (the same on every rank).
 
-    Think of an endless stream: epoch 0's shuffled order, then epoch 1's, and so on.
-    Step ``s`` takes positions ``[s*global_batch, (s+1)*global_batch)`` of that stream,
-    so a batch that runs past the end of an epoch continues into the next one. Only these
-    four numbers decide it, never dp / tp / pp: every layout sees the same data, and a
-    resumed run needs nothing but ``step`` to continue.
+    Think of an endless stream: epoch 0's shuffled order, then epoch 1's, and so on. Step ``s``
+    takes positions ``[s*global_batch, (s+1)*global_batch)`` of that stream, so a batch that
+    runs past the end of an epoch continues into the next one.
     """
-    if num_samples < 1 or global_batch < 1 or step < 0:
-        raise ValueError(f"need num_samples >= 1, global_batch >= 1, step >= 0; got "
-                         f"{num_samples}, {global_batch}, {step}")
     positions = range(step * global_batch, (step + 1) * global_batch)
     return [int(_epoch_permutation(num_samples, seed, p // num_samples)[p % num_samples])
             for p in positions]
 
 
 def shard_for_rank(indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
-    """The contiguous slice of the global batch that data-parallel rank ``dp_rank`` runs.
-
-    Rank ``r`` gets ``indices[r*b:(r+1)*b]`` with ``b = len(indices) // dp_size``; putting
-    the slices of ranks 0..dp_size-1 back together gives the global batch again.
-    """
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    """The contiguous slice of the global batch that data-parallel rank ``dp_rank`` runs: rank
+    ``r`` gets ``indices[r*b:(r+1)*b]`` with ``b = len(indices) // dp_size``."""
     if len(indices) % dp_size:
         raise ValueError(f"global batch of {len(indices)} samples does not split evenly over "
                          f"dp={dp_size} ranks; choose a batch size divisible by {dp_size}")
