@@ -274,11 +274,11 @@ def activation_memory(model: ModelShape, lay: Layout) -> dict:
     Context parallel: a rank holds s/cp tokens; ring attention (or Ulysses) keeps a log-sum-exp
     per row, as FlashAttention, and hplab's its output head-major beside the projection's copy
     of it: b·(s/cp)·h more per layer (K/V blocks in flight not counted)."""
-    s, b, h, a, t = model.seq_len // lay.cp, lay.micro_batch_size, model.n_embd, model.n_head, \
-        lay.tp
+    s, b, h, t = model.seq_len // lay.cp, lay.micro_batch_size, model.n_embd, lay.tp
     act = PRECISION_BYTES[lay.precision][4]
-    kw = dict(s=s, b=b, h=h, a=a, t=t, sequence_parallel=lay.sequence_parallel, act_bytes=act,
-              dropout=model.dropout, flash_attention=model.flash_attention or lay.cp > 1,
+    kw = dict(s=s, b=b, h=h, a=model.n_head, t=t, sequence_parallel=lay.sequence_parallel,
+              act_bytes=act, dropout=model.dropout,
+              flash_attention=model.flash_attention or lay.cp > 1,
               moe_top_k=model.moe_top_k if model.n_experts else 0)
     head_major = s * b * h * act / t if lay.cp > 1 else 0.0
     per_layer = activation_bytes_per_layer(recompute=lay.recompute, **kw) \
