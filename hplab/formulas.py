@@ -26,15 +26,12 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b:
         interleaved   (p-1)/(v·m)
         ZB-H1         (p-1)(f+b-w) / (m(f+b+w))  (f=b=w: (p-1)/(3m), a third of 1F1B's)
     """
-    if schedule in ("gpipe", "1f1b"):
-        relative, text = (p - 1) / m, "(p-1)/m"
-    elif schedule == "interleaved":
-        relative, text = (p - 1) / (v * m), "(p-1)/(v·m)"
-    elif schedule == "zb-h1":
-        relative = (p - 1) * (f + b - w) / (m * (f + b + w))
-        text = "(p-1)(F+B-W)/(m(F+B+W))"
-    else:
+    if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    relative, text = {"gpipe": ((p - 1) / m, "(p-1)/m"), "1f1b": ((p - 1) / m, "(p-1)/m"),
+                      "interleaved": ((p - 1) / (v * m), "(p-1)/(v·m)"),
+                      "zb-h1": ((p - 1) * (f + b - w) / (m * (f + b + w)),
+                                "(p-1)(F+B-W)/(m(F+B+W))")}[schedule]
     return {"relative": relative, "of_step": relative / (1 + relative), "formula": text}
 
 

@@ -567,9 +567,8 @@ def explain(winner: dict | None, plans: list[dict], gpus: int, batch_size: int) 
                          f"its model states alone would need {states / GB:.0f} GB per GPU")
     lines.append("changing one choice of the winner (the rest kept where possible):")
     for knob, name in KNOBS.items():
-        alts = [(val, _best(_neighbours(w, plans, knob, val)))
+        alts = [f"{val}: {_why_slower(_best(_neighbours(w, plans, knob, val)), w)}"
                 for val in sorted({p[knob] for p in plans}) if val != w[knob]]
-        alts = [f"{val}: {_why_slower(alt, w)}" for val, alt in alts if alt is not None]
         lines += [f"  {name} = {w[knob]}: " + "; ".join(alts)] * bool(alts)
     return lines
 
