@@ -2,7 +2,8 @@
 
 Everything hplab measures has a formula from the papers next to it: the pipeline bubble, the
 cost of a collective, a GPT's parameters and FLOPs, the bytes of its model states and
-activations. The sources ([ZeRO], [PTD-P], [SP], [ZB], [Ring]) are cited in plan.py.
+activations, for the library and the labs alike; only the standard library is imported.
+The sources ([ZeRO], [PTD-P], [SP], [ZB], [Ring]) are cited in plan.py.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b:
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, **costs) -> float:
-    """Idle share of the step, (p−1)/(m+p−1) for GPipe and 1F1B, as the plots and traces show."""
+    """Idle share of the step, (p−1)/(m+p−1) for GPipe and 1F1B: the bubble as the plots,
+    `pp.Simulation.bubble_fraction` and the metrics file's measured `bubble_fraction` give it."""
     return bubble_formula(schedule, p, m, v, **costs)["of_step"]
 
 
 def bubble_ratio(schedule: str, p: int, m: int, v: int = 1, **costs) -> float:
-    """Idle time relative to compute time, (p−1)/m for GPipe and 1F1B, as the papers write it."""
+    """Idle time relative to compute time, (p−1)/m for GPipe and 1F1B: the form the papers
+    write and the planner multiplies by the compute time to get the bubble's seconds."""
     return bubble_formula(schedule, p, m, v, **costs)["relative"]
 
 
@@ -74,7 +77,7 @@ def alpha_beta_terms(op: str, n: int) -> tuple[float, float]:
 
     A ring collective takes RING_STEPS[op]·(n−1) steps, each moving 1/n of the payload, so
     factor = steps / n: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (pairwise;
-    the 1/n a rank addresses to itself stays home) (n-1)/n. Broadcast, send, recv: 1 and 1."""
+    the 1/n a rank addresses to itself stays home) (n-1)/n. Broadcast, send, recv: 1 step, 1."""
     if op not in RING_STEPS:
         return 1, 1.0
     steps = RING_STEPS[op] * (n - 1)
