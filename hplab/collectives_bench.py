@@ -37,19 +37,18 @@ def one_call(comm, op: str, big, small, inbox) -> None:
     """`op` once among the ranks of `comm` on the payload `big` (`small`: this rank's slice;
     `inbox`: room to receive a `big`). A ring step is what each of a ring's 2(n-1) steps does:
     every rank sends to its right neighbour while it receives from its left one."""
-    if op == "send_recv":
-        partner = comm.rank ^ 1  # 0↔1, 2↔3, ...
-        if partner < comm.size:
-            (comm.send if comm.rank % 2 == 0 else comm.recv)(big, partner)
-        return
-    if op == "ring_step":
-        sending = comm.send(big, (comm.rank + 1) % comm.size, async_op=True)
-        comm.recv(inbox, (comm.rank - 1) % comm.size)
+    n, r = comm.size, comm.rank
+    if op == "send_recv":  # partners 0↔1, 2↔3, ...
+        if r ^ 1 < n:
+            (comm.send if r % 2 == 0 else comm.recv)(big, r ^ 1)
+    elif op == "ring_step":
+        sending = comm.send(big, (r + 1) % n, async_op=True)
+        comm.recv(inbox, (r - 1) % n)
         sending.wait()
-        return
-    {"all_reduce": lambda: comm.all_reduce(big), "broadcast": lambda: comm.broadcast(big, src=0),
-     "reduce_scatter": lambda: comm.reduce_scatter(small, big),
-     "all_gather": lambda: comm.all_gather(big, small)}[op]()
+    else:
+        {"all_reduce": lambda: comm.all_reduce(big), "broadcast": lambda: comm.broadcast(big, 0),
+         "reduce_scatter": lambda: comm.reduce_scatter(small, big),
+         "all_gather": lambda: comm.all_gather(big, small)}[op]()
 
 
 def demo(comm) -> dict:

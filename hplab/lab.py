@@ -214,12 +214,9 @@ def fit_alpha_beta(op: str, n: int, sizes, times) -> AlphaBetaFit:
     """Least squares on *relative* error (the sizes span decades): find a, b ≥ 0 with
     T ≈ a + b·S, then α = a / steps and β = factor / b."""
     S, T = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
-    A = np.stack([np.ones_like(S), S], axis=1) / T[:, None]
-    (a, b), *_ = np.linalg.lstsq(A, np.ones_like(T), rcond=None)
-    steps, factor = alpha_beta_terms(op, n)
-    fit = AlphaBetaFit(op, n, max(a, 1e-9) / steps, factor / max(b, 1e-15), 0.0)
-    fit.max_relative_error = float(np.max(np.abs(fit.predict(S) - T) / T))
-    return fit
+    (a, b), *_ = np.linalg.lstsq(np.stack([1 / T, S / T], axis=1), np.ones_like(T), rcond=None)
+    (a, b), (steps, factor) = (max(a, 1e-9), max(b, 1e-15)), alpha_beta_terms(op, n)
+    return AlphaBetaFit(op, n, a / steps, factor / b, float(np.max(np.abs(a + b * S - T) / T)))
 
 
 @dataclass

@@ -19,23 +19,19 @@ from hplab.data import load_tokenizer
 from hplab.models.gpt import GPT
 
 
-def check_options(prompt: str, max_new_tokens: int, top_k: int | None, temperature) -> None:
-    """Refuse, in one line (ValueError), what cannot be sampled."""
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 40, top_k: int | None = None,
+             temperature: float | None = None, seed: int = 0) -> str:
+    """The prompt and its continuation. Greedy unless `top_k` or `temperature` is given; then
+    sampled (from all tokens when `top_k` is None, T = 1 when `temperature` is None) with a
+    generator seeded by `seed` alone, so the same call gives the same text. What cannot be
+    sampled is a one-line ValueError."""
     if not prompt:
         raise ValueError("the prompt is empty: give the text to continue")
     for flag, value in (("--max-new-tokens", max_new_tokens), ("--top-k", top_k),
                         ("--temperature", temperature)):
         if value is not None and not value > 0:  # `not >`: NaN is refused too
             raise ValueError(f"{flag} must be positive, got {value}")
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompt: str, max_new_tokens: int = 40, top_k: int | None = None,
-             temperature: float | None = None, seed: int = 0) -> str:
-    """The prompt and its continuation. Greedy unless `top_k` or `temperature` is given; then
-    sampled (from all tokens when `top_k` is None, T = 1 when `temperature` is None) with a
-    generator seeded by `seed` alone, so the same call gives the same text."""
-    check_options(prompt, max_new_tokens, top_k, temperature)
     ids, generator = torch.tensor([tokenizer.encode(prompt)]), torch.Generator().manual_seed(seed)
     for _ in range(max_new_tokens):
         logits = model(ids[:, -model.config.n_positions:])[0][0, -1]  # the last position's
