@@ -216,8 +216,7 @@ def launch_problem(started: list, params: list, arrived: list, bucket_bytes: flo
 
 
 def check_buckets(module, report: Report, mesh: Mesh) -> None:
-    """One bucket, one per parameter, a middle size: one process's gradients, and all-reduces
-    as hplab.ddp starts them (buckets in reverse order, each by the hook that completes it)."""
+    """One bucket, one per parameter, a middle size: one process's gradients, hplab.ddp's starts."""
     ref = gpt_reference(mesh, steps=2)
     for bucket_bytes in (math.inf, 0, 20_000):
         report.label = f"bucket_bytes={bucket_bytes}"  # an exception ends the file
@@ -427,8 +426,7 @@ def check_mesh(module, report: Report) -> None:
 
 # --- lab 07: the planner's first formulas (no processes: these are formulas) ---------------
 def check_planning(module, report: Report) -> None:
-    """The learner's ZeRO memory and pipeline bubble fraction against `hplab.formulas` (the
-    planner's) over a grid; each case reports its first difference."""
+    """The learner's ZeRO memory and bubble fraction against the planner's `hplab.formulas`."""
     def memory_problem(psi, dp, zero, precision):
         mine = module.model_state_bytes_per_gpu(psi, dp, zero, precision)
         ref = formulas.model_state_bytes(psi, dp, zero, precision)
