@@ -334,22 +334,21 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
     where, mine = f"p={p}, m={m}", module.one_f_one_b(p, m)
     if not isinstance(mine, (list, tuple)) or len(mine) != p:
         return f"{where}: expected a list of {p} per-rank orders, got {mine!r:.80}"
-    orders = [[tuple(a) for a in mine[r]] for r in range(p)]
-    reference = [[a[:2] for a in order] for order in schedule.one_f_one_b_order(p, m)]
+    orders = [[(*a, r) for a in mine[r]] for r in range(p)]  # (kind, microbatch, chunk r)
+    reference = schedule.one_f_one_b_order(p, m)
     for r, (order, work) in enumerate(zip(orders, map(Counter, reference))):
         wrong = {"missing": work - Counter(order), "extra": Counter(order) - work}  # or unknown
         if any(wrong.values()):
             return (f"{where}, rank {r}: every rank runs F and B of each microbatch exactly "
-                    "once;" + "".join(f" {k} {sorted(v)[:4]}" for k, v in wrong.items() if v))
+                    "once;" + "".join(f" {k} {sorted(a[:2] for a in v)[:4]}"
+                                      for k, v in wrong.items() if v))
     try:
-        run = schedule.simulate(schedule.add_communication(
-            [[(kind, i, r) for kind, i in order] for r, order in enumerate(orders)], p, 1),
-            f=1, b=1, w=0)
+        run = schedule.simulate(schedule.add_communication(orders, p, 1), f=1, b=1, w=0)
     except schedule.DeadlockError as err:
         return f"{where}: {err}"
-    best = schedule.simulate(schedule.build_schedule("1f1b", p, m), f=1, b=1, w=0)
+    best = schedule.simulate(schedule.add_communication(reference, p, 1), f=1, b=1, w=0)
     held, limit = [run.in_flight_max(r) for r in range(p)], [min(p - r, m) for r in range(p)]
-    warm = [next((k for k, (kind, _) in enumerate(o) if kind == "B"), m) for o in orders]
+    warm = [next((k for k, a in enumerate(o) if a[0] == "B"), m) for o in orders]
     counts = (f" — forwards before the first backward: {warm}, 1F1B {limit} (p-1-r warm-up "
               "forwards and one more)") * (warm != limit)
     return first([
