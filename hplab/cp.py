@@ -16,9 +16,8 @@ two partials merge exactly (the online softmax of FlashAttention):
 
 Backward is a second ring: the K/V blocks travel again, each with the dK/dV accumulator of its
 tokens, to which every rank adds its queries' share; one more hop brings each accumulator home.
-Probabilities are recomputed from the saved L (FlashAttention's way: nothing s×s is kept). Per
-layer and step a rank sends N-1 K/V blocks forward, N-1 K/V and N dK/dV blocks backward, each
-2·b·(s/N)·h numbers (`formulas.ring_attention_bytes`).
+Probabilities are recomputed from the saved L (nothing s×s is kept). Messages per layer and
+step: `formulas.ring_attention_bytes`.
 
 **The causal mask, and the split.** A block of keys later than every query is skipped; the
 rank's own block (the diagonal) is causal; an earlier block is attended in full. Cut into N
@@ -70,8 +69,7 @@ def check_divisible(seq_len: int, n_head: int, cp: int, style: str, split: str) 
 # --- 1. The split: which tokens each rank holds -------------------------------------------
 
 def positions(seq_len: int, rank: int, size: int, split: str = "zigzag") -> torch.Tensor:
-    """The positions (in the whole sequence) of the tokens rank `rank` of `size` holds, in
-    increasing order: one contiguous piece, or zig-zag chunks r and 2N-1-r of 2N."""
+    """The positions in the whole sequence of the tokens rank `rank` of `size` holds, in order."""
     chunks = [rank, 2 * size - 1 - rank] if split == "zigzag" else [rank]
     width = seq_len // (2 * size if split == "zigzag" else size)
     return torch.cat([torch.arange(c * width, (c + 1) * width) for c in chunks])
@@ -147,9 +145,9 @@ def pairs_computed(rank: int, size: int, split: str, n: int) -> int:
 # --- 3. The ring ---------------------------------------------------------------------------
 
 def _pass_on(t: torch.Tensor, comm: Communicator):
-    """Post the send of `t` to the next rank of the ring and a receive from the previous one;
-    return the buffer being filled and the two pending operations. Even ranks send first, odd
-    ones receive first: even where a send blocks until its receive is posted, no ring stalls."""
+    """Post the send of `t` to the next rank and a receive from the previous one: (the buffer
+    being filled, the two pending operations). Even ranks send first, odd ones receive first:
+    even where a send blocks until its receive is posted, no ring stalls."""
     buffer, me, n = torch.empty_like(t), comm.rank, comm.size
     ops = [lambda: comm.send(t, (me + 1) % n, async_op=True),
            lambda: comm.recv(buffer, (me - 1) % n, async_op=True)]
@@ -255,8 +253,8 @@ def ulysses_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> tor
 
 def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
     """Make hplab's GPT context-parallel over `group`, in place: every attention runs `style`,
-    and the embedding puts this rank's tokens at their true positions. The caller hands each
-    rank its tokens (`shard`) and averages gradients over the group."""
+    and the embedding puts this rank's tokens at their true positions (the caller hands each
+    rank its tokens with `shard` and averages gradients over the group)."""
     comm = communicator(group, "cp")
     heads = model.transformer.h[0].attn.n_head  # this tensor-parallel rank's heads
     check_divisible(model.config.n_positions, heads, comm.size, style, split)
@@ -270,9 +268,8 @@ def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
 
 class AttentionMeter:
     """Observes every attention core of a model from outside: per training step (`with
-    meter.step():`), the seconds its forward calls took on this rank, how many of them it was
-    blocked in the cp group's calls (the ledger's time), and the query-key pairs it attended
-    (summed over sequences, heads and layers)."""
+    meter.step():`), its forward seconds on this rank, the seconds of them blocked in the cp
+    group's calls (the ledger's time), and the query-key pairs attended (all heads, layers)."""
 
     def __init__(self, model, comm: Communicator, style: str, split: str):
         self.per_step = {"attention_s": [], "attention_blocked_s": [], "attention_pairs": []}

@@ -31,9 +31,8 @@ it fast, and they are what `torch.nn.parallel.DistributedDataParallel` does too:
 
 **The sync finishes by itself.** The first hook of a backward queues a callback that autograd
 runs when the whole backward ends (`queue_callback`): it sends the buckets that never completed
-(parameters unused in this step), waits for every all-reduce and resets the counters: a sync
-left to the caller is one forgotten call away from a stale step. (`finish_gradient_sync()`
-can still be called: it does nothing when there is nothing to sync.)
+(parameters unused in this step) and waits for every all-reduce: a sync left to the caller is
+one forgotten call away from a stale step.
 
 **Any `zero_grad()`.** By default `zero_grad()` sets `.grad` to None, so the next backward makes
 fresh gradients that are *not* bucket views (averaging the buckets regardless would let replicas
@@ -69,8 +68,7 @@ class Bucket:
 
 
 def move_grad_in(p: nn.Parameter, view: torch.Tensor) -> None:
-    """Make a gradient live in its slot: None → a zero slot (`.grad` stays None); a tensor
-    that is not the slot's view → copied in, and `.grad` becomes the view."""
+    """Make a gradient live in its slot (None: a zero slot, `.grad` stays None)."""
     if p.grad is None:
         view.zero_()
     elif p.grad is not view:
@@ -86,7 +84,7 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket
 class DDP(nn.Module):
     """Data parallel over `group` (a torch ProcessGroup, an hplab Communicator such as
     `mesh.dp`, or None for the world), with gradient buckets of `bucket_mb` MiB (0: one
-    message per parameter). `.module` is the wrapped model; use `DDP` like the model."""
+    message per parameter). `.module` is the wrapped model."""
 
     def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25):
         super().__init__()
@@ -132,7 +130,7 @@ class DDP(nn.Module):
     # -- when backward ends (by itself), or when the caller says so --
     def finish_gradient_sync(self) -> None:
         """Send the buckets not sent yet (unused parameters, `no_sync()` or hand-written grads),
-        wait for every all-reduce, reset for the next step. Harmless with nothing to sync."""
+        wait for every all-reduce, reset for the next step. Does nothing with nothing to sync."""
         if not (self.started or self.unsynced):
             return
         for b in self.buckets[self.next_to_launch:]:

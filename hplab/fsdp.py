@@ -1,18 +1,13 @@
 """ZeRO-3 / fully sharded data parallel (FSDP), from scratch: `hplab.fully_shard`.
 
-Data parallel keeps the whole training state on every rank: with Adam in mixed precision 2
-bytes (half-precision weight) + 2 (gradient) + K = 12 (fp32 master, exp_avg, exp_avg_sq) per
-parameter on *each* of the N ranks. ZeRO stage 3 (Rajbhandari et al., 2020), PyTorch's FSDP,
-keeps 1/N of each on a rank and borrows the rest from the peers for the moment it is needed:
-
-    per rank, Ψ parameters     DDP (2 + 2 + K)·Ψ        ZeRO-3 / FSDP (2 + 2 + K)·Ψ / N
-
-(pure fp32: 4 + 4 + 8 bytes, no separate master.) The price: 3·(N−1)/N·Ψ elements per rank
-per step, 1.5× DDP's all-reduce. Forward all-gathers each layer's parameters just before it
-runs and frees them after; backward gathers them again; the gradients are reduce-scattered
-(each rank receives the average of its own 1/N). Prefetch hides most of it: while layer i
-computes, layer i+1's all-gather is in flight (in backward, layer i−1's). A rank holds its
-shards plus a layer or two: Ψ/N + a layer, not Ψ.
+ZeRO stage 3 (Rajbhandari et al., 2020), PyTorch's FSDP, keeps 1/N of the parameters, the
+gradients and the optimizer state on each of the N ranks, (2 + 2 + K)·Ψ/N bytes instead of
+DDP's (2 + 2 + K)·Ψ (the table in `hplab/zero.py`), and borrows the rest from the peers for
+the moment it is needed. Forward all-gathers each layer's parameters just before it runs and
+frees them after; backward gathers them again; the gradients are reduce-scattered (each rank
+receives the average of its own 1/N): 3·(N−1)/N·Ψ elements per rank per step, 1.5× DDP's
+all-reduce. Prefetch hides most of it: while layer i computes, layer i+1's all-gather is in
+flight (in backward, layer i−1's). A rank holds its shards plus a layer or two, not Ψ.
 
 **Per-parameter shards, as in FSDP2.** `fully_shard(block)` cuts every parameter of the block
 along dim 0 into N chunks (dim 0 zero-padded to a multiple of N); rank r owns chunk r. The
@@ -263,10 +258,9 @@ class _Family:
 
 def fully_shard(module: nn.Module, group=None, param_dtype: torch.dtype | None = None,
                 offload: bool = False) -> nn.Module:
-    """Shard the parameters of `module` not already managed by an inner `fully_shard` call
-    over `group` (a torch ProcessGroup, an hplab Communicator or None for the world), and hook
-    its forward to gather them just in time. Call it on the blocks first, then on the root.
-    Returns `module`, whose parameters are now this rank's fp32 shards."""
+    """Shard the parameters of `module` not already managed by an inner `fully_shard` call over
+    `group` (a torch ProcessGroup, an hplab Communicator or None for the world), and hook its
+    forward to gather them just in time. Returns `module`: its parameters are now fp32 shards."""
     unit = _Unit(module, communicator(group, "dp"), param_dtype, offload)
     inner = [m._hplab_fsdp for m in module.modules() if hasattr(m, "_hplab_fsdp")]
     units = [unit] + [u for f in dict.fromkeys(i.family for i in inner) for u in f.units]
@@ -284,9 +278,8 @@ def is_shard(p) -> bool:
 
 @torch.no_grad()
 def gather_full(shard_param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor (on the CPU, unpadded, original shape) of `tensor`, which is shaped like
-    the owned shard `shard_param` (the shard itself, or optimizer state such as exp_avg).
-    A collective over the unit's group: every rank calls it, every rank gets the result."""
+    """The full tensor (CPU, unpadded) of `tensor`, shaped like the owned shard `shard_param`
+    (the shard itself, or optimizer state such as exp_avg). A collective: every rank calls it."""
     if tensor.dim() == 0:  # e.g. Adam's step count: the same on every rank
         return tensor.detach().cpu().clone()
     e, comm = shard_param._fsdp, shard_param._fsdp.comm
@@ -305,15 +298,14 @@ def local_shard(shard_param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
 
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     """{name: full fp32 tensor on the CPU} for every parameter of `module`, named as in the
-    single-device model (a tied parameter once, under its first name). A collective: every
-    rank calls it (outside forward/backward) and every rank gets the whole model."""
+    single-device model. A collective: every rank calls it, outside forward/backward."""
     return {name: (gather_full(p, p) if is_shard(p) else p.detach().cpu().clone()).float()
             for name, p in module.named_parameters()}
 
 
 def finish_gradient_sync(module: nn.Module) -> None:
-    """Wait for the pending reduce-scatters of the units in `module`: an explicit point for
-    callers that want one (the end of backward already does it; calling again does nothing)."""
+    """Wait for the pending reduce-scatters of the units in `module` (the end of backward
+    already does it; calling again does nothing)."""
     families = dict.fromkeys(m._hplab_fsdp.family for m in module.modules()
                              if hasattr(m, "_hplab_fsdp"))
     for family in families:
@@ -321,9 +313,8 @@ def finish_gradient_sync(module: nn.Module) -> None:
 
 
 def memory_tensors(module: nn.Module) -> dict[str, list[torch.Tensor]]:
-    """What `module` holds on this rank, for `hplab.memory`: owned shards, buffers, full-size
-    parameters gathered now (0 bytes between uses), the shards' gradients. The fp32 shards *are*
-    the masters (counted as params); "optim" is the caller's (`optimizer_state_tensors`)."""
+    """What `module` holds on this rank, for `hplab.memory`: shards, buffers, full-size parameters
+    gathered now (0 bytes between uses), the shards' gradients ("optim" is the caller's)."""
     params = list(module.parameters())
     gathered = [e.buffer for m in module.modules() if hasattr(m, "_hplab_fsdp")
                 for e in m._hplab_fsdp.params]

@@ -95,8 +95,7 @@ class MoE(nn.Module):
         return combined.view_as(x)
 
     def within_capacity(self, slot_expert: torch.Tensor, T: int) -> torch.Tensor:
-        """Which token-slots their expert takes: all (dropless), or each expert's first
-        capacity = ceil(cf · T · k / E) slots in position order."""
+        """Which token-slots their expert takes: all, or each expert's first `capacity`."""
         if self.capacity_factor <= 0:
             return torch.ones_like(slot_expert, dtype=torch.bool)
         capacity = math.ceil(self.capacity_factor * T * self.top_k / self.n_experts)
@@ -141,9 +140,8 @@ class MoE(nn.Module):
 
 
 class AllToAll(torch.autograd.Function):
-    """`all_to_all_single` with autograd: rows go out (`send_rows[j]` to rank j) and come in
-    (`recv_rows[j]` from rank j); the backward sends the gradient rows back where they came
-    from, the same exchange reversed."""
+    """`all_to_all_single` with autograd: `send_rows[j]` rows go to rank j, `recv_rows[j]` come
+    from rank j; backward sends the gradient rows back, the same exchange reversed."""
 
     @staticmethod
     def forward(ctx, x, comm, recv_rows: list[int], send_rows: list[int]):
@@ -193,9 +191,8 @@ def is_expert(p: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def sync_gradients(params, dp, edp) -> None:
-    """Average gradients of an expert-parallel model: the dense ones over `dp`, the experts'
-    over `edp` (their replicas). Both are divided by dp's size: an expert's gradient already
-    sums the tokens of its ep group (they came to it), and edp sums over the other ep groups."""
+    """Average the dense gradients over `dp`, the experts' over `edp` (their replicas). Both
+    divide by dp's size: an expert's gradient already sums its ep group's tokens."""
     for comm, expert in ((dp, False), (edp, True)):
         grads = [p.grad for p in params if p.grad is not None and is_expert(p) == expert]
         if grads:
@@ -205,10 +202,9 @@ def sync_gradients(params, dp, edp) -> None:
 
 
 class RoutingStats:
-    """Observes every MoE layer of `model` from outside (a forward hook): per training step
-    (`with stats.step():`), per layer, the token-slots each expert took and the slots dropped,
-    and the auxiliary loss added to the loss (mean over the step's microbatches), in
-    `per_step`. Forwards outside a step (evaluation) are not counted."""
+    """Observes every MoE layer of `model` from outside (a forward hook): in `per_step`, per
+    training step (`with stats.step():`) and layer, the token-slots each expert took, the slots
+    dropped, and the auxiliary loss (mean over the step's microbatches). Evaluation: uncounted."""
 
     def __init__(self, model: nn.Module):
         self.layers, self.per_step, self.now = moe_layers(model), [], None

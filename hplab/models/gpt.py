@@ -128,12 +128,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class GPT(nn.Module):
-    """GPT-2 language model. `forward(idx, targets)` returns `(logits, loss)`; loss is the mean
-    cross-entropy over every token of the batch (None without targets).
-
-    `recompute = True` makes each block keep only its input for backward and recompute the
-    rest (activation checkpointing): less activation memory for one more forward per block.
-    """
+    """GPT-2 language model. `forward(idx, targets)` returns `(logits, loss)` (loss None without
+    targets). `recompute = True` makes each block keep only its input for backward and recompute
+    the rest (activation checkpointing): less activation memory for one more forward per block."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -202,15 +199,13 @@ _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight
 
 
 def to_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """hplab names → `GPT2LMHeadModel` names: same names, Conv1D weights transposed.
-    The tied `lm_head.weight` is included (HF ties it to `transformer.wte.weight` on load)."""
+    """hplab → `GPT2LMHeadModel`: same names (the tied `lm_head.weight` too), Conv1D transposed."""
     return {name: (t.t().contiguous() if name.endswith(_CONV1D_SUFFIXES) else t)
             for name, t in state_dict.items()}
 
 
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`GPT2LMHeadModel` state dict → hplab's: the same transposes (each undoes itself), HF's
-    causal-mask buffers dropped."""
+    """`GPT2LMHeadModel` state dict → hplab's (the transposes undo themselves; masks dropped)."""
     out = to_hf_state_dict({name: t for name, t in state_dict.items()
                             if not name.endswith((".attn.bias", ".attn.masked_bias"))})
     if "transformer.wte.weight" in out:  # tied: the head is the embedding
@@ -219,9 +214,8 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def to_hf_config(config: GPTConfig):
-    """A `transformers.GPT2Config` for this model (imports transformers only when called).
-    Dropout is 0 as in hplab. transformers 5 insists that bos/eos ids lie inside the
-    vocabulary; they do not affect the logits, so the last id is used."""
+    """A `transformers.GPT2Config` for this model, without dropout (imports transformers only
+    when called). bos/eos must lie inside the vocabulary (transformers 5): the last id."""
     from transformers import GPT2Config
 
     eos = config.vocab_size - 1
