@@ -9,23 +9,17 @@ input to the rank before. Each rank holds only 1/p of the weights, and only poin
 messages of one activation cross the wire.
 
 Done naively, only one rank works at a time. So the batch is cut into `m` **microbatches**:
-while rank 1 works on microbatch 0, rank 0 already runs microbatch 1. The idle time left at
-the start and end of a step is the **bubble**. A **schedule** is the order in which each rank
-runs forwards (F) and backwards (B) of the microbatches — GPipe, 1F1B, interleaved, ZB-H1.
-Schedules are plain data, built and simulated in `hplab/schedule.py` (no torch); this file
-runs them, and re-exports its names (`pp.build_schedule`, `pp.simulate`, ...). Each
-microbatch's loss is divided by m, so the accumulated gradients are those of the mean loss
-over the whole batch — exactly what one process computes on the full batch.
+while rank 1 works on microbatch 0, rank 0 already runs microbatch 1; the idle time left at
+the start and end of a step is the **bubble**. The schedules (GPipe, 1F1B, interleaved, ZB-H1)
+are plain data, built and simulated in `hplab/schedule.py`, whose names this file re-exports
+(`pp.build_schedule`, `pp.simulate`, ...). Each microbatch's loss is divided by m, so the
+accumulated gradients are those of the mean loss over the whole batch.
 
-This file reads in three parts:
-
-1. **Stages**: split the GPT by layers (embedding on the first, head on the last); the tied
-   embedding / LM-head copies are kept equal by summing their gradients (as Megatron-LM).
-2. **Split backward** (ZB-H1): B computes only the gradient of the stage's input, W the
-   weight gradients later — for any layer, by cutting autograd's own graph.
-3. **Executor**: runs this rank's action list for real, with point-to-point messages, and
-   records a timestamped trace of every action and the activations held. It does only the
-   pipeline: data parallel, the tied-embedding sum and the optimizer step are the caller's.
+This file reads in three parts: 1. **stages**, the GPT split by layers (the tied embedding /
+LM-head copies kept equal by summing their gradients, as Megatron-LM); 2. **split backward**
+(ZB-H1): B the stage input's gradient, W the weight gradients later, for any layer; 3. the
+**executor**, which runs this rank's action list with point-to-point messages and records a
+trace. Data parallel, the tied-embedding sum and the optimizer step are the caller's.
 """
 
 from __future__ import annotations
@@ -63,8 +57,7 @@ def split_layers(n_layer: int, num_chunks: int) -> list[range]:
 class Stage(nn.Module):
     """One model chunk: the embedding (first chunk only), some blocks, the head (last only).
     Its registered submodules are only the pieces it owns, so `stage.parameters()` is the
-    chunk's own weights. On the last chunk `lm_head.weight` is `wte.weight` (tied); when first
-    and last chunk live on different ranks, `sync_tied_gradients` keeps the two copies equal."""
+    chunk's own weights (on the last chunk `lm_head.weight` is `wte.weight`: tied)."""
 
     def __init__(self, gpt, chunk: int, num_chunks: int, layers: range):
         super().__init__()
@@ -101,8 +94,7 @@ def stage_parameters(stages: list[Stage]) -> list[nn.Parameter]:
 
 @torch.no_grad()
 def free_unowned_parameters(gpt, stages: list[Stage]) -> None:
-    """Every rank built the whole model from the seed (so initial weights do not depend on the
-    layout); a pipeline rank keeps only its own layers and lets the rest go."""
+    """A pipeline rank keeps only its own layers of the whole model it built, and frees the rest."""
     owned = {id(p) for p in stage_parameters(stages)}
     for p in gpt.parameters():
         if id(p) not in owned:
@@ -111,10 +103,9 @@ def free_unowned_parameters(gpt, stages: list[Stage]) -> None:
 
 
 def tied_embedding_group(mesh):
-    """A communicator between the first and the last pipeline rank of this rank's pipeline,
-    for the tied embedding / LM-head gradient (Megatron's "embedding group"). Every rank
-    takes part in creating every group (torch.distributed requires it); ranks outside any
-    group get None, as do pipelines of one stage."""
+    """A communicator between the first and the last rank of this rank's pipeline, for the tied
+    embedding / LM-head gradient (Megatron's "embedding group"). Every rank creates every group
+    (torch.distributed requires it); ranks outside any group get None."""
     mine = None
     for ends in ([ranks[0], ranks[-1]] for ranks in mesh.groups["pp"] if len(ranks) > 1):
         group = new_group(ends)
@@ -124,10 +115,9 @@ def tied_embedding_group(mesh):
 
 
 def sync_tied_gradients(stages: list[Stage], tied_comm) -> None:
-    """The first chunk's embedding and the last chunk's LM head are one weight in the model.
-    Split across two ranks, each copy gets only its own use's gradient; summing the two
-    gradients gives both copies the true gradient, so both take the same optimizer step and
-    stay equal (they started equal: same seed)."""
+    """The first chunk's embedding and the last chunk's LM head are one weight, split across two
+    ranks: each copy gets only its own use's gradient; summed, both get the true gradient, take
+    the same step and stay equal."""
     ends = [s for s in stages if s.is_first or s.is_last]
     if tied_comm is None or not ends:
         return
@@ -138,10 +128,8 @@ def sync_tied_gradients(stages: list[Stage], tied_comm) -> None:
 
 
 # --- 2. Split backward: B (the input's gradient) now, W (the weights' gradients) later ------------
-# ZB-H1 splits each backward in two: B computes what the previous rank waits for, the gradient
-# of this stage's input; W the weight gradients, which nobody waits for, so W fills bubbles.
-# Autograd splits any layer without knowing what it is (a Linear, a tensor-parallel slice, a
-# Conv1D, a hand-written autograd.Function):
+# B is what the previous rank waits for; nobody waits for W, so W fills bubbles (ZB-H1). Autograd
+# splits any layer without knowing what it is (a Linear, a TP slice, a hand-written Function):
 #
 #   B   `torch.autograd.grad(out, [x])` runs only the nodes on a path from the output to the
 #       input x; a built-in op asked for its input's gradient alone skips the weight product
@@ -232,14 +220,11 @@ def backward_weight(work) -> None:
 # --- 3. Executor: run this rank's action list for real --------------------------------------------
 
 class PipelineExecutor:
-    """Runs one rank's action list for one training step. `comm`: the pipeline group's
-    Communicator (peers are pipeline ranks). Sends are asynchronous (isend), awaited at the end
-    of the step; a receive is posted (irecv) where the list says and awaited by the computation
-    that needs it. A plan with W actions splits each backward (`backward_input` in B,
-    `backward_weight` in W); the first stage has no input gradient (its input is token ids):
-    its B is empty, its W the whole backward. Gradients are left accumulated in `.grad` for the
-    caller to sync over dp, sum the tied embedding and step. `memory` (a MemoryLedger; a new
-    one by default) measures each forward's saved activations; `trace` gets every action."""
+    """Runs one rank's action list for one training step over `comm`, the pipeline group.
+    Sends are asynchronous (isend), awaited at the end of the step; a receive is posted (irecv)
+    where the list says and awaited by the computation that needs it. With W actions each
+    backward is split (the first stage's input is token ids: its B is empty, its W the whole
+    backward). `memory` (a MemoryLedger) measures each forward's saved activations."""
 
     def __init__(self, stages: list[Stage], plan: list[Action], comm, memory=None,
                  dtype=torch.float32):
@@ -264,8 +249,8 @@ class PipelineExecutor:
         return grad_x, lambda: backward_weight(work)
 
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[float]:
-        """One step: runs every action; returns the losses of the microbatches whose last chunk
-        is here (empty on other ranks). Gradients are left accumulated in `.grad`."""
+        """One step: the losses of the microbatches whose last chunk is here (else empty).
+        Gradients are left accumulated in `.grad` for the caller to sync and step."""
         m, stage = len(inputs), next(iter(self.stages.values()))
         act_shape = (*inputs[0].shape, stage.gpt.config.n_embd)
         stage_in, stage_out, input_grads, weight_work = {}, {}, {}, {}

@@ -18,12 +18,10 @@ deadlocks, drawn, and run for real by `hplab.pp.PipelineExecutor`:
                  and W (weight gradients, can wait)  every rank holds up to p microbatches
                                                      (until their W): 1F1B's peak, rank 0
 
-The **bubble** is the idle time at the start and end of a step, while the pipeline fills and
-drains; its textbook formulas are `hplab.formulas.bubble_formula`. This file reads in three
-parts: 1. the actions, each schedule's per-rank compute order, and the sends and receives those
-orders need; 2. a simulator that runs the lists with given F, B, W costs: the ideal timeline,
-and the proof that the schedule cannot deadlock; 3. the same idle share, measured from the
-timestamps of a real run. Only the standard library is used, so the drawings load fast.
+The **bubble** is the idle time while the pipeline fills and drains (`formulas.bubble_formula`).
+This file: 1. each schedule's per-rank compute order, and the sends and receives it needs; 2. a
+simulator: the ideal timeline with given F, B, W costs, and the proof that no rank waits
+forever; 3. the same idle share, measured from a real run's timestamps. Standard library only.
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ class DeadlockError(RuntimeError):
 
 
 def chunk_owner(chunk: int, p: int) -> int:
-    """Model chunk c lives on rank c mod p (with v chunks per rank, rank r holds chunks
-    r, r+p, r+2p, ...: the interleaved layout; with v = 1 chunk c is simply rank c)."""
+    """Model chunk c lives on rank c mod p: rank r holds chunks r, r+p, r+2p, ... (interleaved)."""
     return chunk % p
 
 
@@ -130,10 +127,7 @@ def interleaved_order(p: int, m: int, v: int) -> list[list[tuple]]:
 
 
 def zb_h1_order(p: int, m: int) -> list[list[tuple]]:
-    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is split in B,
-    the gradient of the stage's input (the previous rank waits for it), and W, the gradients
-    of the weights (nobody waits for them), so W can fill the bubbles.
-
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"), B and W as in the table above.
     Rank r repeats the triple (F of microbatch x, B of x-(p-1-r), W of x-(p-1)) for
     x = 0, 1, ..., m+p-2, leaving out microbatches outside 0..m-1. Its F and B follow 1F1B
     (p-r-1 forwards ahead), while every W is p-1 microbatches behind its F: on the last rank
@@ -145,13 +139,10 @@ def zb_h1_order(p: int, m: int) -> list[list[tuple]]:
 
 
 def add_communication(orders: list[list[tuple]], p: int, v: int) -> list[list[Action]]:
-    """Turn per-rank compute orders into full action lists with sends and receives.
-
-    Send: right after the F (B) that produced the activation (gradient) — sends never block.
-    Receive: posted before the computation that needs it; and receives from one peer are
-    posted in the order that peer sends (messages between two ranks are matched in order,
-    on NCCL and gloo alike), so a receive may be posted early, never late.
-    """
+    """Per-rank compute orders → full action lists. A send comes right after the F (B) that
+    produced the activation (gradient): sends never block. A receive is posted before the
+    computation that needs it, and receives from one peer in the order that peer sends
+    (messages between two ranks match in order, on NCCL and gloo): early, never late."""
     num_chunks = p * v
     plans, queues = [], {}  # queues[sender, receiver]: the receiver's receives, in send order
     for r, order in enumerate(orders):
@@ -230,11 +221,9 @@ def simulate(plans: list[list[Action]], f: float | list = 1.0, b: float | list =
              w: float | list = 1.0, latency: float = 0.0) -> Simulation:
     """Run the action lists with costs per whole stage and microbatch: F = f, B = b (input
     gradient), W = w (weight gradients); a schedule without W runs b + w in its B. A chunk of
-    an interleaved stage costs 1/v of that. Unequal stages: f, b, w as lists, each chunk's
-    own cost (as a real run measures them). A message arrives `latency` after its send.
-
-    Sends never wait. A computation waits for its input message. If no rank can move and some
-    are not finished, the schedule deadlocks: DeadlockError names where each rank is stuck."""
+    an interleaved stage costs 1/v of that; unequal stages: f, b, w as lists, one cost per
+    chunk. A message arrives `latency` after its send. Sends never wait; a computation waits
+    for its input. If no rank can move, DeadlockError names where each rank is stuck."""
     p = len(plans)
     v = 1 + max(a.chunk for plan in plans for a in plan) // p
     split = any(a.kind == "W" for plan in plans for a in plan)

@@ -75,9 +75,8 @@ def _split(x: torch.Tensor, comm: Communicator, dim: int = -1) -> torch.Tensor:
 
 
 def _along(gather: bool, x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
-    """`_all_gather`: every rank's `x`, concatenated along `dim` (by default the sequence) in
-    rank order. `_reduce_scatter`: the sum over ranks of `x`, of which this rank keeps its 1/T
-    slice along `dim`. (The collectives work along dim 0: `dim` moves there and back.)"""
+    """`_all_gather`: every rank's `x`, joined along `dim` (default: the sequence) in rank order.
+    `_reduce_scatter`: the sum over ranks of `x`, of which this rank keeps its 1/T along `dim`."""
     first = x.movedim(dim, 0).contiguous()
     rows = first.shape[0] * comm.size if gather else first.shape[0] // comm.size
     out = first.new_empty((rows, *first.shape[1:]))
@@ -143,9 +142,9 @@ class LinearWithSequenceGather(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Split:
-    """Where a tensor-parallel parameter comes from: the full tensor cut along `dim`. `fused`
-    blocks side by side along `dim` (c_attn's Q | K | V) are cut each. `full_size`: the size
-    along `dim`, padded with zeros up to a multiple of T before cutting (the vocabulary)."""
+    """Where a tensor-parallel parameter comes from: the full tensor cut along `dim`, each of
+    its `fused` blocks (c_attn's Q | K | V) on its own; `full_size`: the size along `dim`
+    before zero padding to a multiple of T (the vocabulary)."""
     dim: int
     fused: int = 1
     full_size: int | None = None
@@ -345,8 +344,7 @@ def check_divisible(n_head: int, n_embd: int, tp: int, seq_len: int | None = Non
 def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = False):
     """Cut `model` over the tensor-parallel `group` as `plan` says, in place; return it. Entries
     apply in order, each must match a module. Every rank passes the same full model (same seed)
-    and keeps its pieces, under the same names. With `sequence_parallel` a parameter left whole
-    sees only this rank's tokens, its gradient a partial sum: `p.sequence_parallel_partial`."""
+    and keeps its pieces, under the same names (`p.sequence_parallel_partial`: see above)."""
     comm = communicator(group, "tp")
     if hasattr(config := getattr(model, "config", None), "n_head"):
         check_divisible(config.n_head, config.n_embd, comm.size,
