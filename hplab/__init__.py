@@ -1,19 +1,10 @@
 """hplab: the ways large language models are trained on many devices, built from scratch.
 
-The building blocks, used the way PyTorch's own are (in an ordinary training loop):
-
-    hplab.DDP(module, group)                       like torch's DistributedDataParallel
-    hplab.ZeroOptimizer(params, AdamW, stage=1|2)  like torch's ZeroRedundancyOptimizer
-    hplab.fully_shard(block); hplab.fully_shard(model)   ZeRO-3, like torch's FSDP2
-    hplab.full_parameters(model), hplab.finish_gradient_sync(model)
-    hplab.tp.parallelize(model, group, plan)       Megatron-style tensor parallel
-    hplab.pp                                       pipeline stages, schedules, executor
-    hplab.cp.ring_attention, hplab.cp.ulysses_attention   context parallel
-    hplab.moe.MoE                                  experts, routed; expert parallel
-
-and their composition for a whole layout: `hplab.Mesh`, `hplab.init_distributed`,
-`hplab.parallelize(model, mesh, config)` and `hplab.finalize_grads(model, mesh, optimizer)`.
-Names are imported on first use, so `import hplab` stays cheap (torch loads when needed).
+The building blocks are used the way PyTorch's own are, in an ordinary training loop (README,
+"The strategies"): `hplab.DDP`, `hplab.ZeroOptimizer`, `hplab.fully_shard` (ZeRO-3, like FSDP2),
+`hplab.tp`, `hplab.pp`, `hplab.cp`, `hplab.moe`; `hplab.parallelize(model, mesh, config)` and
+`hplab.finalize_grads` compose them for a whole layout. Names are imported on first use, so
+`import hplab` stays cheap (torch loads when needed).
 """
 
 import importlib

@@ -142,9 +142,8 @@ class Parallel:
 
 
 def mark_no_decay(model: nn.Module) -> None:
-    """No weight decay on biases, layer norms, embeddings (the tied LM head too): decided by role
-    on the whole model; the mark stays on tp slices and pp stages (the same Parameters) and
-    `copy_markers` gives it to fully_shard's shards and fp32 masters."""
+    """No weight decay on biases, layer norms, embeddings (the tied LM head too), marked by role
+    on the whole model: tp slices and pp stages keep it, `copy_markers` passes it to shards."""
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if name == "bias" or isinstance(module, (nn.LayerNorm, nn.Embedding)):
@@ -193,24 +192,23 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
     gpt.recompute = c.recompute  # recompute: a flag the blocks read
     moe.parallelize(gpt, mesh.ep, mesh.dp)  # experts: this rank's E/ep (ep groups within dp)
     # data parallel over mesh.dp: DDP, ZeRO-1/2 as the optimizer, or ZeRO-3 as fully_shard
-    settings = dict(lr=c.lr, weight_decay=c.weight_decay, **ADAMW)
-    if c.zero == 3:
+    if c.zero == 3:  # (no pipeline: params_module is gpt; its parameters become fp32 shards)
         for block in [*gpt.transformer.h, gpt]:  # the blocks first, then the root
             wrapped = fsdp.fully_shard(block, mesh.dp, param_dtype=precision.compute_dtype,
                                        offload=c.offload)
-        optimizer = torch.optim.AdamW(parameter_groups(gpt.parameters(), None, True,
-                                                       c.weight_decay), **settings)
-    else:
+    else:  # ZeRO-1/2 syncs in its optimizer; under ep (different experts) finalize_grads does
         params_module.to(precision.param_dtype)  # half-precision copies; fp32 masters below
-        groups = parameter_groups(params_module.parameters(), tied, is_first, c.weight_decay)
-        if c.zero:
-            wrapped = params_module  # (gpt itself without a pipeline)
-            optimizer = ZeroOptimizer(groups, torch.optim.AdamW, mesh.dp, stage=c.zero,
-                                      bucket_mb=c.bucket_mb, offload=c.offload, **settings)
-        else:  # (under ep the dp ranks hold different experts: finalize_grads syncs them)
-            wrapped = params_module if c.ep > 1 else DDP(params_module, mesh.dp, c.bucket_mb)
-            optimizer = MasterWeightOptimizer(groups, torch.optim.AdamW, **settings) \
-                if precision.mixed else torch.optim.AdamW(groups, **settings)
+        plain = c.zero or c.ep > 1
+        wrapped = params_module if plain else DDP(params_module, mesh.dp, c.bucket_mb)
+    groups = parameter_groups(params_module.parameters(), tied, is_first, c.weight_decay)
+    settings = dict(lr=c.lr, weight_decay=c.weight_decay, **ADAMW)
+    if c.zero in (1, 2):
+        optimizer = ZeroOptimizer(groups, torch.optim.AdamW, mesh.dp, stage=c.zero,
+                                  bucket_mb=c.bucket_mb, offload=c.offload, **settings)
+    elif precision.mixed and c.zero == 0:  # (ZeRO-3: the fp32 shards are the masters)
+        optimizer = MasterWeightOptimizer(groups, torch.optim.AdamW, **settings)
+    else:
+        optimizer = torch.optim.AdamW(groups, **settings)
     # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: learning_rate(
         i, c.lr, c.warmup_steps, c.lr_decay, c.decay_steps, c.min_lr) / c.lr)
@@ -247,7 +245,7 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None)
        context parallel: each rank's loss saw its s/cp tokens: average the grads over cp;
     4. the pipeline's tied embedding: first and last stage sum its gradients (same step)."""
     finish_gradient_sync(model)
-    if mesh.ep_size > 1:  # expert parallel: dense gradients over dp, experts' over edp
+    if mesh.ep_size > 1:
         moe.sync_gradients(list(model.parameters()), mesh.dp, mesh.edp)
     partial = [p.grad for p in model.parameters()
                if getattr(p, "sequence_parallel_partial", False) and p.grad is not None]
@@ -360,8 +358,8 @@ def memory_tensors(par: Parallel) -> dict[str, list]:
 
 
 def pipeline_report(par: Parallel) -> dict:
-    """This rank's pipeline trace of the last step and what it held, for the metrics file.
-    Times are seconds from the earliest stage's step start (one clock: one machine)."""
+    """This rank's pipeline trace of the last step and what it held, for the metrics file
+    (seconds from the earliest stage's step start: one clock, one machine)."""
     comm, executor = par.mesh.pp, par.pipeline
     shift = par.step_start - comm.all_reduce_scalar(par.step_start, op=dist.ReduceOp.MIN)
     trace = [{**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift}

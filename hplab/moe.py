@@ -27,13 +27,11 @@ drop: slots in position order (token by token, a token's first choice before its
 the latest beyond the capacity.
 
 **Expert parallel.** Over an `ep` group of ranks (each with its own tokens, as in data
-parallel), rank r keeps experts [r·E/ep, (r+1)·E/ep). A layer then *dispatches*: sort the
-token-slots by expert (so each destination rank's slots are contiguous), exchange the counts
-with one all-to-all, then the tokens with a second (uneven splits); run the local experts on
-what arrived; send the results back with the reverse all-to-all and *combine* them with the
-gates. Autograd runs through the exchanges: the backward of an all-to-all is the reverse
-all-to-all of the gradients. Gradients: an expert's replicas live on the ranks with the same
-ep coordinate (the expert-data-parallel group, dp/ep ranks); `sync_gradients` averages expert
+parallel), rank r keeps experts [r·E/ep, (r+1)·E/ep). A layer *dispatches* its token-slots,
+sorted by expert, to their experts' ranks with all-to-alls and *combines* the results with the
+gates (`run_experts`, step by step); autograd runs through the exchanges (an all-to-all's
+backward is the reverse all-to-all). An expert's replicas live on the ranks with the same ep
+coordinate (the expert-data-parallel group, dp/ep ranks): `sync_gradients` averages expert
 gradients there and everything else over the whole dp group.
 """
 

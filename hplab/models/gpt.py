@@ -51,14 +51,12 @@ class GPTConfig:
                              "pick a hidden size that is a multiple of the number of heads")
 
     def num_params(self) -> int:
-        """Ψ, counted once for the tied embedding: V·h + S·h + L·(12h² + 13h) + 2h, and with
-        E experts E MLPs and a router (h·E) per block in place of one MLP."""
+        """Ψ = V·h + S·h + L·(12h² + 13h) + 2h, tied embedding once (experts: `formulas`)."""
         return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.n_positions,
                               self.n_experts)
 
 
-#: tiny (seconds on a laptop CPU, hplab's small BPE), gpt2 and gpt2-medium (the real sizes,
-#: GPT-2's BPE); the sizes live in `hplab.formulas.HPLAB_PRESETS`, shared with the planner.
+#: tiny, gpt2, gpt2-medium: sizes from `hplab.formulas.HPLAB_PRESETS`, shared with the planner.
 PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**size) for name, size in HPLAB_PRESETS.items()}
 
 
