@@ -10,9 +10,8 @@ the layout. The pipeline split keeps this rank's layers, tensor parallel its sli
 data parallel wraps *what is left*: the ranks of one dp group hold the same slices of the same
 stage, so each slice's gradient is averaged (or reduce-scattered) with exactly its replicas.
 
-`train_step`, one step of any layout: forward + backward per microbatch (or the pipeline
-schedule), `finalize_grads`, fp16 unscale and overflow skip, `clip_grad_norm_`, step, lr step,
-zero_grad. The lr schedule is torch's LambdaLR over `formulas.learning_rate`.
+`train_step` is one step of any layout, in the order its body reads (forward, backward,
+`finalize_grads`, unscale, clip, step); the lr schedule is LambdaLR over `learning_rate`.
 """
 
 from __future__ import annotations

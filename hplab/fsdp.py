@@ -153,8 +153,7 @@ class _Unit:
     # -- gradients: reduce-scatter, add into the shards' .grad ---------------------------------
     @torch.no_grad()
     def reduce(self) -> None:
-        """Pack the full gradients rank-major (chunk r of every parameter in row r), divide by
-        N and reduce-scatter them asynchronously; drop the full gradients."""
+        """The full gradients packed rank-major, ÷N, reduce-scattered (async), then dropped."""
         self.ready = 0
         with_grad = [e for e in self.params if e.full.grad is not None]
         if not with_grad:
@@ -243,8 +242,7 @@ class _Family:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def finish(self) -> None:
-        """Send the units whose gradients did not all arrive, wait for every reduce-scatter,
-        free whatever is still gathered. Runs at the end of each backward; harmless again."""
+        """The end of each backward: send what is left, wait, free (harmless when run again)."""
         for u in self.units:  # the same order on every rank
             if u.ready > 0:
                 u.reduce()

@@ -51,10 +51,9 @@ def chunk_owner(chunk: int, p: int) -> int:
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one rank's program. kind: "F" forward, "B" backward (input gradient; with
-    no W in the schedule, also the weight gradients), "W" weight gradients; "send_act" /
-    "recv_act" an activation, "send_grad" / "recv_grad" its gradient. `chunk`: the model chunk
-    it belongs to (a receive: the chunk that consumes it); `peer`: a message's other rank."""
+    """One step of one rank's program. kind: "F", "B" (without W: the weight gradients too),
+    "W"; "send_act" / "recv_act" an activation, "send_grad" / "recv_grad" its gradient.
+    `chunk`: its model chunk (a receive: the chunk that consumes it); `peer`: the other rank."""
 
     kind: str
     microbatch: int
@@ -132,7 +131,7 @@ def zb_h1_order(p: int, m: int) -> list[list[tuple]]:
     x = 0, 1, ..., m+p-2, leaving out microbatches outside 0..m-1. Its F and B follow 1F1B
     (p-r-1 forwards ahead), while every W is p-1 microbatches behind its F: on the last rank
     W waits for up to p-1 later backwards, which shortens the chain of B's the first rank
-    waits for. A microbatch is held until its W: at most p at once, 1F1B's peak (rank 0)."""
+    waits for."""
     return [[(kind, mb, r) for x in range(m + p - 1)
              for kind, mb in (("F", x), ("B", x - (p - 1 - r)), ("W", x - (p - 1)))
              if 0 <= mb < m] for r in range(p)]
@@ -210,8 +209,7 @@ class Simulation:
         return 1 - busy / self.makespan
 
     def in_flight_max(self, rank: int) -> int:
-        """Most microbatch-chunks whose activations the rank held at once (F done, its last
-        backward piece — W if the schedule has one, else B — not yet)."""
+        """Most microbatch-chunks held at once: F done, the release (W, else B) not yet."""
         actions = [a.kind for a, _, _ in self.timeline[rank]]
         release = "W" if "W" in actions else "B"
         return max(itertools.accumulate((k == "F") - (k == release) for k in actions))
