@@ -10,8 +10,8 @@ the layout. The pipeline split keeps this rank's layers, tensor parallel its sli
 data parallel wraps *what is left*: the ranks of one dp group hold the same slices of the same
 stage, so each slice's gradient is averaged (or reduce-scattered) with exactly its replicas.
 
-`train_step` is one step of any layout, in the order its body reads (forward, backward,
-`finalize_grads`, unscale, clip, step); the lr schedule is LambdaLR over `learning_rate`.
+`train_step`, one step of any layout: forward + backward per microbatch (or the pipeline
+schedule), `finalize_grads`, fp16 unscale and overflow skip, clip, step, lr step, zero_grad.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
         for block in [*gpt.transformer.h, gpt]:  # the blocks first, then the root
             wrapped = fsdp.fully_shard(block, mesh.dp, param_dtype=precision.compute_dtype,
                                        offload=c.offload)
-    else:  # ZeRO-1/2 syncs in its optimizer; under ep (different experts) finalize_grads does
+    else:  # no DDP under ZeRO-1/2 (its optimizer syncs) or ep (finalize_grads syncs experts)
         params_module.to(precision.param_dtype)  # half-precision copies; fp32 masters below
         plain = c.zero or c.ep > 1
         wrapped = params_module if plain else DDP(params_module, mesh.dp, c.bucket_mb)

@@ -51,7 +51,7 @@ class GPTConfig:
                              "pick a hidden size that is a multiple of the number of heads")
 
     def num_params(self) -> int:
-        """Ψ = V·h + S·h + L·(12h² + 13h) + 2h, tied embedding once (experts: `formulas`)."""
+        """Ψ = V·h + S·h + L·(12h² + 13h) + 2h, tied embedding once (experts: gpt_num_params)."""
         return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.n_positions,
                               self.n_experts)
 
