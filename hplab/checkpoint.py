@@ -96,16 +96,6 @@ def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.
     return directory
 
 
-def find(directory: str | Path) -> Path:
-    """The directory to resume from: `directory`, or the previous one a killed save left aside."""
-    directory = Path(directory)
-    for candidate in (directory, _aside(directory, "previous")):
-        if (candidate / "trainer_state.json").exists():
-            return candidate
-    raise CheckpointError(f"no checkpoint in {directory} (--save writes trainer_state.json): "
-                          "to start from weights alone, e.g. save_pretrained's, use --init-from")
-
-
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -118,24 +108,27 @@ def load(directory: str | Path) -> dict:
     """Read a checkpoint: {"config", "model", "optimizer", "rng", "trainer_state"} with hplab
     names and full single-device tensors, whatever layout saved it. A missing, damaged or
     non-finite piece is a CheckpointError that names it; the files are never changed."""
-    directory = find(directory)
+    asked = Path(directory)  # or else the previous checkpoint, that a killed save left aside
+    directory = next((d for d in (asked, _aside(asked, "previous"))
+                      if (d / "trainer_state.json").exists()), None)
+    if directory is None:
+        raise CheckpointError(f"no checkpoint in {asked} (--save writes trainer_state.json): to "
+                              "start from weights alone, e.g. save_pretrained's, use --init-from")
     _refuse(directory, "is incomplete:",
             [f"{name} is missing" for name in CHECKPOINT_FILES if not (directory / name).is_file()])
     try:
         trainer_state = json.loads((directory / "trainer_state.json").read_text())
-        for name, expected in trainer_state.get("checksums", {}).items():
-            if sha256(directory / name) != expected:
-                raise CheckpointError(f"{directory / name} is damaged: its checksum differs "
-                                      "from the one saved with it; resume from another copy")
+        changed = [name for name, digest in trainer_state.get("checksums", {}).items()
+                   if sha256(directory / name) != digest]
         optimizer: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in load_file(directory / "optimizer.safetensors").items():
             name, state_key = key.split("::")
             optimizer.setdefault(name, {})[state_key] = t
         rng = load_file(directory / "rng.safetensors")
     except (ValueError, TypeError, KeyError, OSError, SafetensorError) as err:
-        if isinstance(err, CheckpointError):
-            raise
         raise CheckpointError(f"{directory} is damaged and cannot be read ({err})") from None
+    _refuse(directory, "is damaged: the checksum saved with it differs for", changed,
+            "; resume from another copy")
     return {**load_pretrained(directory), "optimizer": optimizer, "rng": rng,  # config, model
             "trainer_state": trainer_state, "directory": directory}
 
@@ -225,14 +218,16 @@ def gather_full_state(par) -> tuple[dict, dict]:
     model_state = {name: _tensor_parallel(p, values[p], mesh, True) for name, p in params}
     optimizer_state = {name: {k: _tensor_parallel(p, t, mesh, True) for k, t in states[p].items()}
                        for name, p in params}
-    if mesh.ep_size > 1:  # each rank of rank 0's ep group holds E/ep experts: to rank 0
-        moe.gather_experts(params, model_state, optimizer_state, mesh)
-    if mesh.pp_size > 1:  # each stage's (dp 0, tp 0) rank hands its stage to rank 0
-        mine = (model_state, optimizer_state) if mesh.dp_rank == mesh.tp_rank == 0 else ({}, {})
+    if mesh.pp_size > 1 or mesh.ep_size > 1:  # to rank 0 in one gather: each stage from its
+        # (dp 0, tp 0) rank, the experts that dp ranks 1 .. ep-1 hold (E/ep each) from them
+        sender = mesh.tp_rank == 0 and mesh.edp_rank == 0  # edp_rank 0: dp ranks 0 .. ep-1
+        names = [n for n, p in params if sender and (mesh.dp_rank == 0 or moe.is_expert(p))]
+        mine = ({n: model_state[n] for n in names}, {n: optimizer_state[n] for n in names})
         everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)  # in memory, between our own processes
-        model_state = {k: v for stage, _ in everyone or [] for k, v in stage.items()}
-        optimizer_state = {k: v for _, stage in everyone or [] for k, v in stage.items()}
+        for model_part, optimizer_part in everyone or []:
+            model_state.update(model_part)
+            optimizer_state.update(optimizer_part)
     return model_state, optimizer_state
 
 
