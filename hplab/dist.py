@@ -13,9 +13,8 @@ share a node's fast links), then context parallel, then data parallel, then pipe
 
     rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank
 
-(with cp = 1: pp_rank · (dp · tp) + dp_rank · tp + tp_rank, the 3-D grid). Each rank belongs to
-one group of each family: its `tp` group (same dp, cp and pp coordinates), its `dp` group (same
-tp, cp and pp), and so on. Collectives of a strategy run inside its own family's group only.
+Each rank belongs to one group of each family: its `tp` group (same dp, cp and pp coordinates),
+its `dp` group, and so on. Collectives of a strategy run inside its own family's group only.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import gc
+import importlib
 import itertools
 import multiprocessing
 import os
@@ -54,15 +54,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for worker `rank` of `world_size` on this machine."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
     """Join the process group described by torchrun's environment; return this rank's device:
     its own GPU when each local rank can have one, else the CPU. Without torchrun it forms a
     group of one. `backend` overrides the choice (e.g. "gloo" on a GPU machine)."""
     if not dist.is_initialized():
-        if "LOCAL_RANK" in os.environ:  # torchrun's worker; `train.py --nproc` asked at start
+        if "LOCAL_RANK" in os.environ:  # a launched worker (--nproc ones also watch theirs)
             die_with_launcher()
-        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                               MASTER_PORT=str(free_port())).items():
+        for key, value in torchrun_env(0, 1, free_port()).items():  # a group of one
             os.environ.setdefault(key, value)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     on_gpu = backend != "gloo" and local_rank < torch.cuda.device_count()  # 0 without CUDA
@@ -85,31 +90,35 @@ def new_group(ranks: list[int]):
     return dist.new_group(ranks, timeout=TIMEOUT)
 
 
-def die_with_launcher(launcher_pid: int = 1) -> None:
-    """A worker started by a launcher (torchrun, `train.py --nproc`) must not outlive it: ask
-    Linux to kill this process when its parent dies (PR_SET_PDEATHSIG). A parent that died
-    before we asked has left us to init (pid 1) or, when known, is no longer `launcher_pid`."""
+def die_with_launcher() -> None:
+    """A worker started by torchrun must not outlive it: ask Linux to kill this process when its
+    parent dies (PR_SET_PDEATHSIG). A parent that died before we asked has left us to init."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-        if os.getppid() == 1 or launcher_pid not in (1, os.getppid()):
+        if os.getppid() == 1:
             os._exit(1)
 
 
+# Some torch modules take `group=dist.group.WORLD` as a default argument: imported once the
+# group exists (an optimizer's first use does), they would hold it for good.
+WORLD_DEFAULT_MODULES = ["torch.distributed.checkpoint.optimizer",
+                         "torch.distributed.nn.functional",
+                         "torch.distributed.fsdp.sharded_grad_scaler",
+                         "torch.distributed.optim.zero_redundancy_optimizer"]
+# What every rank imports (torch._dynamo: at an optimizer's first use), imported once by the
+# server that forks the ranks (run_distributed, train.py --nproc): ~3 s of CPU per process.
+PRELOAD = ["torch", "torch._dynamo", "hplab.compose", *WORLD_DEFAULT_MODULES]
+
+
 def import_before_the_group_exists() -> None:
-    """Some torch modules take `group=dist.group.WORLD` as a default argument: imported once the
-    group exists (an optimizer's first use does), they would hold it for good."""
-    import torch.distributed.checkpoint.optimizer  # noqa: F401
-    import torch.distributed.fsdp.sharded_grad_scaler  # noqa: F401
-    import torch.distributed.nn.functional  # noqa: F401
-    import torch.distributed.optim.zero_redundancy_optimizer  # noqa: F401
+    for name in WORLD_DEFAULT_MODULES:
+        importlib.import_module(name)
 
 
 def shutdown() -> None:
-    """Destroy the process groups and join gloo's threads while Python is still alive: a gloo
-    thread lets go of a collective's tensors just *after* the caller's `wait()` returns, taking
-    the GIL, and aborts the process if Python is already finalizing ("terminate called without
-    an active exception"). Threads are joined only when their group is freed, so every
-    Communicator lets go of its group too. `init_distributed` registers this at exit.
+    """Destroy the process groups (every Communicator lets go of its own) while Python is still
+    alive: a gloo thread drops a collective's tensors just *after* `wait()` returns, taking the
+    GIL, and aborts a finalizing process ("terminate called without an active exception").
     Freeing a group joins its threads while holding the GIL: first sleep (without the GIL), so a
     thread still dropping the last collective's tensors can finish, or the two wait forever."""
     if dist.is_initialized():
@@ -178,10 +187,10 @@ class Mesh:
         self.groups = group_ranks(dp, tp, pp, cp)
         # ep: each dp group cut into blocks of ep ranks; edp: the same place in every block
         self.ep_size, self.ep_rank, self.edp_rank = ep, self.dp_rank % ep, self.dp_rank // ep
+        dps = self.groups["dp"]
+        self.groups["ep"] = [d[s:s + ep] for d in dps for s in range(0, dp, ep)]
         if ep > 1:
-            dps = self.groups["dp"]
-            self.groups.update(ep=[d[s:s + ep] for d in dps for s in range(0, dp, ep)],
-                               edp=[d[j::ep] for d in dps for j in range(ep)])
+            self.groups["edp"] = [d[j::ep] for d in dps for j in range(ep)]
         for family, lists in self.groups.items():
             for ranks in lists:  # every rank must create every group, in the same order
                 group = new_group(ranks) if len(ranks) > 1 else None
@@ -189,7 +198,6 @@ class Mesh:
                     setattr(self, family, Communicator(group, family, self.ledger, ranks,
                                                        self.device))
         if ep == 1:  # every expert on every rank: their replicas are the whole dp group
-            self.ep = Communicator(None, "ep", self.ledger, [self.rank], self.device)
             self.edp = self.dp
 
     @classmethod
@@ -204,9 +212,7 @@ class Mesh:
 # --- spawning processes for tests and notebooks --------------------------------------------
 
 def _child(fn, rank, world_size, port, args, results, backend, timeout_s):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(torchrun_env(rank, world_size, port))
     torch.set_num_threads(1)
     try:
         init_distributed(backend, timeout_s)
@@ -224,7 +230,7 @@ def run_distributed(fn, world_size: int, *args, backend: str | None = "gloo",
     function (spawned processes pickle it by name). A child's exception is re-raised here with
     its traceback; a hang becomes a TimeoutError."""
     ctx = multiprocessing.get_context("forkserver")  # forked from a process that has imported
-    ctx.set_forkserver_preload(["torch", "hplab.dist"])  # torch once: ~1.5 s saved per process
+    ctx.set_forkserver_preload(PRELOAD)  # torch & co. once
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, backend,
                                               min(timeout_s, DEFAULT_TIMEOUT_S)))

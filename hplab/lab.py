@@ -1,14 +1,15 @@
 """Notebook helpers: launch a real multi-process job, watch it, read what it measured.
 
-`run = lab.train(nproc=4, dp=4, steps=20)` runs `torchrun hplab/train.py --dp 4 --steps 20
---metrics ...` as four real processes (gloo on CPU, NCCL on GPUs) behind a progress bar and
-returns a `Run`, the metrics file with the views the labs plot (`run.losses`,
-`run.memory_bytes()`, `run.comm_bytes("all_reduce")`, `run.plot_loss()`).
-`lab.collectives(nproc=4)` runs `hplab/collectives_bench.py` the same way and fits the α-β model.
+`run = lab.train(nproc=4, dp=4, steps=20)` runs `python hplab/train.py --nproc 4 --dp 4
+--steps 20 --metrics ...` (train.py launches its ranks as torchrun would) as four real processes
+(gloo on CPU, NCCL on GPUs) behind a progress bar and returns a `Run`, the metrics file with the
+views the labs plot (`run.losses`, `run.memory_bytes()`, `run.comm_bytes("all_reduce")`).
+`lab.collectives(nproc=4)` runs `hplab/collectives_bench.py` under torchrun and fits α and β.
 
-Why processes, not threads in the kernel? That is how training really runs: torchrun sets `RANK`,
-`WORLD_SIZE` and the rendezvous address and each process joins the group from scratch. Their
-output is captured here (a kernel would not see it); a failed or hung job raises LaunchError.
+Why processes, not threads in the kernel? That is how training really runs: the launcher sets
+`RANK`, `WORLD_SIZE` and the rendezvous address and each process joins the group from scratch.
+Their output is captured here (a kernel would not see it); a failed or hung job raises
+LaunchError.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def launch(nproc: int, script: str | Path, args: list[str], label: str | None = 
                PYTHONPATH=os.pathsep.join([str(REPO_DIR), os.environ.get("PYTHONPATH", "")]))
     label = label or f"{Path(script).name} on {nproc} processes"
     draw, start, output = _progress(label, progress), time.monotonic(), bytearray()
-    proc = subprocess.Popen(torchrun_command(nproc, str(script), *args), stdout=subprocess.PIPE,
+    command = ([sys.executable, str(script), "--nproc", str(nproc), *args]  # its own launcher
+               if Path(script).name == "train.py" else torchrun_command(nproc, str(script), *args))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env, cwd=REPO_DIR,
                             start_new_session=True)  # its own process group, to kill as one
     try:
@@ -98,7 +101,7 @@ def launch(nproc: int, script: str | Path, args: list[str], label: str | None = 
                 draw(f"{bar:·<24} {done}/{total}" + (f"  loss {loss[-1]}" if loss else "")
                      + f"  {time.monotonic() - start:.1f} s")
         proc.wait()
-    except BaseException:  # a timeout or an interrupt: kill torchrun's process group
+    except BaseException:  # a timeout or an interrupt: kill the launcher's process group
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -177,7 +180,7 @@ class Run:
 
 def train(nproc: int = 1, progress: bool = True, timeout_s: float = 600.0,
           trace: bool | str = False, **flags) -> Run:
-    """Run `torchrun --nproc_per_node nproc hplab/train.py` with `flags` (python names:
+    """Run `python hplab/train.py --nproc nproc` with `flags` (python names:
     `bucket_mb=1` is `--bucket-mb 1`, `recompute=True` is `--recompute`) and return its Run.
     `trace=True` (or a folder) adds `--trace` (a new temporary folder): see `Run.timeline()`."""
     shown = _flags({k: v for k, v in flags.items() if k not in ("steps", "batch_size", "save",

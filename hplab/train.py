@@ -12,13 +12,6 @@ With the defaults the run finishes in well under a minute on a 2-core laptop:
 
 from __future__ import annotations
 
-if __name__ == "__main__" and not __package__:  # run as a script: import hplab from the repo
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [str(here.parent)] + [p for p in sys.path if p not in ("", str(here))]
-
 import argparse
 import contextlib
 import dataclasses
@@ -29,6 +22,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # run as a script: import hplab from the repo
+    here = Path(__file__).resolve().parent  # (no stdlib name among hplab's modules)
+    sys.path[:] = [str(here.parent)] + [p for p in sys.path if p not in ("", str(here))]
 
 from hplab.formulas import CP_SPLITS, CP_STYLES, LR_DECAYS, SCHEDULES
 from hplab.timeline import Recorder, is_trace_folder
@@ -252,12 +249,11 @@ def preflight(args, world_size: int):
                                              f"resume with {' '.join(changed)}")
     check_outputs(args, checkpoint)
     check_machine(args, config, world_size)
-    dataset = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions)
+    tokens = functools.partial(TokenDataset, args.data, config.tokenizer, config.n_positions)
+    dataset, validation = tokens(), tokens(split="val") if args.eval_every else None
     if dataset.vocab_size > config.vocab_size:
         raise ValueError(f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
                          f"vocabulary of {config.vocab_size}")
-    validation = TokenDataset(args.data, tokenizer=config.tokenizer, seq_len=config.n_positions,
-                              split="val") if args.eval_every else None
     if validation is not None and len(validation) < args.eval_batches * args.batch_size:
         raise ValueError(f"--eval-batches {args.eval_batches} × --batch-size {args.batch_size}"
                          f" exceeds the validation split: {len(validation)} sequences (last 5%)")
@@ -312,10 +308,8 @@ def check_machine(args, config, world_size: int) -> None:
     model = ModelShape(args.model, config.n_layer, config.n_embd, config.n_head,  # hplab's GPT:
                        config.n_positions, config.vocab_size, dropout=False, flash_attention=True,
                        n_experts=config.n_experts, moe_top_k=config.moe_top_k)
-    layout = Layout(args.dp, args.tp, args.pp, args.zero, args.schedule, args.virtual_stages,
-                    args.microbatches, args.batch_size, args.precision,
-                    "full" if args.recompute else "none", args.sequence_parallel, args.offload,
-                    args.cp, args.cp_style, args.ep)
+    layout = Layout(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Layout)  # flags
+                       if f.name != "recompute"}, recompute="full" if args.recompute else "none")
     try:
         planned = plan(model, layout)  # the planner's memory, checked against real runs
     except PlanError:  # a layout it does not model (e.g. a contiguous cp split): no estimate
@@ -335,43 +329,42 @@ def check_machine(args, config, world_size: int) -> None:
 
 
 def launch(args, argv: list[str]) -> int:
-    """`--nproc N` without torchrun: after the checks, start N processes of this file and watch
-    them as torchrun would. When one fails, or on Ctrl-C, all of them are stopped."""
+    """`--nproc N` without torchrun: after the checks, start N processes of this file (with RANK
+    set, they ignore --nproc) and watch them as torchrun would: one fails or Ctrl-C, all stop.
+    They are forked from a server that has imported torch and hplab once (multiprocessing's
+    forkserver), not N fresh interpreters importing them again (~3 s of CPU each)."""
+    import multiprocessing
     import signal
-    import subprocess
 
-    from hplab.dist import die_with_launcher, free_port
+    from hplab.dist import PRELOAD, free_port, torchrun_env
 
-    i = argv.index("--nproc") if "--nproc" in argv else None  # the workers' argv: no --nproc
-    rest = argv[:i] + argv[i + 2:] if i is not None else [a for a in argv if a[:8] != "--nproc="]
-    env = dict(os.environ, WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env.setdefault("OMP_NUM_THREADS", "1")  # N processes share the cores, as under torchrun
-    workers = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *rest],
-                                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                preexec_fn=functools.partial(die_with_launcher, os.getpid()),
-                                start_new_session=True)  # Ctrl-C reaches only this launcher
-               for r in range(args.nproc)]
+    port, threads = free_port(), os.environ.get("OMP_NUM_THREADS", "1")  # N share the cores
+    server = multiprocessing.get_context("forkserver")
+    server.set_forkserver_preload([*PRELOAD, "hplab.train"])
+    workers = [server.Process(target=worker, args=(torchrun_env(r, args.nproc, port), threads,
+                                                   argv, os.getpid())) for r in range(args.nproc)]
+    for w in workers:
+        w.start()
 
     def stop_all() -> None:
         for w in workers:  # SIGCONT after: a stopped process ends on waking, saying nothing
             for sig in (signal.SIGTERM, signal.SIGCONT):
-                if w.poll() is None:
-                    w.send_signal(sig)
+                if w.exitcode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(w.pid, sig)
         deadline = time.monotonic() + 5
         for w in workers:
-            try:
-                w.wait(max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
+            w.join(max(deadline - time.monotonic(), 0.01))
+            if w.exitcode is None:
                 w.kill()
-                w.wait()
+                w.join()
 
     try:  # until one fails or all have finished
-        while not any(w.poll() for w in workers) and any(w.returncode is None for w in workers):
+        while not any(w.exitcode for w in workers) and any(w.is_alive() for w in workers):
             time.sleep(0.1)
-        first = next(((r, w.returncode) for r, w in enumerate(workers) if w.returncode), None)
+        first = next(((r, w.exitcode) for r, w in enumerate(workers) if w.exitcode), None)
         deadline = time.monotonic() + 3  # the others, cut off from it, say why and exit
-        while first and any(w.poll() is None for w in workers) and time.monotonic() < deadline:
+        while first and any(w.is_alive() for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
     except KeyboardInterrupt:
         stop_all()
@@ -386,6 +379,29 @@ def launch(args, argv: list[str]) -> int:
     return code
 
 
+def worker(env: dict, threads: str, argv: list[str], launcher_pid: int) -> None:
+    """One rank of `--nproc N`, just forked: leave the terminal's process group (Ctrl-C goes to
+    the launcher, which stops every rank), end when the launcher ends (however it ends: a
+    thread waits on it), then run as under torchrun."""
+    import ctypes
+    import select
+    import threading
+
+    import torch
+
+    os.setsid()
+    try:
+        launcher = os.pidfd_open(launcher_pid)  # (Linux) readable once the launcher has ended
+    except ProcessLookupError:  # it ended before we could watch it
+        os._exit(1)
+    threading.Thread(target=lambda: select.select([launcher], [], []) and os._exit(1),
+                     daemon=True, name="launcher watch").start()
+    ctypes.CDLL(None).prctl(15, f"hplab-rank{env['RANK']}".encode())  # PR_SET_NAME, for `ps`
+    os.environ.update(env, OMP_NUM_THREADS=threads)
+    torch.set_num_threads(int(threads))  # (torch was imported before the fork)
+    sys.exit(main(argv))
+
+
 def summary_table(metrics: dict) -> str:
     """The end-of-run report: loss, validation loss, throughput; per rank its mesh coordinates,
     memory by kind, and communication by dimension (dp / tp / pp / world) as calls and MiB."""
@@ -393,8 +409,7 @@ def summary_table(metrics: dict) -> str:
     mesh = metrics.get("mesh") or [{"dp_rank": 0, "tp_rank": 0, "pp_rank": 0}] * len(memory)
     where = "dp{dp_rank} tp{tp_rank} pp{pp_rank}" + (" cp{cp_rank}" if metrics.get(
         "context_parallel") else "")
-    heads = [f"  rank {r} {where.format(**c):<15}"
-             for r, c in enumerate(mesh)]
+    heads = [f"  rank {r} {where.format(**c):<15}" for r, c in enumerate(mesh)]
     lines = [f"loss {steps[0]['loss']:.4f} → {steps[-1]['loss']:.4f} over {len(steps)} steps; "
              f"{metrics['tokens_per_s']:,.0f} tokens/s on {metrics['world_size']} processes "
              f"({metrics['backend']})", "",
@@ -477,11 +492,10 @@ def run(args) -> dict | None:
     model = build_model(config, args.seed).to(device)
     par = parallelize(model, mesh, ParallelConfig.from_namespace(args))
     first_step, scaler = 0, par.precision.scaler
-    if args.init_from:  # the weights, cut for this layout; a new optimizer, from step 0
-        checkpoint.load_full_state(par, saved["model"], optimizer_state={})
-    elif saved:  # every rank loads it (the files are local) into this layout
+    if saved:  # every rank cuts its pieces (the files are local); --init-from: weights alone
+        checkpoint.load_full_state(par, saved["model"], saved.get("optimizer", {}))
+    if args.resume:  # (--init-from: a new optimizer, from step 0)
         state, first_step = saved["trainer_state"], saved["trainer_state"]["step"]
-        checkpoint.load_full_state(par, saved["model"], saved["optimizer"])
         checkpoint.restore_rng(saved["rng"])
         if scaler is not None and "loss_scale" in state:
             scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
@@ -530,7 +544,7 @@ def run(args) -> dict | None:
     dist.gather_object(per_rank, gathered, dst=0)
     if not is_rank0:
         return None
-    pipeline = gathered[0]["pipeline"]
+    ranks = columns(gathered)  # {key: [rank 0's, rank 1's, ...]}
     return {
         "version": METRICS_VERSION, "config": vars(args), "world_size": dist.get_world_size(),
         "backend": dist.get_backend(), "device": device.type,
@@ -539,31 +553,30 @@ def run(args) -> dict | None:
         "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["time_s"] for s in timed),
         "experts": None if not config.n_experts else {  # per rank (its tokens), step, layer
             "n_experts": config.n_experts, "top_k": config.moe_top_k, "ep": args.ep,
-            **{key: [[s[key] for s in g["experts"]] for g in gathered]
+            **{key: [[s[key] for s in per_step] for per_step in ranks["experts"]]
                for key in ("tokens_per_expert", "dropped", "slots", "aux_loss")}},
-        **{key: [g[key] for g in gathered] for key in ("memory", "comm", "comm_by_group", "mesh")},
-        "pipeline": None if pipeline is None else {
+        **{key: ranks[key] for key in ("memory", "comm", "comm_by_group", "mesh")},
+        "pipeline": None if args.pp == 1 else {
             "schedule": args.schedule, "stages": args.pp, "microbatches": args.microbatches,
-            "virtual_stages": args.virtual_stages,
-            **{key: [g["pipeline"][key] for g in gathered] for key in pipeline}},
+            "virtual_stages": args.virtual_stages, **columns(ranks["pipeline"])},
         "context_parallel": None if meter is None else {  # per rank (lists), per step
             "cp": args.cp, "style": args.cp_style, "split": args.cp_split,
-            **{key: [g["context_parallel"][key] for g in gathered]
-               for key in gathered[0]["context_parallel"]}},
+            **columns(ranks["context_parallel"])},
     }
+
+
+def columns(rows: list[dict]) -> dict:
+    """One dict per rank -> one list per key: [{"a": 1}, {"a": 2}] -> {"a": [1, 2]}."""
+    return {key: [row[key] for row in rows] for key in rows[0]}
 
 
 def with_flags(err: Exception, argv: list[str]) -> Exception:
     """A refusal from the library names its settings (config fields); say them as the flags
     the user gave, e.g. `--zero 3 --pp 2: not supported: ZeRO-3 with a pipeline ...`."""
-    settings = getattr(err, "settings", ())
+    settings = getattr(err, "settings", ())  # (only after the flags were parsed: they parse)
     if not settings:
         return err
-    try:
-        args = parse_args(argv)
-    except ValueError:
-        return err
-    defaults, shown = build_parser(), []
+    args, defaults, shown = parse_args(argv), build_parser(), []
     for name in settings:
         value, flag = getattr(args, name), "--" + name.replace("_", "-")
         if value != defaults.get_default(name):
@@ -591,11 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (ValueError, RuntimeError, OSError) as err:  # includes LayoutError, CommTimeout
         err = with_flags(err, argv)
-        if dist.is_initialized():  # a rank's own failure, e.g. a timeout: each says its own
-            print(f"hplab: error: rank {rank}: {err}" if rank else f"hplab: error: {err}",
-                  file=sys.stderr)
-        elif rank == 0:
-            print(f"hplab: error: {err}", file=sys.stderr)
+        if dist.is_initialized() or rank == 0:  # started: each rank says its own (a timeout)
+            print(f"hplab: error: {f'rank {rank}: ' if rank else ''}{err}", file=sys.stderr)
         else:  # every rank found the same: rank 0 says it; wait so that the launcher, which
             time.sleep(5)  # stops all ranks when one exits, does not stop rank 0 first
         shutdown()
