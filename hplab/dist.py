@@ -65,7 +65,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     its own GPU when each local rank can have one, else the CPU. Without torchrun it forms a
     group of one. `backend` overrides the choice (e.g. "gloo" on a GPU machine)."""
     if not dist.is_initialized():
-        if "LOCAL_RANK" in os.environ:  # a launched worker (--nproc ones also watch theirs)
+        if "LOCAL_RANK" in os.environ:  # torchrun's worker; `train.py --nproc` asked at start
             die_with_launcher()
         for key, value in torchrun_env(0, 1, free_port()).items():  # a group of one
             os.environ.setdefault(key, value)
@@ -90,12 +90,13 @@ def new_group(ranks: list[int]):
     return dist.new_group(ranks, timeout=TIMEOUT)
 
 
-def die_with_launcher() -> None:
-    """A worker started by torchrun must not outlive it: ask Linux to kill this process when its
-    parent dies (PR_SET_PDEATHSIG). A parent that died before we asked has left us to init."""
+def die_with_launcher(launcher_pid: int = 1) -> None:
+    """A worker started by a launcher (torchrun, `train.py --nproc`) must not outlive it: ask
+    Linux to kill this process when its parent dies (PR_SET_PDEATHSIG). A parent that died
+    before we asked has left us to init (pid 1) or, when known, is no longer `launcher_pid`."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-        if os.getppid() == 1:
+        if os.getppid() == 1 or launcher_pid not in (1, os.getppid()):
             os._exit(1)
 
 
@@ -106,7 +107,7 @@ WORLD_DEFAULT_MODULES = ["torch.distributed.checkpoint.optimizer",
                          "torch.distributed.fsdp.sharded_grad_scaler",
                          "torch.distributed.optim.zero_redundancy_optimizer"]
 # What every rank imports (torch._dynamo: at an optimizer's first use), imported once by the
-# server that forks the ranks (run_distributed, train.py --nproc): ~3 s of CPU per process.
+# server that forks the ranks of run_distributed: ~3 s of CPU per process.
 PRELOAD = ["torch", "torch._dynamo", "hplab.compose", *WORLD_DEFAULT_MODULES]
 
 

@@ -330,41 +330,38 @@ def check_machine(args, config, world_size: int) -> None:
 
 def launch(args, argv: list[str]) -> int:
     """`--nproc N` without torchrun: after the checks, start N processes of this file (with RANK
-    set, they ignore --nproc) and watch them as torchrun would: one fails or Ctrl-C, all stop.
-    They are forked from a server that has imported torch and hplab once (multiprocessing's
-    forkserver), not N fresh interpreters importing them again (~3 s of CPU each)."""
-    import multiprocessing
+    set, they ignore --nproc) and watch them as torchrun would: one fails or Ctrl-C, all stop."""
     import signal
+    import subprocess
 
-    from hplab.dist import PRELOAD, free_port, torchrun_env
+    from hplab.dist import die_with_launcher, free_port, torchrun_env
 
-    port, threads = free_port(), os.environ.get("OMP_NUM_THREADS", "1")  # N share the cores
-    server = multiprocessing.get_context("forkserver")
-    server.set_forkserver_preload([*PRELOAD, "hplab.train"])
-    workers = [server.Process(target=worker, args=(torchrun_env(r, args.nproc, port), threads,
-                                                   argv, os.getpid())) for r in range(args.nproc)]
-    for w in workers:
-        w.start()
+    env, port = {"OMP_NUM_THREADS": "1", **os.environ}, free_port()  # N share the cores
+    workers = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv],
+                                env={**env, **torchrun_env(r, args.nproc, port)},
+                                preexec_fn=functools.partial(die_with_launcher, os.getpid()),
+                                start_new_session=True)  # Ctrl-C reaches only this launcher
+               for r in range(args.nproc)]
 
     def stop_all() -> None:
         for w in workers:  # SIGCONT after: a stopped process ends on waking, saying nothing
             for sig in (signal.SIGTERM, signal.SIGCONT):
-                if w.exitcode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(w.pid, sig)
+                if w.poll() is None:
+                    w.send_signal(sig)
         deadline = time.monotonic() + 5
         for w in workers:
-            w.join(max(deadline - time.monotonic(), 0.01))
-            if w.exitcode is None:
+            try:
+                w.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
                 w.kill()
-                w.join()
+                w.wait()
 
     try:  # until one fails or all have finished
-        while not any(w.exitcode for w in workers) and any(w.is_alive() for w in workers):
+        while not any(w.poll() for w in workers) and any(w.returncode is None for w in workers):
             time.sleep(0.1)
-        first = next(((r, w.exitcode) for r, w in enumerate(workers) if w.exitcode), None)
+        first = next(((r, w.returncode) for r, w in enumerate(workers) if w.returncode), None)
         deadline = time.monotonic() + 3  # the others, cut off from it, say why and exit
-        while first and any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+        while first and any(w.poll() is None for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
     except KeyboardInterrupt:
         stop_all()
@@ -377,29 +374,6 @@ def launch(args, argv: list[str]) -> int:
               + (" (out of memory?)" if code == -signal.SIGKILL else ""), file=sys.stderr)
         return 1
     return code
-
-
-def worker(env: dict, threads: str, argv: list[str], launcher_pid: int) -> None:
-    """One rank of `--nproc N`, just forked: leave the terminal's process group (Ctrl-C goes to
-    the launcher, which stops every rank), end when the launcher ends (however it ends: a
-    thread waits on it), then run as under torchrun."""
-    import ctypes
-    import select
-    import threading
-
-    import torch
-
-    os.setsid()
-    try:
-        launcher = os.pidfd_open(launcher_pid)  # (Linux) readable once the launcher has ended
-    except ProcessLookupError:  # it ended before we could watch it
-        os._exit(1)
-    threading.Thread(target=lambda: select.select([launcher], [], []) and os._exit(1),
-                     daemon=True, name="launcher watch").start()
-    ctypes.CDLL(None).prctl(15, f"hplab-rank{env['RANK']}".encode())  # PR_SET_NAME, for `ps`
-    os.environ.update(env, OMP_NUM_THREADS=threads)
-    torch.set_num_threads(int(threads))  # (torch was imported before the fork)
-    sys.exit(main(argv))
 
 
 def summary_table(metrics: dict) -> str:

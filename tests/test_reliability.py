@@ -48,11 +48,10 @@ def tagged_processes(tag: str) -> list[int]:
     for entry in Path("/proc").iterdir():
         try:
             environ = (entry / "environ").read_bytes().split(b"\0")
-            worker = any(e.startswith(b"LOCAL_RANK=") for e in environ) or (  # torchrun's, or
-                (entry / "comm").read_text().startswith("hplab-rank"))  # forked by --nproc
         except (OSError, ValueError):
             continue
-        if f"HPLAB_FAULT_TAG={tag}".encode() in environ and worker:
+        if f"HPLAB_FAULT_TAG={tag}".encode() in environ and any(
+                e.startswith(b"LOCAL_RANK=") for e in environ):
             pids.append(int(entry.name))
     return pids
 
