@@ -65,7 +65,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     its own GPU when each local rank can have one, else the CPU. Without torchrun it forms a
     group of one. `backend` overrides the choice (e.g. "gloo" on a GPU machine)."""
     if not dist.is_initialized():
-        if "LOCAL_RANK" in os.environ:  # torchrun's worker; `train.py --nproc` asked at start
+        if "LOCAL_RANK" in os.environ:  # a worker of torchrun or of `train.py --nproc`
             die_with_launcher()
         for key, value in torchrun_env(0, 1, free_port()).items():  # a group of one
             os.environ.setdefault(key, value)
@@ -100,19 +100,17 @@ def die_with_launcher(launcher_pid: int = 1) -> None:
             os._exit(1)
 
 
-# Some torch modules take `group=dist.group.WORLD` as a default argument: imported once the
-# group exists (an optimizer's first use does), they would hold it for good.
-WORLD_DEFAULT_MODULES = ["torch.distributed.checkpoint.optimizer",
-                         "torch.distributed.nn.functional",
-                         "torch.distributed.fsdp.sharded_grad_scaler",
-                         "torch.distributed.optim.zero_redundancy_optimizer"]
-# What every rank imports (torch._dynamo: at an optimizer's first use), imported once by the
-# server that forks the ranks of run_distributed: ~3 s of CPU per process.
-PRELOAD = ["torch", "torch._dynamo", "hplab.compose", *WORLD_DEFAULT_MODULES]
+# What every rank imports, imported once by a launcher that forks its ranks (~3 s of CPU each):
+# torch._dynamo, which an optimizer's first step imports, and the torch modules that take
+# `group=dist.group.WORLD` as a default argument (imported after the group exists, they would
+# hold it for good).
+PRELOAD = ["torch", "torch._dynamo", "hplab.compose", "torch.distributed.checkpoint.optimizer",
+           "torch.distributed.nn.functional", "torch.distributed.fsdp.sharded_grad_scaler",
+           "torch.distributed.optim.zero_redundancy_optimizer"]
 
 
 def import_before_the_group_exists() -> None:
-    for name in WORLD_DEFAULT_MODULES:
+    for name in PRELOAD:
         importlib.import_module(name)
 
 

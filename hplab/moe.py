@@ -42,7 +42,6 @@ import functools
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -231,15 +230,3 @@ class RoutingStats:
         now["slots"][index] += routing["slots"]
         now["aux_loss"] += float(layer.aux_loss.detach())
         now["forwards"] += index == 0
-
-
-def gather_experts(named_params, model_state: dict, optimizer_state: dict, mesh) -> None:
-    """For a checkpoint: rank 0 receives, into its single-device dicts, the experts the other
-    ranks of its ep group hold (E/ep each, already under their single-device names)."""
-    experts = [n for n, p in named_params if is_expert(p)] if mesh.edp_rank == 0 else []
-    mine = ({n: model_state[n] for n in experts}, {n: optimizer_state[n] for n in experts})
-    everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0)  # in memory, between our own processes
-    for model_part, optimizer_part in everyone or []:
-        model_state.update(model_part)
-        optimizer_state.update(optimizer_part)

@@ -43,17 +43,22 @@ def no_hplab_traceback(text: str) -> bool:
 
 
 def tagged_processes(tag: str) -> list[int]:
-    """Pids of the training workers carrying `tag` in their environment."""
-    pids = []
-    for entry in Path("/proc").iterdir():
+    """Pids of the training workers carrying `tag` in their environment: the tagged processes
+    whose parent (the launcher: torchrun or train.py --nproc, which forks them) is tagged too."""
+    def tagged(pid) -> bool:
         try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if f"HPLAB_FAULT_TAG={tag}".encode() in environ and any(
-                e.startswith(b"LOCAL_RANK=") for e in environ):
-            pids.append(int(entry.name))
-    return pids
+            return f"HPLAB_FAULT_TAG={tag}".encode() in Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            return False
+
+    def parent(pid) -> str:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            return "0"
+
+    return [int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and tagged(e.name) and tagged(parent(e.name))]
 
 
 def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int = 8,
@@ -69,7 +74,9 @@ def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int
     deadline = time.monotonic() + 90
     while len(workers := tagged_processes(tag)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert len(workers) == 2, "the workers did not start"
+    if len(workers) != 2:  # never leave a run of 100,000 steps behind (its ranks die with it)
+        launcher.kill()
+        pytest.fail(f"the workers did not start: {launcher.communicate()[1][-2000:]}")
     if settle_s:  # into training: every worker has joined the group (gloo's threads run)
         while not all(gloo_threads(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
