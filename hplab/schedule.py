@@ -216,12 +216,14 @@ class Simulation:
 
 
 def simulate(plans: list[list[Action]], f: float | list = 1.0, b: float | list = 1.0,
-             w: float | list = 1.0, latency: float = 0.0) -> Simulation:
+             w: float | list = 1.0, latency: float = 0.0, own: dict | None = None) -> Simulation:
     """Run the action lists with costs per whole stage and microbatch: F = f, B = b (input
     gradient), W = w (weight gradients); a schedule without W runs b + w in its B. A chunk of
     an interleaved stage costs 1/v of that; unequal stages: f, b, w as lists, one cost per
     chunk. A message arrives `latency` after its send. Sends never wait; a computation waits
-    for its input. If no rank can move, DeadlockError names where each rank is stuck."""
+    for its input. If no rank can move, DeadlockError names where each rank is stuck. `own`
+    replays a real run: an action's own cost and a message's own delay, where it has them."""
+    own = own or {}
     p = len(plans)
     v = 1 + max(a.chunk for plan in plans for a in plan) // p
     split = any(a.kind == "W" for plan in plans for a in plan)
@@ -245,8 +247,8 @@ def simulate(plans: list[list[Action]], f: float | list = 1.0, b: float | list =
                     break  # the sender has not got there yet
                 start = clock[r] if key is None else max(clock[r], arrival[key])
                 if a.kind.startswith("send"):
-                    arrival[message_key(a)] = start + latency
-                clock[r] = start + (cost[a.kind][a.chunk] if a.kind in cost else 0.0)
+                    arrival[message_key(a)] = start + own.get(message_key(a), latency)
+                clock[r] = start + own.get(a, cost[a.kind][a.chunk] if a.kind in cost else 0.0)
                 finished.add((a.kind, a.microbatch, a.chunk))
                 timeline[r].append((a, start, clock[r]))
                 pos[r] += 1

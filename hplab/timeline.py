@@ -172,7 +172,9 @@ def hidden_fraction(spans: list[dict], during=("backward",), ops=COMM_OPS) -> fl
 def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list[dict]:
     """Per rank, over the traced steps: `blocked_s` in collectives of `ops` (launching, waiting);
     of it `other_rank_s`, before the last rank launched the same collective (the i-th of each
-    name; one machine, one clock); `core_s`, gloo's threads' wait for a core."""
+    name; one machine, one clock), and `running_s`, the rest of it while gloo's thread ran one
+    after the last rank came (what remains: hand-offs between the caller and gloo's thread);
+    `core_s`, gloo's threads' wait for a core over the steps."""
     timeline, path = read_timeline(directory), Path(directory)
     comm = [[s for s in spans if s["kind"] == "comm" and s["name"].split()[0] in ops]
             for spans in timeline]
@@ -183,6 +185,9 @@ def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list
                       and s["name"].removeprefix("wait ").split()[0] in ops) for spans in timeline]
     early = [_union(dict(start_s=c["start_s"], end_s=t) for c, t in zip(calls, last))
              for calls in comm]
-    return [dict(blocked_s=_length(b), other_rank_s=_length(_intersect(b, e)), core_s=json.loads(
-        (path / f"rank{r}.json").read_text()).get("gloo_queued_s", 0.0))
-        for r, (b, e) in enumerate(zip(blocked, early))]
+    running = [_union(dict(start_s=max(c["start_s"], t), end_s=c["end_s"])
+                      for c, t in zip(calls, last)) for calls in comm]
+    return [dict(blocked_s=_length(b), other_rank_s=_length(_intersect(b, e)),
+                 running_s=_length(bg := _intersect(b, g)) - _length(_intersect(bg, e)),
+                 core_s=json.loads((path / f"rank{r}.json").read_text()).get("gloo_queued_s", 0.0))
+        for r, (b, e, g) in enumerate(zip(blocked, early, running))]

@@ -201,7 +201,7 @@ def simulated_costs(pipeline: dict, per_chunk: bool = False) -> dict:
     """F, B, W costs per whole stage (seconds) for pp.simulate, from a measured trace: the mean
     duration of each kind over all ranks, times the chunks per rank. `per_chunk`: instead, the
     median of each model chunk (real stages differ: the last runs the LM head and the loss),
-    and `latency`, the median delay from a send to the end of the wait it ended."""
+    and `latency`, the median delay of the messages a rank waited for (`measured_actions`)."""
     events = [e for rank in pipeline["trace"] for e in rank]
 
     def seconds(kind: str, chunk: int | None = None) -> list[float]:
@@ -212,23 +212,33 @@ def simulated_costs(pipeline: dict, per_chunk: bool = False) -> dict:
         v = pipeline.get("virtual_stages", 1)
         return {k.lower(): sum(d) / len(d) * v if (d := seconds(k)) else 0.0 for k in "FBW"}
     chunks = range(1 + max(e["chunk"] for e in events))
+    delays = [d for key, d in measured_actions(pipeline).items() if isinstance(key, tuple)]
     return {**{k.lower(): [median(seconds(k, c) or [0.0]) for c in chunks] for k in "FBW"},
-            "latency": median(_message_delays(pipeline["trace"]) or [0.0])}
+            "latency": median(delays or [0.0])}
 
 
-def _message_delays(trace: list[list[dict]]) -> list[float]:
-    """Seconds from each send to the end of a receiver's wait for it (when it arrived)."""
-    sent = {}  # (microbatch, sending chunk) -> send times: its activation's, then its gradient's
-    for e in (e for rank in trace for e in rank if e["kind"] == "send"):
-        sent.setdefault((e["microbatch"], e["chunk"]), []).append(e["start_s"])
-    delays = []
-    for rank in trace:
-        for wait, then in zip(rank, rank[1:]):  # a wait comes right before the F or B it feeds
-            if wait["kind"] == "recv" and wait["end_s"] - wait["start_s"] > 1e-4:  # it waited
-                forward = then["kind"] == "F"  # an activation from the chunk before, else a grad
-                times = sent[wait["microbatch"], wait["chunk"] + (-1 if forward else 1)]
-                delays.append(wait["end_s"] - (times[0] if forward else times[-1]))
-    return delays
+def measured_actions(pipeline: dict) -> dict:
+    """For pp.simulate's `own`: each action of the run's schedule (in order, its trace event)
+    with its measured seconds, and each message a rank waited for (its key) with its delay, from
+    its send to the end of that wait."""
+    from hplab.schedule import build_schedule, input_message, message_key
+
+    p, own, sent, arrived = pipeline, {}, {}, {}
+    for plan, events in zip(build_schedule(p["schedule"], p["stages"], p["microbatches"],
+                                           p["virtual_stages"]), p["trace"]):
+        actions, wait = iter(a for a in plan if not a.kind.startswith("recv")), None
+        for e in events:  # a wait is recorded just before the F or B it feeds
+            if e["kind"] == "recv":
+                wait = e
+                continue
+            a = next(actions)
+            own[a] = e["end_s"] - e["start_s"]
+            if a.kind.startswith("send"):
+                sent[message_key(a)] = e["start_s"]
+            if wait and wait["end_s"] - wait["start_s"] > 1e-4:  # it waited: the message came
+                arrived[input_message(a, p["stages"] * p["virtual_stages"])] = wait["end_s"]
+            wait = None
+    return own | {key: end - sent[key] for key, end in arrived.items()}
 
 
 def plot_simulated_pipeline(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
@@ -265,34 +275,39 @@ def plot_pipeline_gantt(run_or_metrics, axes=None):
     return axes
 
 
-def replayed_bubbles(run_or_metrics) -> list[float]:
+def replayed_bubbles(run_or_metrics, each_action: bool = False) -> list[float]:
     """Each rank's bubble when pp.simulate replays the run's schedule with the costs it measured
-    (`simulated_costs(per_chunk=True)`: each chunk's F, B, W and the message delay)."""
+    (`simulated_costs(per_chunk=True)`: each chunk's F, B, W and the message delay), or with
+    `each_action`, every action's and every awaited message's own (`measured_actions`)."""
     from hplab.pp import build_schedule, simulate
 
     p = _pipeline(run_or_metrics)
     sim = simulate(build_schedule(p["schedule"], p["stages"], p["microbatches"],
-                                  p["virtual_stages"]), **simulated_costs(p, per_chunk=True))
+                                  p["virtual_stages"]), **simulated_costs(p, per_chunk=True),
+                   own=measured_actions(p) if each_action else None)
     return [sim.bubble_fraction(r) for r in range(p["stages"])]
 
 
 def plot_pipeline_bubbles(runs: dict, ax=None):
     """Per run {label: Run or metrics dict with a pipeline trace}: the measured bubble, the
-    schedule replayed with the run's own costs (`replayed_bubbles`) and the formula for equal
-    stages and free messages. Bars: mean over ranks; whiskers: the least and most idle rank."""
-    ax = _axes(ax, figsize=(max(6.4, 1.1 * len(runs) + 2), 4.0))
+    schedule replayed with the run's own costs (`replayed_bubbles`: each action's own, then
+    the medians per chunk) and the formula for equal stages and free messages. Bars: mean over
+    ranks; whiskers: the least and most idle rank."""
+    ax = _axes(ax, figsize=(max(6.4, 1.3 * len(runs) + 2), 4.0))
     for i, run in enumerate(runs.values()):
         p = _pipeline(run)
         formula = bubble_fraction(p["schedule"], p["stages"], p["microbatches"],
                                   p["virtual_stages"])
         for dx, ranks, style, label in (
-                (-0.27, p["bubble_fraction"], dict(color="#4C72B0"), "measured"),
-                (0, replayed_bubbles(run), dict(color="#A1C9F4"),
-                 "simulated with this run's F, B, W per stage and message delay"),
-                (0.27, [formula], dict(color="white", edgecolor="#4C72B0", hatch="//"),
+                (-0.3, p["bubble_fraction"], dict(color="#4C72B0"), "measured"),
+                (-0.1, replayed_bubbles(run, each_action=True), dict(color="#7FA7D9"),
+                 "simulated with every F, B, W and message delay this run measured"),
+                (0.1, replayed_bubbles(run), dict(color="#C6DBF2"),
+                 "simulated with this run's median F, B, W per stage and message delay"),
+                (0.3, [formula], dict(color="white", edgecolor="#4C72B0", hatch="//"),
                  "formula: equal stages, free messages")):
             mean = sum(ranks) / len(ranks)
-            ax.bar(i + dx, mean, 0.27, **style, label=None if i else label,
+            ax.bar(i + dx, mean, 0.2, **style, label=None if i else label,
                    yerr=[[mean - min(ranks)], [max(ranks) - mean]] if len(ranks) > 1 else None,
                    capsize=3)
     ax.plot([], [], "k|", ms=10, label="whiskers: least and most idle rank")

@@ -3,7 +3,7 @@
 Two levels:
   * in this process, on the `tiny` preset: the activations autograd saves in one forward pass,
     and the model states of one real Adam step, against the planner's formulas;
-  * a real 4-rank run of `hplab/train.py` at every ZeRO stage, against the planner's per-kind
+  * a real 4-rank run of `hplab/train.py --nproc 4` at every ZeRO stage, against the planner's per-kind
     model-state bytes and per-microbatch activation bytes. It skips itself until train.py
     exists and accepts the ZeRO stage, and then checks automatically;
   * one short 2-rank run each of context parallel (--cp 2: activations, weights, the ring's
@@ -84,8 +84,8 @@ TRAIN = ROOT / "hplab" / "train.py"
 
 def _run_train(zero: int, tmp_path: Path, *flags: str, nproc: int = 4) -> dict:
     metrics = tmp_path / f"zero{zero}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "hplab/train.py", "--zero", str(zero), "--model", "tiny",
+    cmd = [sys.executable, "hplab/train.py", "--nproc", str(nproc), "--zero", str(zero),
+           "--model", "tiny",
            "--steps", "1", "--metrics", str(metrics), *(flags or ("--dp", "4"))]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -145,9 +145,42 @@ def test_replay_of_a_measured_step_uses_its_stage_costs_and_message_delay():
     assert costs == dict(f=[1, 2], b=[1, 1], w=[0.0, 0.0], latency=0.5)
     measured = [pp.measured_bubble(events, 0.0, 6.0) for events in trace]
     assert viz.replayed_bubbles(run) == pytest.approx(measured) == [2 / 3, 1 / 2]
+    assert viz.replayed_bubbles(run, each_action=True) == pytest.approx(measured)
     plans = pp.build_schedule("interleaved", 2, 4, 2)  # a list gives each of the 4 chunks' cost
     assert pp.simulate(plans, f=[0.5] * 4, b=[1] * 4, w=[0] * 4).makespan == \
         pp.simulate(plans, f=1, b=2, w=0).makespan  # a number: a whole stage's, v chunks share it
+
+
+def test_replaying_each_action_gives_back_a_run_whose_microbatches_differ():
+    """A trace written the way the executor writes one (a wait before the F or B it feeds),
+    from a simulation where every action and message has a cost of its own: the median costs
+    per chunk miss its bubbles, its own costs give them back exactly."""
+    from hplab import viz
+    from hplab.schedule import input_message
+
+    plans = pp.build_schedule("1f1b", 2, 4)
+    own = {a: 1.0 + 0.5 * a.microbatch ** 2 for plan in plans for a in plan if a.kind in "FB"}
+    own |= {pp.message_key(a): 0.2 * (1 + a.microbatch) for plan in plans for a in plan
+            if a.kind.startswith("send")}
+    sim = pp.simulate(plans, own=own)
+    trace = []
+    for lane in sim.timeline:
+        events, clock = [], 0.0
+        for a, start, end in lane:
+            if a.kind.startswith("recv"):
+                continue
+            if a.kind in "FB" and input_message(a, 2) is not None:
+                events.append(dict(kind="recv", microbatch=a.microbatch, chunk=a.chunk,
+                                   start_s=clock, end_s=start))
+            events.append(dict(kind="send" if a.kind.startswith("send") else a.kind,
+                               microbatch=a.microbatch, chunk=a.chunk, start_s=start, end_s=end))
+            clock = end
+        trace.append(events)
+    run = {"pipeline": dict(schedule="1f1b", stages=2, microbatches=4, virtual_stages=1,
+                            trace=trace)}
+    bubbles = [sim.bubble_fraction(r) for r in range(2)]
+    assert viz.replayed_bubbles(run, each_action=True) == pytest.approx(bubbles)
+    assert viz.replayed_bubbles(run) != pytest.approx(bubbles, abs=0.02)
 
 
 def test_schedule_errors_are_clear():
@@ -629,16 +662,15 @@ def test_clear_errors(runs):
 def test_train_py_writes_the_pipeline_trace(tmp_path):
     import json
     import subprocess
+    import sys
     from pathlib import Path
-
-    from hplab.dist import torchrun_command
 
     repo = Path(__file__).resolve().parent.parent
     metrics = tmp_path / "pp.json"
-    command = torchrun_command(4, str(repo / "hplab" / "train.py"), "--pp", "2", "--dp", "2",
-                               "--schedule", "zb-h1", "--microbatches", "4", "--batch-size", "8",
-                               "--steps", "2", "--n-layer", "2", "--n-embd", "32",
-                               "--seq-len", "16", "--no-progress", "--metrics", str(metrics))
+    command = [sys.executable, str(repo / "hplab" / "train.py"), "--nproc", "4", "--pp", "2",
+               "--dp", "2", "--schedule", "zb-h1", "--microbatches", "4", "--batch-size", "8",
+               "--steps", "2", "--n-layer", "2", "--n-embd", "32", "--seq-len", "16",
+               "--no-progress", "--metrics", str(metrics)]
     done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     pipeline = json.loads(metrics.read_text())["pipeline"]

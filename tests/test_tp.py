@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab.dist import run_distributed, torchrun_command
+from hplab.dist import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-5
@@ -649,17 +649,17 @@ def test_plans_cut_every_layer(model_plan, sequence_parallel):
 
 
 def test_command_line_tp_with_sequence_parallel_matches_one_process(tmp_path):
-    """`torchrun --nproc_per_node 2 hplab/train.py --tp 2 --sequence-parallel` logs the loss
-    curve of the single-process run, and writes per-rank memory and comm to the metrics."""
+    """`hplab/train.py --nproc 2 --tp 2 --sequence-parallel` (torchrun's command line, its ranks
+    forked) logs the loss curve of the single-process run, and writes per-rank memory and comm
+    to the metrics."""
     common = ["--steps", "2", "--batch-size", "4", "--n-layer", "2", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     single = subprocess.run([sys.executable, str(REPO / "hplab/train.py"), *common,
                              "--metrics", str(tmp_path / "one.json")],
                             capture_output=True, text=True, env=env, timeout=300)
     assert single.returncode == 0, single.stderr
-    run = subprocess.run(torchrun_command(2, str(REPO / "hplab/train.py"), *common, "--tp", "2",
-                                          "--sequence-parallel",
-                                          "--metrics", str(tmp_path / "tp.json")),
+    run = subprocess.run([sys.executable, str(REPO / "hplab/train.py"), "--nproc", "2", *common,
+                          "--tp", "2", "--sequence-parallel", "--metrics", str(tmp_path / "tp.json")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     one = json.loads((tmp_path / "one.json").read_text())

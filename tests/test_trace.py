@@ -101,13 +101,15 @@ def test_waits_of_a_real_run_on_one_clock(traced):
                        for i, c in enumerate(calls))
         for rank, w in enumerate(waits(traced / name, ops=("all_reduce",))):
             assert 0 <= w["other_rank_s"] <= w["blocked_s"] and w["blocked_s"] > 0, w
+            assert 0 < w["running_s"] <= w["blocked_s"] - w["other_rank_s"] + 1e-9, w
             recorded = json.loads((traced / name / f"rank{rank}.json").read_text())
             assert w["core_s"] == recorded["gloo_queued_s"] >= 0
 
 
 def test_waits_on_hand_made_traces(tmp_path):
     """Rank 0 launches at 0 µs and waits until 10; rank 1 launches at 6 and is done at 10: rank 0
-    was blocked 10 µs, 6 of them before rank 1 arrived; rank 1 was blocked 4, none of them early."""
+    was blocked 10 µs, 6 of them before rank 1 arrived; rank 1 was blocked 4, none of them early.
+    Both were blocked 4 µs while gloo ran the collective with both ranks there."""
     def trace(start, end, queued, op="all_reduce"):
         x = lambda name, a, b, cat="cpu_op": dict(ph="X", name=name, ts=a, dur=b - a,  # noqa
                                                   cat=cat)
@@ -117,8 +119,9 @@ def test_waits_on_hand_made_traces(tmp_path):
     for rank, args in enumerate([(0, 10, 0.5), (6, 10, 0.25)]):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(trace(*args)))
     (r0, r1) = waits(tmp_path)
-    assert r0 == pytest.approx(dict(blocked_s=10e-6, other_rank_s=6e-6, core_s=0.5))
-    assert r1 == pytest.approx(dict(blocked_s=4e-6, other_rank_s=0, core_s=0.25))
+    assert r0 == pytest.approx(dict(blocked_s=10e-6, other_rank_s=6e-6, running_s=4e-6,
+                                    core_s=0.5))
+    assert r1 == pytest.approx(dict(blocked_s=4e-6, other_rank_s=0, running_s=4e-6, core_s=0.25))
     (tmp_path / "rank1.json").write_text(json.dumps(trace(6, 10, 0, "all_gather")))
     with pytest.raises(ValueError, match="launched different collectives"):
         waits(tmp_path)
