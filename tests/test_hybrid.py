@@ -489,12 +489,14 @@ sys.exit(train.main())
 """
 
 
-def _torchrun(nproc: int, script: str, *flags: str, **popen) -> subprocess.Popen:
+def _launch(nproc: int, script: str, *flags: str, **popen) -> subprocess.Popen:
+    """train.py itself through its --nproc (ranks forked: cheaper); another script, torchrun."""
     from hplab.dist import torchrun_command
 
-    return subprocess.Popen(torchrun_command(nproc, script, "--no-progress", "--n-layer", "2",
-                                             "--batch-size", "4", *flags),
-                            cwd=REPO, text=True, **popen)
+    flags = ("--no-progress", "--n-layer", "2", "--batch-size", "4", *flags)
+    command = [sys.executable, script, "--nproc", str(nproc), *flags] if script.endswith(
+        "hplab/train.py") else torchrun_command(nproc, script, *flags)
+    return subprocess.Popen(command, cwd=REPO, text=True, **popen)
 
 
 def _losses(metrics_file: Path) -> dict[int, float]:
@@ -508,11 +510,11 @@ def test_train_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_pat
     script = tmp_path / "stalled_save.py"
     script.write_text(STALLED_SAVE.format(repo=str(REPO)))
     ckpt = tmp_path / "ckpt"
-    killed = _torchrun(2, str(script), "--dp", "2", "--steps", "4", "--save", str(ckpt),
-                       "--save-every", "1", stdout=subprocess.PIPE, start_new_session=True)
-    uninterrupted = _torchrun(2, "hplab/train.py", "--dp", "2", "--steps", "4",
-                              "--metrics", str(tmp_path / "uninterrupted.json"),
-                              stdout=subprocess.DEVNULL)
+    killed = _launch(2, str(script), "--dp", "2", "--steps", "4", "--save", str(ckpt),
+                     "--save-every", "1", stdout=subprocess.PIPE, start_new_session=True)
+    uninterrupted = _launch(2, str(REPO / "hplab/train.py"), "--dp", "2", "--steps", "4",
+                            "--metrics", str(tmp_path / "uninterrupted.json"),
+                            stdout=subprocess.DEVNULL)
     try:
         seen = []
         for line in killed.stdout:  # until the second save is under way (or the run ends)
@@ -528,9 +530,9 @@ def test_train_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_pat
     # the half-written second save is there, aside; the first (after step 1) is intact
     assert [p.name for p in tmp_path.glob(".ckpt.tmp-*")], "the kill did not land mid-save"
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 1
-    resumed = _torchrun(2, "hplab/train.py", "--pp", "2", "--steps", "4", "--resume", str(ckpt),
-                        "--save", str(ckpt), "--metrics", str(tmp_path / "resumed.json"),
-                        stdout=subprocess.DEVNULL)
+    resumed = _launch(2, str(REPO / "hplab/train.py"), "--pp", "2", "--steps", "4",
+                      "--resume", str(ckpt), "--save", str(ckpt),
+                      "--metrics", str(tmp_path / "resumed.json"), stdout=subprocess.DEVNULL)
     assert resumed.wait(timeout=300) == 0
     before, after = _losses(tmp_path / "uninterrupted.json"), _losses(tmp_path / "resumed.json")
     assert sorted(after) == [1, 2, 3]
