@@ -90,13 +90,13 @@ def new_group(ranks: list[int]):
     return dist.new_group(ranks, timeout=TIMEOUT)
 
 
-def die_with_launcher(launcher_pid: int = 1) -> None:
+def die_with_launcher() -> None:
     """A worker started by a launcher (torchrun, `train.py --nproc`) must not outlive it: ask
     Linux to kill this process when its parent dies (PR_SET_PDEATHSIG). A parent that died
-    before we asked has left us to init (pid 1) or, when known, is no longer `launcher_pid`."""
+    before we asked has left us to init (pid 1)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-        if os.getppid() == 1 or launcher_pid not in (1, os.getppid()):
+        if os.getppid() == 1:
             os._exit(1)
 
 

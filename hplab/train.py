@@ -396,8 +396,8 @@ def launch(args, argv: list[str]) -> int:
 
 def run_forked_rank(env: dict[str, str], argv: list[str]):
     """One rank of `--nproc N`, just forked: out of the terminal's process group (Ctrl-C reaches
-    the launcher, which stops every rank), then as under torchrun; it
-    never returns into the launcher's code."""
+    the launcher, which stops every rank), then as under torchrun. It never returns into the
+    launcher's code."""
     import torch
 
     code = 1
