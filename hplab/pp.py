@@ -36,8 +36,9 @@ from hplab.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_f
 from hplab.memory import MemoryLedger
 from hplab.models.gpt import cross_entropy as loss_fn  # noqa: F401 (for torch's pipelining)
 from hplab.schedule import (COMPUTE, Action, DeadlockError, PipelineError, Simulation,  # noqa: F401
-                            add_communication, build_schedule, chunk_owner, measured_bubble,
-                            message_key, one_f_one_b_order, schedule_text, simulate)
+                            add_communication, build_schedule, chunk_owner,
+                            idle_between_actions, measured_bubble, message_key,
+                            one_f_one_b_order, schedule_text, simulate)
 
 
 # --- 1. Stages ------------------------------------------------------------------------------------

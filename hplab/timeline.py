@@ -117,28 +117,34 @@ def _spans(events: list[dict], t0: float) -> list[dict]:
         kind = next((k for p, k in SPAN_KINDS.items() if name.startswith(p)), None)
         if kind is None and e.get("cat") == "user_annotation" and name.startswith(COMM_OPS):
             kind = "launch"  # the Communicator's range: "all_reduce dp 262,144 B"
-            launches.append(name)
+            launches.append((name, e["ts"]))
         if kind == "step":
             numbers.clear()  # buckets are numbered within a step
         if kind == "comm":  # named after the first launch of its op not yet matched
             ops = RUN_AS.get(name[5:], name[5:])
-            i = next((i for i, la in enumerate(launches) if la.startswith(ops)), None)
-            launch = name[5:] if i is None else launches.pop(i)
+            i = next((i for i, (la, _) in enumerate(launches) if la.startswith(ops)), None)
+            launch, launched = (name[5:], e["ts"]) if i is None else launches.pop(i)
             numbers[key := " ".join(launch.split()[:2])] += 1
             name = f"{launch} #{numbers[key]}"
         if kind:
             spans.append(dict(kind=kind, name=name, start_s=(e["ts"] - t0) / 1e6,
                               end_s=(e["ts"] + e.get("dur", 0) - t0) / 1e6))
+        if kind == "comm":  # when the caller's launch of it began
+            spans[-1]["launched_s"] = (launched - t0) / 1e6
     return spans
 
 
 def _union(spans) -> list[tuple[float, float]]:
     """The intervals covered by `spans`, as sorted disjoint (start, end) pairs."""
+    return _merge((s["start_s"], s["end_s"]) for s in spans)
+
+
+def _merge(pairs) -> list[tuple[float, float]]:
     merged = []
-    for start, end in sorted((s["start_s"], s["end_s"]) for s in spans):
+    for start, end in sorted(pairs):
         if merged and start <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
+        elif start < end:
             merged.append((start, end))
     return merged
 
@@ -170,24 +176,36 @@ def hidden_fraction(spans: list[dict], during=("backward",), ops=COMM_OPS) -> fl
 
 
 def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list[dict]:
-    """Per rank, over the traced steps: `blocked_s` in collectives of `ops` (launching, waiting);
-    of it `other_rank_s`, before the last rank launched the same collective (the i-th of each
-    name; one machine, one clock), and `running_s`, the rest of it while gloo's thread ran one
-    after the last rank came (what remains: hand-offs between the caller and gloo's thread);
-    `core_s`, gloo's threads' wait for a core over the steps."""
+    """Per rank, over the traced steps, the time `blocked_s` in collectives of `ops` (launching
+    or waiting), taken apart call by call (the i-th of each name on every rank; one machine,
+    one clock) into what it was blocked by, the first that applies at each instant:
+    `running_s`    gloo's thread ran a call with every rank there;
+    `other_rank_s` gloo's thread had begun a call, the last rank's had not;
+    `launching_s`  launched, gloo's thread had not begun the call (dispatch, or its queue);
+    `waking_s`     a call was done, the caller had not yet returned;
+    and `hidden_s`, the time the call ran with every rank there while this rank was not blocked
+    (it computed), and `core_s`, gloo's threads' wait for a core over the steps (schedstat)."""
     timeline, path = read_timeline(directory), Path(directory)
     comm = [[s for s in spans if s["kind"] == "comm" and s["name"].split()[0] in ops]
             for spans in timeline]
     if any([c["name"] for c in calls] != [c["name"] for c in comm[0]] for calls in comm):
         raise ValueError(f"{directory}: the ranks launched different collectives")
     last = [max(starts) for starts in zip(*([c["start_s"] for c in calls] for calls in comm))]
-    blocked = [_union(s for s in spans if s["kind"] in ("launch", "wait")
-                      and s["name"].removeprefix("wait ").split()[0] in ops) for spans in timeline]
-    early = [_union(dict(start_s=c["start_s"], end_s=t) for c, t in zip(calls, last))
-             for calls in comm]
-    running = [_union(dict(start_s=max(c["start_s"], t), end_s=c["end_s"])
-                      for c, t in zip(calls, last)) for calls in comm]
-    return [dict(blocked_s=_length(b), other_rank_s=_length(_intersect(b, e)),
-                 running_s=_length(bg := _intersect(b, g)) - _length(_intersect(bg, e)),
-                 core_s=json.loads((path / f"rank{r}.json").read_text()).get("gloo_queued_s", 0.0))
-        for r, (b, e, g) in enumerate(zip(blocked, early, running))]
+    result = []
+    for rank, (spans, calls) in enumerate(zip(timeline, comm)):
+        blocked = _union(s for s in spans if s["kind"] in ("launch", "wait")
+                         and s["name"].removeprefix("wait ").split()[0] in ops)
+        returned = [next((e for s, e in blocked if s <= c["end_s"] <= e), c["end_s"])
+                    for c in calls]  # the end of the wait that the call's completion ended
+        phases = dict(running=[(max(c["start_s"], t), c["end_s"]) for c, t in zip(calls, last)],
+                      other_rank=[(c["start_s"], t) for c, t in zip(calls, last)],
+                      launching=[(c["launched_s"], c["start_s"]) for c in calls],
+                      waking=[(c["end_s"], r) for c, r in zip(calls, returned)])
+        times, counted = dict(blocked_s=_length(blocked)), []
+        for name, intervals in phases.items():  # each instant counted once, in this order
+            now = _merge(counted + _intersect(blocked, _merge(intervals)))
+            times[f"{name}_s"], counted = _length(now) - _length(counted), now
+        times["hidden_s"] = _length(_merge(blocked + phases["running"])) - _length(blocked)
+        recorded = json.loads((path / f"rank{rank}.json").read_text())
+        result.append(times | dict(core_s=recorded.get("gloo_queued_s", 0.0)))
+    return result

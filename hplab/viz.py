@@ -221,7 +221,7 @@ def measured_actions(pipeline: dict) -> dict:
     """For pp.simulate's `own`: each action of the run's schedule (in order, its trace event)
     with its measured seconds, and each message a rank waited for (its key) with its delay, from
     its send to the end of that wait."""
-    from hplab.schedule import build_schedule, input_message, message_key
+    from hplab.schedule import WAITED_S, build_schedule, input_message, message_key
 
     p, own, sent, arrived = pipeline, {}, {}, {}
     for plan, events in zip(build_schedule(p["schedule"], p["stages"], p["microbatches"],
@@ -235,7 +235,7 @@ def measured_actions(pipeline: dict) -> dict:
             own[a] = e["end_s"] - e["start_s"]
             if a.kind.startswith("send"):
                 sent[message_key(a)] = e["start_s"]
-            if wait and wait["end_s"] - wait["start_s"] > 1e-4:  # it waited: the message came
+            if wait and wait["end_s"] - wait["start_s"] > WAITED_S:  # the message came
                 arrived[input_message(a, p["stages"] * p["virtual_stages"])] = wait["end_s"]
             wait = None
     return own | {key: end - sent[key] for key, end in arrived.items()}
@@ -288,6 +288,16 @@ def replayed_bubbles(run_or_metrics, each_action: bool = False) -> list[float]:
     return [sim.bubble_fraction(r) for r in range(p["stages"])]
 
 
+def idle_shares(run_or_metrics) -> list[float]:
+    """Each rank's share of the step between its actions (`idle_between_actions`): what the
+    replays leave out."""
+    from hplab.schedule import COMPUTE, idle_between_actions
+
+    trace = _pipeline(run_or_metrics)["trace"]
+    end = max(e["end_s"] for events in trace for e in events if e["kind"] in COMPUTE)
+    return [idle_between_actions(events, 0.0, end) for events in trace]
+
+
 def plot_pipeline_bubbles(runs: dict, ax=None):
     """Per run {label: Run or metrics dict with a pipeline trace}: the measured bubble, the
     schedule replayed with the run's own costs (`replayed_bubbles`: each action's own, then
@@ -310,6 +320,11 @@ def plot_pipeline_bubbles(runs: dict, ax=None):
             ax.bar(i + dx, mean, 0.2, **style, label=None if i else label,
                    yerr=[[mean - min(ranks)], [max(ranks) - mean]] if len(ranks) > 1 else None,
                    capsize=3)
+            if dx == -0.1:  # on top of that replay: what it leaves out, measured on its own
+                idle = idle_shares(run)
+                ax.bar(i + dx, sum(idle) / len(idle), 0.2, bottom=mean, color="white",
+                       edgecolor="#7FA7D9", hatch="..", label=None if i else
+                       "+ each rank's time between its actions (measured): late start, Python")
     ax.plot([], [], "k|", ms=10, label="whiskers: least and most idle rank")
     ax.set_xticks(range(len(runs)), list(runs), rotation=20, ha="right", fontsize=8)
     return _finish(ax, dict(axis="y"), dict(fontsize=7, loc="upper left"), ylim=(0, 1.3),

@@ -151,6 +151,25 @@ def test_replay_of_a_measured_step_uses_its_stage_costs_and_message_delay():
         pp.simulate(plans, f=1, b=2, w=0).makespan  # a number: a whole stage's, v chunks share it
 
 
+def test_idle_between_actions_is_what_no_replay_sees():
+    """Rank 0 starts its step 0.5 after rank 1, pauses 0.5 before a wait of 3 for a message
+    (left out: the message kept it idle anyway) and 0.5 after it: 1 of the step's 6.5 time
+    units. Rank 1 pauses only before a message that was already there. Overlaps count once."""
+    from hplab import viz
+
+    def event(kind, start, end, chunk=0):
+        return dict(kind=kind, microbatch=0, chunk=chunk, start_s=start, end_s=end)
+
+    late = [event("F", 0.5, 1.5), event("send", 1.5, 1.5), event("recv", 2, 5),
+            event("B", 5.5, 6.5)]
+    steady = [event("F", 0, 1.5, 1), event("recv", 2, 2 + 1e-5, 1), event("B", 2, 4, 1),
+              event("send", 3.9, 4.5, 1)]
+    assert pp.idle_between_actions(late, 0.0, 6.5) == pytest.approx(1 / 6.5)
+    assert pp.idle_between_actions(steady) == pytest.approx(0.5 / 4)  # ends at its last B
+    assert viz.idle_shares({"pipeline": dict(trace=[late, steady])}) == pytest.approx(
+        [1 / 6.5, 0.5 / 6.5])
+
+
 def test_replaying_each_action_gives_back_a_run_whose_microbatches_differ():
     """A trace written the way the executor writes one (a wait before the F or B it feeds),
     from a simulation where every action and message has a cost of its own: the median costs

@@ -96,33 +96,38 @@ def test_waits_of_a_real_run_on_one_clock(traced):
         timeline = read_timeline(traced / name)
         comm = [[s for s in spans if s["kind"] == "comm" and " B #" in s["name"]]
                 for spans in timeline]
-        for calls in comm:
-            assert all(c["end_s"] >= max(o[i]["start_s"] for o in comm)
-                       for i, c in enumerate(calls))
+        early = [(c["name"], c["end_s"], max(o[i]["start_s"] for o in comm))
+                 for calls in comm for i, c in enumerate(calls)
+                 if c["end_s"] < max(o[i]["start_s"] for o in comm)]
+        assert not early, f"{name}: (call, its end, the last rank's start) {early}"
         for rank, w in enumerate(waits(traced / name, ops=("all_reduce",))):
-            assert 0 <= w["other_rank_s"] <= w["blocked_s"] and w["blocked_s"] > 0, w
-            assert 0 < w["running_s"] <= w["blocked_s"] - w["other_rank_s"] + 1e-9, w
+            parts = ("launching_s", "other_rank_s", "running_s", "waking_s")
+            assert w["blocked_s"] > 0 and all(w[p] >= 0 for p in parts) and w["running_s"] > 0
+            assert sum(w[p] for p in parts) <= w["blocked_s"] + 1e-9, w
             recorded = json.loads((traced / name / f"rank{rank}.json").read_text())
             assert w["core_s"] == recorded["gloo_queued_s"] >= 0
 
 
 def test_waits_on_hand_made_traces(tmp_path):
-    """Rank 0 launches at 0 µs and waits until 10; rank 1 launches at 6 and is done at 10: rank 0
-    was blocked 10 µs, 6 of them before rank 1 arrived; rank 1 was blocked 4, none of them early.
-    Both were blocked 4 µs while gloo ran the collective with both ranks there."""
-    def trace(start, end, queued, op="all_reduce"):
+    """Each rank's launch takes 1 µs, gloo's thread begins the call 0.5 µs into it, and the
+    caller returns 0.5 µs after the call is done. Rank 0 launches at 0 and waits at once: 0.5
+    launching, 6 for rank 1 (whose gloo begins at 6.5), 3.5 running, 0.5 waking up. Rank 1
+    launches at 6 and computes from 7 to 8 before it waits: that 1 µs of the call is hidden."""
+    def trace(start, waited, queued, op="all_reduce"):
         x = lambda name, a, b, cat="cpu_op": dict(ph="X", name=name, ts=a, dur=b - a,  # noqa
                                                   cat=cat)
         return dict(distributedInfo=dict(world_size=2), gloo_queued_s=queued, traceEvents=[
-            x(f"{op} dp 4 B", start, start + 1, "user_annotation"), x(f"gloo:{op}", start, end),
-            x(f"wait {op} dp", start + 1, end)])
-    for rank, args in enumerate([(0, 10, 0.5), (6, 10, 0.25)]):
+            x(f"{op} dp 4 B", start, start + 1, "user_annotation"),
+            x(f"gloo:{op}", start + 0.5, 10), x(f"wait {op} dp", waited, 10.5)])
+    for rank, args in enumerate([(0, 1, 0.5), (6, 8, 0.25)]):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(trace(*args)))
     (r0, r1) = waits(tmp_path)
-    assert r0 == pytest.approx(dict(blocked_s=10e-6, other_rank_s=6e-6, running_s=4e-6,
-                                    core_s=0.5))
-    assert r1 == pytest.approx(dict(blocked_s=4e-6, other_rank_s=0, running_s=4e-6, core_s=0.25))
-    (tmp_path / "rank1.json").write_text(json.dumps(trace(6, 10, 0, "all_gather")))
+    assert r0 == pytest.approx(dict(blocked_s=10.5e-6, launching_s=0.5e-6, other_rank_s=6e-6,
+                                    running_s=3.5e-6, waking_s=0.5e-6, hidden_s=0, core_s=0.5))
+    assert r1 == pytest.approx(dict(blocked_s=3.5e-6, launching_s=0.5e-6, other_rank_s=0,
+                                    running_s=2.5e-6, waking_s=0.5e-6, hidden_s=1e-6,
+                                    core_s=0.25))
+    (tmp_path / "rank1.json").write_text(json.dumps(trace(6, 8, 0, "all_gather")))
     with pytest.raises(ValueError, match="launched different collectives"):
         waits(tmp_path)
 
