@@ -9,6 +9,11 @@ from hplab.dist import run_distributed
 from hplab.timeline import hidden_fraction, read_timeline, waits
 
 FLAGS = ["--dp", "2", "--steps", "3", "--batch-size", "8", "--no-progress"]
+# Each process converts its profiler's clock (the CPU's time-stamp counter) to wall time on its
+# own, so two ranks' timestamps can disagree by a little: up to 1.5 µs measured here under load
+# (a tiny all-reduce then seems to end just before the other rank began it). A wrong match of
+# calls or a clock per process would be off by far more.
+CLOCKS_AGREE_S = 20e-6
 
 
 def _train_twice(folder):
@@ -91,14 +96,15 @@ def test_hidden_fraction_on_hand_made_spans():
 
 def test_waits_of_a_real_run_on_one_clock(traced):
     """Both ranks' traces count from one clock: no rank's collective completes before the last
-    rank launched it. The waits are parts of the blocked time; gloo's core wait is recorded."""
+    rank launched it, to within CLOCKS_AGREE_S. The waits are parts of the blocked time; gloo's
+    core wait is recorded."""
     for name in ("one", "many"):
         timeline = read_timeline(traced / name)
         comm = [[s for s in spans if s["kind"] == "comm" and " B #" in s["name"]]
                 for spans in timeline]
         early = [(c["name"], c["end_s"], max(o[i]["start_s"] for o in comm))
                  for calls in comm for i, c in enumerate(calls)
-                 if c["end_s"] < max(o[i]["start_s"] for o in comm)]
+                 if c["end_s"] < max(o[i]["start_s"] for o in comm) - CLOCKS_AGREE_S]
         assert not early, f"{name}: (call, its end, the last rank's start) {early}"
         for rank, w in enumerate(waits(traced / name, ops=("all_reduce",))):
             parts = ("launching_s", "other_rank_s", "running_s", "waking_s")
