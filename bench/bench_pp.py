@@ -53,33 +53,50 @@ def batches(n):
 
 
 def hplab_engine(schedule, v):
+    from hplab.compose import ParallelConfig, parallelize
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.compose import ParallelConfig, parallelize
     from hplab.train import build_parser
 
-    args = build_parser().parse_args(["--pp", str(WORLD), "--dp", "1", "--schedule", schedule,
-                                      "--virtual-stages", str(v),
-                                      "--microbatches", str(MICROBATCHES)])
-    return parallelize(build_model(model_config(), seed=0), Mesh.create(pp=WORLD),
-                       ParallelConfig.from_namespace(args))
+    args = build_parser().parse_args(
+        [
+            "--pp",
+            str(WORLD),
+            "--dp",
+            "1",
+            "--schedule",
+            schedule,
+            "--virtual-stages",
+            str(v),
+            "--microbatches",
+            str(MICROBATCHES),
+        ]
+    )
+    return parallelize(
+        build_model(model_config(), seed=0),
+        Mesh.create(pp=WORLD),
+        ParallelConfig.from_namespace(args),
+    )
 
 
 def torch_1f1b():
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from hplab import pp
+    from hplab.compose import make_optimizer
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.compose import make_optimizer
 
     mesh = Mesh.create(pp=WORLD)
     model = build_model(model_config(), seed=0)
     (stage,) = pp.build_stages(model, mesh.pp_rank, WORLD)
     pp.free_unowned_parameters(model, [stage])
     tied = pp.tied_embedding_group(mesh)
-    runner = Schedule1F1B(PipelineStage(stage, mesh.pp_rank, WORLD, mesh.device,
-                                        group=mesh.pp.group), MICROBATCHES, loss_fn=pp.loss_fn)
+    runner = Schedule1F1B(
+        PipelineStage(stage, mesh.pp_rank, WORLD, mesh.device, group=mesh.pp.group),
+        MICROBATCHES,
+        loss_fn=pp.loss_fn,
+    )
     opt = make_optimizer(pp.stage_parameters([stage]), lr=1e-3, weight_decay=0.0)
 
     def step(x, y):
@@ -109,7 +126,7 @@ def _worker():
     theirs, mesh = torch_1f1b()
     times = {"hplab": [], "torch": []}
     for i, (x, y) in enumerate(data):
-        for name in (("hplab", "torch") if i % 2 else ("torch", "hplab")):  # fair: alternate
+        for name in ("hplab", "torch") if i % 2 else ("torch", "hplab"):  # fair: alternate
             mesh.world.barrier()
             start = time.perf_counter()
             train_step(ours, x, y) if name == "hplab" else theirs(x, y)
@@ -126,7 +143,10 @@ def _worker():
         for x, y in data[:3]:
             train_step(engine, x, y)
         out["bubble"][f"{schedule}" + (f" v={v}" if v > 1 else "")] = {
-            "schedule": schedule, "virtual_stages": v, **pipeline_report(engine)}
+            "schedule": schedule,
+            "virtual_stages": v,
+            **pipeline_report(engine),
+        }
     dist.barrier()
     return out
 
@@ -138,14 +158,18 @@ def main() -> dict:
 
     results = run_distributed(_worker, WORLD, timeout_s=900)
     throughput = results[0]["throughput"]
-    summary = {"world_size": WORLD, "microbatches": MICROBATCHES, "model": vars(model_config()),
-               "tokens_per_step": PER_MICROBATCH * MICROBATCHES * SEQ,
-               "tokens_per_s": throughput,
-               "ratio_hplab_over_torch_1f1b": throughput["hplab"] / throughput["torch"],
-               "ratio_best_step": min(results[0]["step_times_s"]["torch"])
-               / min(results[0]["step_times_s"]["hplab"]),
-               "step_times_s": results[0]["step_times_s"],
-               "bubble": {}}
+    summary = {
+        "world_size": WORLD,
+        "microbatches": MICROBATCHES,
+        "model": vars(model_config()),
+        "tokens_per_step": PER_MICROBATCH * MICROBATCHES * SEQ,
+        "tokens_per_s": throughput,
+        "ratio_hplab_over_torch_1f1b": throughput["hplab"] / throughput["torch"],
+        "ratio_best_step": min(results[0]["step_times_s"]["torch"])
+        / min(results[0]["step_times_s"]["hplab"]),
+        "step_times_s": results[0]["step_times_s"],
+        "bubble": {},
+    }
     for label, rank0 in results[0]["bubble"].items():
         schedule, v = rank0["schedule"], rank0["virtual_stages"]
         trace = [r["bubble"][label]["trace"] for r in results]
@@ -161,28 +185,33 @@ def main() -> dict:
             "mean_costs_ms": {k: c * 1e3 / v for k, c in costs.items()},
             "in_flight_max": [r["bubble"][label]["in_flight_max"] for r in results],
             "activation_bytes_in_flight_max": [
-                r["bubble"][label]["activation_bytes_in_flight_max"] for r in results],
+                r["bubble"][label]["activation_bytes_in_flight_max"] for r in results
+            ],
         }
     return summary
 
 
 def table(summary: dict) -> str:
     t = summary["tokens_per_s"]
-    lines = [f"**Throughput, 4 ranks, 1F1B, m={summary['microbatches']}**: hplab "
-             f"{t['hplab']:,.0f} tokens/s, torch.distributed.pipelining Schedule1F1B "
-             f"{t['torch']:,.0f} tokens/s — ratio "
-             f"**{summary['ratio_hplab_over_torch_1f1b']:.2f}** (median step; fastest step "
-             f"of each: {summary['ratio_best_step']:.2f})",
-             "",
-             "| schedule | measured bubble (mean; per rank) | simulated, measured costs | "
-             "formula (F=B=W) | in-flight max per rank |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"**Throughput, 4 ranks, 1F1B, m={summary['microbatches']}**: hplab "
+        f"{t['hplab']:,.0f} tokens/s, torch.distributed.pipelining Schedule1F1B "
+        f"{t['torch']:,.0f} tokens/s — ratio "
+        f"**{summary['ratio_hplab_over_torch_1f1b']:.2f}** (median step; fastest step "
+        f"of each: {summary['ratio_best_step']:.2f})",
+        "",
+        "| schedule | measured bubble (mean; per rank) | simulated, measured costs | "
+        "formula (F=B=W) | in-flight max per rank |",
+        "|---|---|---|---|---|",
+    ]
     for label, b in summary["bubble"].items():
         mean = sum(b["measured"]) / len(b["measured"])
         sim = sum(b["simulated_with_measured_costs"]) / len(b["simulated_with_measured_costs"])
         per_rank = ", ".join(f"{x:.0%}" for x in b["measured"])
-        lines.append(f"| {label} | {mean:.0%} ({per_rank}) | {sim:.0%} | {b['formula']:.0%} | "
-                     f"{b['in_flight_max']} |")
+        lines.append(
+            f"| {label} | {mean:.0%} ({per_rank}) | {sim:.0%} | {b['formula']:.0%} | "
+            f"{b['in_flight_max']} |"
+        )
     return "\n".join(lines)
 
 

@@ -62,8 +62,11 @@ def _permute_qkv_for_contiguous_split(c_attn: nn.Linear, T: int) -> None:
 def _pair(kind: str, comm):
     """(reference, hplab, dtensor) modules computing the same function."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from hplab import tp
     from hplab.models.gpt import Block, GPTConfig
@@ -82,14 +85,23 @@ def _pair(kind: str, comm):
     for p in ref.parameters():  # non-trivial biases and norms, so every piece is checked
         nn.init.normal_(p, 0.0, 0.05 if p.dim() > 1 else 0.2)
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
-    block_plan = {name.removeprefix("transformer.h.*."): style  # GPT_PLAN's entries for a block
-                  for name, style in tp.GPT_PLAN.items() if name.startswith("transformer.h.")}
+    block_plan = {
+        name.removeprefix("transformer.h.*."): style  # GPT_PLAN's entries for a block
+        for name, style in tp.GPT_PLAN.items()
+        if name.startswith("transformer.h.")
+    }
     tp.parallelize(ours, comm, block_plan)
     _permute_qkv_for_contiguous_split(theirs.attn.c_attn, T)
-    parallelize_module(theirs, mesh, {"attn.c_attn": ColwiseParallel(),
-                                      "attn.c_proj": RowwiseParallel(),
-                                      "mlp.c_fc": ColwiseParallel(),
-                                      "mlp.c_proj": RowwiseParallel()})
+    parallelize_module(
+        theirs,
+        mesh,
+        {
+            "attn.c_attn": ColwiseParallel(),
+            "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(),
+        },
+    )
     theirs.attn.n_head //= T
     return ref, ours, theirs
 
@@ -108,8 +120,11 @@ def _throughput(kind: str, comm, steps: int) -> dict:
         times["dtensor"].append(_timed(theirs, x))
     tokens = BATCH * SEQ
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
-    return {"tokens_per_s": tps, "ratio": tps["hplab"] / tps["dtensor"],
-            "max_rel_err_vs_one_process": check}
+    return {
+        "tokens_per_s": tps,
+        "ratio": tps["hplab"] / tps["dtensor"],
+        "max_rel_err_vs_one_process": check,
+    }
 
 
 def _param_bytes(comm) -> list[dict]:
@@ -118,11 +133,15 @@ def _param_bytes(comm) -> list[dict]:
     from hplab.models.gpt import build_model, config_from_preset
 
     out = []
-    for name, overrides in (("tiny", {}), ("tiny, vocab 2049 (padded)", None),
-                            ("n_embd 256, 4 layers", {"n_embd": 256})):
+    for name, overrides in (
+        ("tiny", {}),
+        ("tiny, vocab 2049 (padded)", None),
+        ("n_embd 256, 4 layers", {"n_embd": 256}),
+    ):
         config = config_from_preset("tiny", **(overrides or {}))
         if overrides is None:
             from dataclasses import replace
+
             config = replace(config, vocab_size=2049)
         model = build_model(config, 0)
         full = {n: p.numel() * 4 for n, p in model.named_parameters()}
@@ -130,12 +149,19 @@ def _param_bytes(comm) -> list[dict]:
         split_names = {n for n, p in model.named_parameters() if tp.is_split(p)}
         padded_vocab = -(-config.vocab_size // comm.size) * comm.size
         padding = (padded_vocab - config.vocab_size) * config.n_embd * 4
-        expected = ((sum(full[n] for n in split_names) + padding) // comm.size
-                    + sum(b for n, b in full.items() if n not in split_names))
+        expected = (sum(full[n] for n in split_names) + padding) // comm.size + sum(
+            b for n, b in full.items() if n not in split_names
+        )
         measured = MemoryLedger().measure({"params": list(model.parameters())})["params"]
-        out.append({"model": name, "single_process_bytes": sum(full.values()),
-                    "measured_bytes_per_rank": measured, "formula_bytes_per_rank": expected,
-                    "split_fraction": sum(full[n] for n in split_names) / sum(full.values())})
+        out.append(
+            {
+                "model": name,
+                "single_process_bytes": sum(full.values()),
+                "measured_bytes_per_rank": measured,
+                "formula_bytes_per_rank": expected,
+                "split_fraction": sum(full[n] for n in split_names) / sum(full.values()),
+            }
+        )
     return out
 
 
@@ -149,8 +175,7 @@ def _activations_and_comm(comm, ledger) -> dict:
     for name in ("one process", "tp", "tp + sequence parallel"):
         model = build_model(config, 0)
         if name != "one process":
-            tp.parallelize(model, comm, tp.GPT_PLAN,
-                           sequence_parallel=name.endswith("parallel"))
+            tp.parallelize(model, comm, tp.GPT_PLAN, sequence_parallel=name.endswith("parallel"))
         s = SEQ // comm.size if name.endswith("parallel") else SEQ
         hidden = torch.randn(BATCH, s, config.n_embd, requires_grad=True)
         memory = MemoryLedger()
@@ -160,8 +185,11 @@ def _activations_and_comm(comm, ledger) -> dict:
         y.sum().backward()
         activations[name] = memory.activation_bytes
         comm_per_block[name] = ledger.by_group_dict().get("tp", {})
-    return {"activation_bytes_per_block": activations, "comm_per_block": comm_per_block,
-            "bsh_bytes": BATCH * SEQ * config.n_embd * 4}
+    return {
+        "activation_bytes_per_block": activations,
+        "comm_per_block": comm_per_block,
+        "bsh_bytes": BATCH * SEQ * config.n_embd * 4,
+    }
 
 
 def worker(steps: int) -> dict:
@@ -169,34 +197,53 @@ def worker(steps: int) -> dict:
 
     torch.set_num_threads(1)
     mesh = Mesh.create(dp=1, tp=WORLD, pp=1)
-    return {"throughput": {k: _throughput(k, mesh.tp, steps) for k in ("mlp", "block")},
-            "params": _param_bytes(mesh.tp),
-            **_activations_and_comm(mesh.tp, mesh.ledger)}
+    return {
+        "throughput": {k: _throughput(k, mesh.tp, steps) for k in ("mlp", "block")},
+        "params": _param_bytes(mesh.tp),
+        **_activations_and_comm(mesh.tp, mesh.ledger),
+    }
 
 
 def table(r: dict) -> str:
     MiB = 2**20
-    lines = [f"TP on {WORLD} ranks, {BATCH}×{SEQ} tokens, forward + backward",
-             "", "| module | hplab tokens/s | DTensor tokens/s | ratio "
-             "| max rel err hplab / DTensor |",
-             "|---|---:|---:|---:|---|"]
+    lines = [
+        f"TP on {WORLD} ranks, {BATCH}×{SEQ} tokens, forward + backward",
+        "",
+        "| module | hplab tokens/s | DTensor tokens/s | ratio | max rel err hplab / DTensor |",
+        "|---|---:|---:|---:|---|",
+    ]
     for k, t in r["throughput"].items():
         e = t["max_rel_err_vs_one_process"]
-        lines.append(f"| {k} (h={SHAPES[k]['n_embd']}) | {t['tokens_per_s']['hplab']:,.0f} | "
-                     f"{t['tokens_per_s']['dtensor']:,.0f} | {t['ratio']:.2f} | "
-                     f"{e['hplab']:.1e} / {e['dtensor']:.1e} |")
-    lines += ["", "| model | params, 1 process | measured per rank | formula per rank | "
-              "split share |", "|---|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {k} (h={SHAPES[k]['n_embd']}) | {t['tokens_per_s']['hplab']:,.0f} | "
+            f"{t['tokens_per_s']['dtensor']:,.0f} | {t['ratio']:.2f} | "
+            f"{e['hplab']:.1e} / {e['dtensor']:.1e} |"
+        )
+    lines += [
+        "",
+        "| model | params, 1 process | measured per rank | formula per rank | split share |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for p in r["params"]:
-        lines.append(f"| {p['model']} | {p['single_process_bytes']:,} | "
-                     f"{p['measured_bytes_per_rank']:,} | {p['formula_bytes_per_rank']:,} | "
-                     f"{p['split_fraction']:.0%} |")
+        lines.append(
+            f"| {p['model']} | {p['single_process_bytes']:,} | "
+            f"{p['measured_bytes_per_rank']:,} | {p['formula_bytes_per_rank']:,} | "
+            f"{p['split_fraction']:.0%} |"
+        )
     a = r["activation_bytes_per_block"]
-    lines += ["", "| one block (h=256, 8 heads) | activation MiB per rank | tp collectives "
-              "(calls × b·s·h) |", "|---|---:|---|"]
+    lines += [
+        "",
+        "| one block (h=256, 8 heads) | activation MiB per rank | tp collectives (calls × b·s·h) |",
+        "|---|---:|---|",
+    ]
     for name, nbytes in a.items():
-        ops = ", ".join(f"{d['calls']} {op} ({d['bytes'] / r['bsh_bytes']:.0f})"
-                        for op, d in r["comm_per_block"][name].items()) or "none"
+        ops = (
+            ", ".join(
+                f"{d['calls']} {op} ({d['bytes'] / r['bsh_bytes']:.0f})"
+                for op, d in r["comm_per_block"][name].items()
+            )
+            or "none"
+        )
         lines.append(f"| {name} | {nbytes / MiB:.2f} | {ops} |")
     return "\n".join(lines)
 
@@ -210,8 +257,14 @@ def main() -> None:
 
     steps = 5 if args.quick else 20
     result = run_distributed(worker, WORLD, steps)[0]
-    result["config"] = {"world": WORLD, "batch": BATCH, "seq": SEQ, "timed_steps": steps,
-                        "torch": torch.__version__, "threads_per_rank": 1}
+    result["config"] = {
+        "world": WORLD,
+        "batch": BATCH,
+        "seq": SEQ,
+        "timed_steps": steps,
+        "torch": torch.__version__,
+        "threads_per_rank": 1,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(table(result))

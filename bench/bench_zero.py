@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import MODELS, rss_bytes  # noqa: E402  (bench/ is on sys.path as the script dir)
+
 from hplab.memory import peak_rss_bytes  # noqa: E402
 
 PAIRS = {"zero3": ("hplab-zero3", "torch-fsdp2"), "zero1": ("hplab-zero1", "torch-zero1")}
@@ -47,8 +48,9 @@ def make_optimizer(params, lr: float, weight_decay: float):
     """The AdamW every side uses (hplab's training settings)."""
     import torch
 
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
-                             foreach=False)
+    return torch.optim.AdamW(
+        params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, foreach=False
+    )
 
 
 def build(impl: str, model, mesh, lr: float = 1e-3):
@@ -58,13 +60,22 @@ def build(impl: str, model, mesh, lr: float = 1e-3):
     if impl == "hplab-zero1":  # the tutorial loop, no DDP: the optimizer averages the grads
         from hplab.zero import ZeroOptimizer
 
-        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, mesh.dp, stage=1, lr=lr,
-                            betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
+        opt = ZeroOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            mesh.dp,
+            stage=1,
+            lr=lr,
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+            foreach=False,
+        )
 
         def step(x, y):
             model(x, y)[1].backward()
             opt.step()
             opt.zero_grad()
+
         return step
 
     if impl == "hplab-zero3":  # the same tutorial loop as FSDP2's below
@@ -90,13 +101,20 @@ def build(impl: str, model, mesh, lr: float = 1e-3):
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model)
-        opt = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW,
-                                      lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
+        opt = ZeroRedundancyOptimizer(
+            wrapped.parameters(),
+            optimizer_class=torch.optim.AdamW,
+            lr=lr,
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+            foreach=False,
+        )
 
     def step(x, y):
         wrapped(x, y)[1].backward()
         opt.step()
         opt.zero_grad()
+
     return step
 
 
@@ -113,11 +131,15 @@ def worker(impl: str, model_name: str, steps: int, batch: int, out: str) -> None
     config = config_from_preset("tiny", **MODELS[model_name])
     ds = TokenDataset("shakespeare", seq_len=config.n_positions)
     n, rank = mesh.dp_size, mesh.dp_rank
-    batches = [get_batch(ds, shard_for_rank(global_batch_indices(len(ds), s, batch, 0), rank, n))
-               for s in range(steps)]
+    batches = [
+        get_batch(ds, shard_for_rank(global_batch_indices(len(ds), s, batch, 0), rank, n))
+        for s in range(steps)
+    ]
     batches = [(x.to(device), y.to(device)) for x, y in batches]
-    import torch.distributed.device_mesh, torch.distributed.fsdp  # noqa: E401,F401
-    import torch.distributed.optim, torch.nn.parallel  # noqa: E401,F401
+    import torch.distributed.device_mesh  # noqa: E401,F401
+    import torch.distributed.fsdp
+    import torch.distributed.optim  # noqa: E401,F401
+    import torch.nn.parallel
 
     import hplab.zero  # noqa: F401
 
@@ -135,10 +157,15 @@ def worker(impl: str, model_name: str, steps: int, batch: int, out: str) -> None
         step(x, y)
     dist.barrier()
     elapsed = time.perf_counter() - start
-    result = {"tokens_per_s": (steps - warmup) * batch * config.n_positions / elapsed,
-              "peak_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                             else peak_rss_bytes() - baseline),
-              "num_params": config.num_params()}
+    result = {
+        "tokens_per_s": (steps - warmup) * batch * config.n_positions / elapsed,
+        "peak_bytes": (
+            torch.cuda.max_memory_allocated(device)
+            if device.type == "cuda"
+            else peak_rss_bytes() - baseline
+        ),
+        "num_params": config.num_params(),
+    }
     gathered = [None] * n
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -150,8 +177,20 @@ def launch(nproc, impl, model_name, steps, batch) -> list[dict]:
     from hplab.dist import torchrun_command
 
     out = ROOT / "bench" / "results" / f".tmp_zero_{impl}.json"
-    cmd = torchrun_command(nproc, __file__, "--worker", impl, "--model", model_name,
-                           "--steps", str(steps), "--batch", str(batch), "--out", str(out))
+    cmd = torchrun_command(
+        nproc,
+        __file__,
+        "--worker",
+        impl,
+        "--model",
+        model_name,
+        "--steps",
+        str(steps),
+        "--batch",
+        str(batch),
+        "--out",
+        str(out),
+    )
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
     result = json.loads(out.read_text())
     out.unlink()
@@ -181,36 +220,50 @@ def main() -> None:
             runs = {ours: [], theirs: []}
             for _ in range(args.repeats):
                 for impl in runs:  # alternate, so both see the same machine
-                    runs[impl].append(launch(args.nproc, impl, model_name, args.steps,
-                                             args.batch))
+                    runs[impl].append(launch(args.nproc, impl, model_name, args.steps, args.batch))
             med = lambda impl, key: statistics.median(  # noqa: E731
-                statistics.mean(r[key] for r in run) for run in runs[impl])
-            rows.append({
-                "model": model_name, "num_params": runs[ours][-1][0]["num_params"],
-                "nproc": args.nproc, "hplab": ours, "torch": theirs,
-                "hplab_tokens_per_s": med(ours, "tokens_per_s"),
-                "torch_tokens_per_s": med(theirs, "tokens_per_s"),
-                "tokens_per_s_ratio": med(ours, "tokens_per_s") / med(theirs, "tokens_per_s"),
-                "hplab_peak_bytes": med(ours, "peak_bytes"),
-                "torch_peak_bytes": med(theirs, "peak_bytes"),
-                "peak_memory_ratio": med(ours, "peak_bytes") / med(theirs, "peak_bytes"),
-            })
-    results = {"benchmark": "hplab ZeRO-3 vs FSDP2, hplab ZeRO-1 vs ZeroRedundancyOptimizer",
-               "command": "python bench/bench_zero.py", "repeats": args.repeats,
-               "steps_timed": args.steps - 3, "global_batch": args.batch,
-               "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores",
-               "rows": rows}
+                statistics.mean(r[key] for r in run) for run in runs[impl]
+            )
+            rows.append(
+                {
+                    "model": model_name,
+                    "num_params": runs[ours][-1][0]["num_params"],
+                    "nproc": args.nproc,
+                    "hplab": ours,
+                    "torch": theirs,
+                    "hplab_tokens_per_s": med(ours, "tokens_per_s"),
+                    "torch_tokens_per_s": med(theirs, "tokens_per_s"),
+                    "tokens_per_s_ratio": med(ours, "tokens_per_s") / med(theirs, "tokens_per_s"),
+                    "hplab_peak_bytes": med(ours, "peak_bytes"),
+                    "torch_peak_bytes": med(theirs, "peak_bytes"),
+                    "peak_memory_ratio": med(ours, "peak_bytes") / med(theirs, "peak_bytes"),
+                }
+            )
+    results = {
+        "benchmark": "hplab ZeRO-3 vs FSDP2, hplab ZeRO-1 vs ZeroRedundancyOptimizer",
+        "command": "python bench/bench_zero.py",
+        "repeats": args.repeats,
+        "steps_timed": args.steps - 3,
+        "global_batch": args.batch,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} CPU cores",
+        "rows": rows,
+    }
     path = ROOT / "bench" / "results" / "zero.json"
     path.write_text(json.dumps(results, indent=1))
-    print("| model | params | hplab | PyTorch | tokens/s hplab | tokens/s PyTorch | ratio "
-          "| peak mem hplab | peak mem PyTorch | ratio |")
+    print(
+        "| model | params | hplab | PyTorch | tokens/s hplab | tokens/s PyTorch | ratio "
+        "| peak mem hplab | peak mem PyTorch | ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     MiB = 2**20
     for r in rows:
-        print(f"| {r['model']} | {r['num_params'] / 1e6:.2f} M | {r['hplab']} | {r['torch']} "
-              f"| {r['hplab_tokens_per_s']:,.0f} | {r['torch_tokens_per_s']:,.0f} "
-              f"| {r['tokens_per_s_ratio']:.2f} | {r['hplab_peak_bytes'] / MiB:.1f} MiB "
-              f"| {r['torch_peak_bytes'] / MiB:.1f} MiB | {r['peak_memory_ratio']:.2f} |")
+        print(
+            f"| {r['model']} | {r['num_params'] / 1e6:.2f} M | {r['hplab']} | {r['torch']} "
+            f"| {r['hplab_tokens_per_s']:,.0f} | {r['torch_tokens_per_s']:,.0f} "
+            f"| {r['tokens_per_s_ratio']:.2f} | {r['hplab_peak_bytes'] / MiB:.1f} MiB "
+            f"| {r['torch_peak_bytes'] / MiB:.1f} MiB | {r['peak_memory_ratio']:.2f} |"
+        )
     print(f"\nwritten to {path}")
 
 

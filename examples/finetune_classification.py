@@ -50,12 +50,15 @@ def labelled_lines(seed: int) -> tuple[list, list]:
     train, test = [], []
     for label, title in enumerate(PLAYS):
         lines = [line.strip() for line in plays[title].splitlines()]
-        lines = [line for line in lines  # dialogue: not "[Exit.]", not "HAMLET." on its own
-                 if len(line) >= 20 and not line.startswith("[") and not line.isupper()]
+        lines = [
+            line
+            for line in lines  # dialogue: not "[Exit.]", not "HAMLET." on its own
+            if len(line) >= 20 and not line.startswith("[") and not line.isupper()
+        ]
         n = LINES_PER_EXAMPLE  # consecutive lines, joined: an example
-        lines = [" ".join(lines[i:i + n]) for i in range(0, len(lines) - n + 1, n)]
+        lines = [" ".join(lines[i : i + n]) for i in range(0, len(lines) - n + 1, n)]
         order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(seed + label))
-        chosen = [(lines[i], label) for i in order[:TRAIN_PER_PLAY + TEST_PER_PLAY].tolist()]
+        chosen = [(lines[i], label) for i in order[: TRAIN_PER_PLAY + TEST_PER_PLAY].tolist()]
         train += chosen[:TRAIN_PER_PLAY]
         test += chosen[TRAIN_PER_PLAY:]
     return train, test
@@ -65,9 +68,11 @@ def encode(tokenizer, examples: list, seq_len: int) -> dict:
     """Token ids cut to `seq_len` and padded on the right with <|endoftext|>, the mask, labels."""
     pad = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
     ids = [tokenizer.encode(line)[:seq_len] for line, _ in examples]
-    return {"input_ids": torch.tensor([i + [pad] * (seq_len - len(i)) for i in ids]),
-            "attention_mask": torch.tensor([[1] * len(i) + [0] * (seq_len - len(i)) for i in ids]),
-            "labels": torch.tensor([label for _, label in examples])}
+    return {
+        "input_ids": torch.tensor([i + [pad] * (seq_len - len(i)) for i in ids]),
+        "attention_mask": torch.tensor([[1] * len(i) + [0] * (seq_len - len(i)) for i in ids]),
+        "labels": torch.tensor([label for _, label in examples]),
+    }
 
 
 def parameter_groups(model, weight_decay: float) -> list:
@@ -75,9 +80,10 @@ def parameter_groups(model, weight_decay: float) -> list:
     names): weight decay on the matrices, none on biases and LayerNorm (ln_*) weights."""
     no_decay = [name.endswith("bias") or ".ln_" in name for name, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
-    return [{"params": [p for p, nd in zip(params, no_decay) if not nd],
-             "weight_decay": weight_decay},
-            {"params": [p for p, nd in zip(params, no_decay) if nd], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p, nd in zip(params, no_decay) if not nd], "weight_decay": weight_decay},
+        {"params": [p for p, nd in zip(params, no_decay) if nd], "weight_decay": 0.0},
+    ]
 
 
 @torch.no_grad()
@@ -114,8 +120,9 @@ def finetune(args, train: dict, test: dict, pad_id: int) -> dict:
         hplab.fully_shard(model)
     groups = parameter_groups(model, args.weight_decay)
     if args.wrap in ("zero1", "zero2"):  # like ZeroRedundancyOptimizer(params, AdamW, ...)
-        optimizer = hplab.ZeroOptimizer(groups, torch.optim.AdamW, stage=int(args.wrap[-1]),
-                                        lr=args.lr)
+        optimizer = hplab.ZeroOptimizer(
+            groups, torch.optim.AdamW, stage=int(args.wrap[-1]), lr=args.lr
+        )
     else:
         optimizer = torch.optim.AdamW(groups, lr=args.lr)
     steps_per_epoch = len(train["labels"]) // args.batch_size
@@ -125,9 +132,11 @@ def finetune(args, train: dict, test: dict, pad_id: int) -> dict:
     before, losses, start = accuracy(model, test), [], time.perf_counter()
     for step in range(total):
         epoch, i = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(train["labels"]),  # the same order on every rank
-                               generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-        batch = order[i * args.batch_size:(i + 1) * args.batch_size]
+        order = torch.randperm(
+            len(train["labels"]),  # the same order on every rank
+            generator=torch.Generator().manual_seed(args.seed * 1000 + epoch),
+        )
+        batch = order[i * args.batch_size : (i + 1) * args.batch_size]
         mine = batch[rank::world]  # this rank's share of the global batch
         loss = model(**{k: v[mine] for k, v in train.items()}).loss
         loss.backward()
@@ -137,9 +146,15 @@ def finetune(args, train: dict, test: dict, pad_id: int) -> dict:
         mean = loss.detach().reshape(1)
         dist.all_reduce(mean)  # for printing only: the global batch's mean loss
         losses.append(mean.item() / world)
-    return {"wrap": args.wrap, "processes": world, "steps": total, "losses": losses,
-            "accuracy_before": before, "accuracy_after": accuracy(model, test),
-            "train_seconds": time.perf_counter() - start}
+    return {
+        "wrap": args.wrap,
+        "processes": world,
+        "steps": total,
+        "losses": losses,
+        "accuracy_before": before,
+        "accuracy_after": accuracy(model, test),
+        "train_seconds": time.perf_counter() - start,
+    }
 
 
 def check_init(directory: str) -> tuple[str, int]:
@@ -147,8 +162,10 @@ def check_init(directory: str) -> tuple[str, int]:
     a ValueError that says why if there is none."""
     config_path = Path(directory) / "config.json"
     if not config_path.is_file() or not (Path(directory) / "model.safetensors").is_file():
-        raise ValueError(f"{directory} is not a GPT-2 directory: it needs config.json and "
-                         "model.safetensors (train.py --save DIR writes both)")
+        raise ValueError(
+            f"{directory} is not a GPT-2 directory: it needs config.json and "
+            "model.safetensors (train.py --save DIR writes both)"
+        )
     try:
         config = json.loads(config_path.read_text())
     except (ValueError, UnicodeDecodeError):
@@ -161,8 +178,10 @@ def check_init(directory: str) -> tuple[str, int]:
         name = by_vocab.get(config.get("vocab_size"))
     if name is None:
         known = ", ".join(f"{n}: {v}" for v, n in by_vocab.items())
-        raise ValueError(f"{config_path}: vocab_size {config.get('vocab_size')} matches no "
-                         f"shipped tokenizer ({known})")
+        raise ValueError(
+            f"{config_path}: vocab_size {config.get('vocab_size')} matches no "
+            f"shipped tokenizer ({known})"
+        )
     return name, int(config.get("n_positions", SEQ_LEN))
 
 
@@ -179,11 +198,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args(argv)
     try:
-        if args.nproc < 1 or args.epochs < 1 or args.batch_size % args.nproc or not (
-                args.nproc <= args.batch_size <= 2 * TRAIN_PER_PLAY):
-            raise ValueError(f"need --nproc >= 1, --epochs >= 1 and a --batch-size of at most "
-                             f"{2 * TRAIN_PER_PLAY} that {args.nproc} processes share equally; "
-                             f"got {args.nproc}, {args.epochs}, {args.batch_size}")
+        if (
+            args.nproc < 1
+            or args.epochs < 1
+            or args.batch_size % args.nproc
+            or not (args.nproc <= args.batch_size <= 2 * TRAIN_PER_PLAY)
+        ):
+            raise ValueError(
+                f"need --nproc >= 1, --epochs >= 1 and a --batch-size of at most "
+                f"{2 * TRAIN_PER_PLAY} that {args.nproc} processes share equally; "
+                f"got {args.nproc}, {args.epochs}, {args.batch_size}"
+            )
         tokenizer_name, n_positions = check_init(args.init)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -192,15 +217,23 @@ def main(argv=None) -> int:
     train, test = (encode(tokenizer, examples, seq_len) for examples in labelled_lines(args.seed))
     pad_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
     result = hplab.dist.run_distributed(finetune, args.nproc, args, train, test, pad_id)[0]
-    print(f"task: are two lines from {' or '.join(PLAYS.values())}? {len(train['labels'])} "
-          f"examples to train on, {len(test['labels'])} held out; chance is 50%")
-    print(f"fine-tuned GPT2ForSequenceClassification from {args.init} with --wrap {args.wrap} "
-          f"on {args.nproc} processes: {result['steps']} steps in {result['train_seconds']:.1f} s")
+    print(
+        f"task: are two lines from {' or '.join(PLAYS.values())}? {len(train['labels'])} "
+        f"examples to train on, {len(test['labels'])} held out; chance is 50%"
+    )
+    print(
+        f"fine-tuned GPT2ForSequenceClassification from {args.init} with --wrap {args.wrap} "
+        f"on {args.nproc} processes: {result['steps']} steps in {result['train_seconds']:.1f} s"
+    )
     k = min(5, len(result["losses"]))
-    print(f"loss: first {k} steps {sum(result['losses'][:k]) / k:.3f}, "
-          f"last {k} steps {sum(result['losses'][-k:]) / k:.3f}")
-    print(f"held-out accuracy: before {result['accuracy_before']:.1%}, "
-          f"after {result['accuracy_after']:.1%}")
+    print(
+        f"loss: first {k} steps {sum(result['losses'][:k]) / k:.3f}, "
+        f"last {k} steps {sum(result['losses'][-k:]) / k:.3f}"
+    )
+    print(
+        f"held-out accuracy: before {result['accuracy_before']:.1%}, "
+        f"after {result['accuracy_after']:.1%}"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -29,8 +29,7 @@ from hplab.models.gpt import build_model, config_from_preset  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--wrap", choices=["none", "ddp", "zero1", "zero2", "fsdp"],
-                        default="ddp")
+    parser.add_argument("--wrap", choices=["none", "ddp", "zero1", "zero2", "fsdp"], default="ddp")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8, help="global, in sequences")
     args = parser.parse_args()
@@ -45,8 +44,9 @@ def main() -> None:
         model = hplab.DDP(model)  # like DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     elif args.wrap in ("zero1", "zero2"):  # like ZeroRedundancyOptimizer(params, AdamW, ...)
-        optimizer = hplab.ZeroOptimizer(model.parameters(), torch.optim.AdamW,
-                                        stage=int(args.wrap[-1]), lr=1e-3)
+        optimizer = hplab.ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, stage=int(args.wrap[-1]), lr=1e-3
+        )
     elif args.wrap == "fsdp":  # like FSDP2: each block, then the root
         for block in model.transformer.h:
             hplab.fully_shard(block)

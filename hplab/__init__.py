@@ -9,14 +9,48 @@ The building blocks are used the way PyTorch's own are, in an ordinary training 
 
 import importlib
 
-_PUBLIC = {name: module for module, names in {  # name -> the module that defines it
-    "hplab.ddp": ["DDP"], "hplab.zero": ["ZeroOptimizer"],
-    "hplab.fsdp": ["fully_shard", "full_parameters"], "hplab.dist": ["Mesh", "init_distributed"],
-    "hplab.compose": ["finish_gradient_sync", "parallelize", "finalize_grads", "ParallelConfig",
-                      "train_step"]}.items() for name in names}
-_MODULES = {"tp", "pp", "comm", "dist", "memory", "plan", "formulas", "lab", "viz",
-            "checkpoint", "data", "precision", "ddp", "zero", "fsdp", "models", "check",
-            "compose", "schedule", "cp", "moe", "sample", "timeline"}
+_PUBLIC = {
+    name: module
+    for module, names in {  # name -> the module that defines it
+        "hplab.ddp": ["DDP"],
+        "hplab.zero": ["ZeroOptimizer"],
+        "hplab.fsdp": ["fully_shard", "full_parameters"],
+        "hplab.dist": ["Mesh", "init_distributed"],
+        "hplab.compose": [
+            "finish_gradient_sync",
+            "parallelize",
+            "finalize_grads",
+            "ParallelConfig",
+            "train_step",
+        ],
+    }.items()
+    for name in names
+}
+_MODULES = {
+    "tp",
+    "pp",
+    "comm",
+    "dist",
+    "memory",
+    "plan",
+    "formulas",
+    "lab",
+    "viz",
+    "checkpoint",
+    "data",
+    "precision",
+    "ddp",
+    "zero",
+    "fsdp",
+    "models",
+    "check",
+    "compose",
+    "schedule",
+    "cp",
+    "moe",
+    "sample",
+    "timeline",
+}
 
 __all__ = sorted(_PUBLIC) + sorted(_MODULES)
 

@@ -35,8 +35,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hplab import fsdp, moe, tp
-from hplab.models.gpt import (GPT, GPTConfig, config_from_hf, from_hf_state_dict, to_hf_config,
-                              to_hf_state_dict)
+from hplab.models.gpt import (
+    GPT,
+    GPTConfig,
+    config_from_hf,
+    from_hf_state_dict,
+    to_hf_config,
+    to_hf_state_dict,
+)
 from hplab.zero import ZeroOptimizer
 
 FORMAT_VERSION = 1
@@ -50,8 +56,13 @@ def _aside(directory: Path, tag: str) -> Path:
     return directory.parent / f".{directory.name}.{tag}"
 
 
-def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.Tensor],
-         optimizer_state: dict[str, dict[str, torch.Tensor]], trainer_state: dict) -> Path:
+def save(
+    directory: str | Path,
+    config: GPTConfig,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, dict[str, torch.Tensor]],
+    trainer_state: dict,
+) -> Path:
     """Write a checkpoint atomically; one process (rank 0) calls it with full tensors:
     `model_state` {hplab name: fp32 tensor} (tied weights once or twice, either works),
     `optimizer_state` {hplab name: {state name: tensor}}, `trainer_state` JSON-able, with
@@ -65,24 +76,34 @@ def save(directory: str | Path, config: GPTConfig, model_state: dict[str, torch.
     if previous.exists() and not directory.exists():  # a kill between the renames: restore
         os.rename(previous, directory)
     tmp.mkdir()
-    hf_state = to_hf_state_dict({k: v.detach().float().cpu().contiguous()
-                                 for k, v in model_state.items()})
+    hf_state = to_hf_state_dict(
+        {k: v.detach().float().cpu().contiguous() for k, v in model_state.items()}
+    )
     hf_state.pop("lm_head.weight", None)  # tied to transformer.wte.weight: HF re-ties on load
     save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
-    hf_config = {**to_hf_config(config).to_dict(), "architectures": ["GPT2LMHeadModel"],
-                 "hplab": {"format_version": FORMAT_VERSION, "config": asdict(config)}}
+    hf_config = {
+        **to_hf_config(config).to_dict(),
+        "architectures": ["GPT2LMHeadModel"],
+        "hplab": {"format_version": FORMAT_VERSION, "config": asdict(config)},
+    }
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
 
-    flat_optimizer = {f"{name}::{key}": t.detach().cpu().contiguous()
-                      for name, state in optimizer_state.items() for key, t in state.items()}
+    flat_optimizer = {
+        f"{name}::{key}": t.detach().cpu().contiguous()
+        for name, state in optimizer_state.items()
+        for key, t in state.items()
+    }
     save_file(flat_optimizer, tmp / "optimizer.safetensors")
     rng = {"cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
         rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     save_file(rng, tmp / "rng.safetensors")
     checksums = {path.name: sha256(path) for path in sorted(tmp.iterdir())}
-    (tmp / "trainer_state.json").write_text(json.dumps(
-        {"format_version": FORMAT_VERSION, **trainer_state, "checksums": checksums}, indent=1))
+    (tmp / "trainer_state.json").write_text(
+        json.dumps(
+            {"format_version": FORMAT_VERSION, **trainer_state, "checksums": checksums}, indent=1
+        )
+    )
     for path in tmp.iterdir():  # on disk before the renames
         with open(path, "rb") as f:
             os.fsync(f.fileno())
@@ -109,17 +130,26 @@ def load(directory: str | Path) -> dict:
     names and full single-device tensors, whatever layout saved it. A missing, damaged or
     non-finite piece is a CheckpointError that names it; the files are never changed."""
     asked = Path(directory)  # or else the previous checkpoint, that a killed save left aside
-    directory = next((d for d in (asked, _aside(asked, "previous"))
-                      if (d / "trainer_state.json").exists()), None)
+    directory = next(
+        (d for d in (asked, _aside(asked, "previous")) if (d / "trainer_state.json").exists()), None
+    )
     if directory is None:
-        raise CheckpointError(f"no checkpoint in {asked} (--save writes trainer_state.json): to "
-                              "start from weights alone, e.g. save_pretrained's, use --init-from")
-    _refuse(directory, "is incomplete:",
-            [f"{name} is missing" for name in CHECKPOINT_FILES if not (directory / name).is_file()])
+        raise CheckpointError(
+            f"no checkpoint in {asked} (--save writes trainer_state.json): to "
+            "start from weights alone, e.g. save_pretrained's, use --init-from"
+        )
+    _refuse(
+        directory,
+        "is incomplete:",
+        [f"{name} is missing" for name in CHECKPOINT_FILES if not (directory / name).is_file()],
+    )
     try:
         trainer_state = json.loads((directory / "trainer_state.json").read_text())
-        changed = [name for name, digest in trainer_state.get("checksums", {}).items()
-                   if sha256(directory / name) != digest]
+        changed = [
+            name
+            for name, digest in trainer_state.get("checksums", {}).items()
+            if sha256(directory / name) != digest
+        ]
         optimizer: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in load_file(directory / "optimizer.safetensors").items():
             name, state_key = key.split("::")
@@ -127,16 +157,27 @@ def load(directory: str | Path) -> dict:
         rng = load_file(directory / "rng.safetensors")
     except (ValueError, TypeError, KeyError, OSError, SafetensorError) as err:
         raise CheckpointError(f"{directory} is damaged and cannot be read ({err})") from None
-    _refuse(directory, "is damaged: the checksum saved with it differs for", changed,
-            "; resume from another copy")
-    return {**load_pretrained(directory), "optimizer": optimizer, "rng": rng,  # config, model
-            "trainer_state": trainer_state, "directory": directory}
+    _refuse(
+        directory,
+        "is damaged: the checksum saved with it differs for",
+        changed,
+        "; resume from another copy",
+    )
+    return {
+        **load_pretrained(directory),
+        "optimizer": optimizer,
+        "rng": rng,  # config, model
+        "trainer_state": trainer_state,
+        "directory": directory,
+    }
 
 
 def _refuse(directory: Path, problem: str, names: list[str], advice: str = "") -> None:
     if names:
-        raise CheckpointError(f"{directory} {problem} {', '.join(names[:3])}"
-                              f"{', ...' if len(names) > 3 else ''}{advice}")
+        raise CheckpointError(
+            f"{directory} {problem} {', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}{advice}"
+        )
 
 
 def load_pretrained(directory: str | Path) -> dict:
@@ -146,28 +187,41 @@ def load_pretrained(directory: str | Path) -> dict:
     try:
         config = config_from_hf(json.loads((directory / "config.json").read_text()))
     except OSError as err:
-        raise CheckpointError(f"{directory}/config.json: {err.strerror}: expected a Hugging Face "
-                              "model folder (save_pretrained) or an hplab checkpoint") from None
+        raise CheckpointError(
+            f"{directory}/config.json: {err.strerror}: expected a Hugging Face "
+            "model folder (save_pretrained) or an hplab checkpoint"
+        ) from None
     except (ValueError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{directory}/config.json {err}") from None
     index = directory / "model.safetensors.index.json"  # a sharded model's list of its files
     try:
-        files = {*json.loads(index.read_text())["weight_map"].values()} if index.is_file() \
+        files = (
+            {*json.loads(index.read_text())["weight_map"].values()}
+            if index.is_file()
             else ["model.safetensors"]
+        )
         hf_state = {name: t for f in files for name, t in load_file(directory / f).items()}
     except (ValueError, TypeError, KeyError, OSError, SafetensorError) as err:
-        raise CheckpointError(f"{directory} holds no readable model.safetensors ({err}); a "
-                              "pytorch_model.bin is never read: unpickling can run code") from None
+        raise CheckpointError(
+            f"{directory} holds no readable model.safetensors ({err}); a "
+            "pytorch_model.bin is never read: unpickling can run code"
+        ) from None
     if not any(name.startswith("transformer.") for name in hf_state):  # a bare GPT2Model
         hf_state = {f"transformer.{name}": t for name, t in hf_state.items()}
     model = from_hf_state_dict(hf_state)
     with torch.device("meta"):  # the model's names and shapes, without its memory
         shapes = {name: t.shape for name, t in GPT(config).state_dict().items()}
     _refuse(directory, "lacks tensors of its model:", [n for n in shapes if n not in model])
-    _refuse(directory, "holds tensors of other shapes than its config.json says:",
-            [f"{n} {list(model[n].shape)}" for n in shapes if model[n].shape != shapes[n]])
-    _refuse(directory, "holds non-finite weights (NaN or inf) in",
-            [name for name, t in model.items() if not torch.isfinite(t).all()])
+    _refuse(
+        directory,
+        "holds tensors of other shapes than its config.json says:",
+        [f"{n} {list(model[n].shape)}" for n in shapes if model[n].shape != shapes[n]],
+    )
+    _refuse(
+        directory,
+        "holds non-finite weights (NaN or inf) in",
+        [name for name, t in model.items() if not torch.isfinite(t).all()],
+    )
     return {"config": config, "model": {name: model[name].float() for name in shapes}}
 
 
@@ -175,7 +229,7 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
     torch.random.set_rng_state(rng["cpu"])
     cuda = [rng[f"cuda{i}"] for i in range(sum(k.startswith("cuda") for k in rng))]  # in order
     if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
 
 
 def check_compatible(saved, wanted, advice="resume with the same --model and size flags"):
@@ -190,6 +244,7 @@ def check_compatible(saved, wanted, advice="resume with the same --model and siz
 # `par` is what hplab.compose.parallelize returned. A rank's own parameters (requires_grad: not
 # a pipeline rank's freed layers) are rebuilt in two steps: data-parallel shards (ZeroOptimizer,
 # fully_shard) gathered over dp, then tensor-parallel slices over tp; stages meet on rank 0.
+
 
 def _tensor_parallel(p, t: torch.Tensor, mesh, glue: bool) -> torch.Tensor:
     """On the CPU: `t` with its tensor-parallel slices glued (a collective over tp), or this
@@ -216,8 +271,10 @@ def gather_full_state(par) -> tuple[dict, dict]:
             values[p] = full(q.detach().float())
             states[p] = {k: full(t) for k, t in inner.state.get(q, {}).items()}
     model_state = {name: _tensor_parallel(p, values[p], mesh, True) for name, p in params}
-    optimizer_state = {name: {k: _tensor_parallel(p, t, mesh, True) for k, t in states[p].items()}
-                       for name, p in params}
+    optimizer_state = {
+        name: {k: _tensor_parallel(p, t, mesh, True) for k, t in states[p].items()}
+        for name, p in params
+    }
     if mesh.pp_size > 1 or mesh.ep_size > 1:  # to rank 0 in one gather: each stage from its
         # (dp 0, tp 0) rank, the experts that dp ranks 1 .. ep-1 hold (E/ep each) from them
         sender = mesh.tp_rank == 0 and mesh.edp_rank == 0  # edp_rank 0: dp ranks 0 .. ep-1
@@ -237,8 +294,12 @@ def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
     mesh, optimizer = par.mesh, par.optimizer
     params = [(name, p) for name, p in par.gpt.named_parameters() if p.requires_grad]
     values = {p: _tensor_parallel(p, model_state[name].float(), mesh, False) for name, p in params}
-    states = {p: {k: _tensor_parallel(p, t, mesh, False)
-                  for k, t in optimizer_state.get(name, {}).items()} for name, p in params}
+    states = {
+        p: {
+            k: _tensor_parallel(p, t, mesh, False) for k, t in optimizer_state.get(name, {}).items()
+        }
+        for name, p in params
+    }
     if isinstance(optimizer, ZeroOptimizer):
         optimizer.load_full_state(values, states)
         return
@@ -249,12 +310,18 @@ def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
         p.copy_(value)
         q.copy_(value)
         if states[p]:
-            inner.state[q] = {k: local(t).to(q.device) if t.dim() else t
-                              for k, t in states[p].items()}
+            inner.state[q] = {
+                k: local(t).to(q.device) if t.dim() else t for k, t in states[p].items()
+            }
 
 
-CHECKPOINT_FILES = ("config.json", "model.safetensors", "optimizer.safetensors",
-                    "rng.safetensors", "trainer_state.json")
+CHECKPOINT_FILES = (
+    "config.json",
+    "model.safetensors",
+    "optimizer.safetensors",
+    "rng.safetensors",
+    "trainer_state.json",
+)
 
 
 def check_save_target(directory: str | Path) -> None:
@@ -262,10 +329,15 @@ def check_save_target(directory: str | Path) -> None:
     with nothing else in it: a folder holding anyone's own files is refused, never replaced."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
-        raise CheckpointError(f"{directory} is a file, not a checkpoint folder: choose another "
-                              "path (nothing was changed)")
+        raise CheckpointError(
+            f"{directory} is a file, not a checkpoint folder: choose another "
+            "path (nothing was changed)"
+        )
     names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
     ours = CHECKPOINT_FILES if "trainer_state.json" in names else ()  # (save_pretrained's: not)
-    _refuse(directory, "holds files that are not part of an hplab checkpoint:",
-            [name for name in names if name not in ours],
-            ": save into a new or empty folder (nothing was changed)")
+    _refuse(
+        directory,
+        "holds files that are not part of an hplab checkpoint:",
+        [name for name in names if name not in ours],
+        ": save into a new or empty folder (nothing was changed)",
+    )

@@ -46,9 +46,12 @@ def one_call(comm, op: str, big, small, inbox) -> None:
         comm.recv(inbox, (r - 1) % n)
         sending.wait()
     else:
-        {"all_reduce": lambda: comm.all_reduce(big), "broadcast": lambda: comm.broadcast(big, 0),
-         "reduce_scatter": lambda: comm.reduce_scatter(small, big),
-         "all_gather": lambda: comm.all_gather(big, small)}[op]()
+        {
+            "all_reduce": lambda: comm.all_reduce(big),
+            "broadcast": lambda: comm.broadcast(big, 0),
+            "reduce_scatter": lambda: comm.reduce_scatter(small, big),
+            "all_gather": lambda: comm.all_gather(big, small),
+        }[op]()
 
 
 def demo(comm) -> dict:
@@ -70,8 +73,14 @@ def inside(comm, op: str, *message) -> list[str]:
     copies around them (gloo's reduce-scatter turns out to be a whole all-reduce)."""
     with torch.profiler.profile() as prof:
         one_call(comm, op, *message)
-    return sorted({e.key for e in prof.key_averages() if e.key.startswith("gloo:")
-                   or e.key in ("aten::clone", "aten::copy_", "aten::cat", "aten::add_")})
+    return sorted(
+        {
+            e.key
+            for e in prof.key_averages()
+            if e.key.startswith("gloo:")
+            or e.key in ("aten::clone", "aten::copy_", "aten::cat", "aten::add_")
+        }
+    )
 
 
 def time_call(comm, op: str, *message) -> float:
@@ -83,8 +92,10 @@ def time_call(comm, op: str, *message) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="torchrun --nproc_per_node N hplab/collectives_bench.py",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node N hplab/collectives_bench.py",
+        description=__doc__.split("\n")[0],
+    )
     for flag, default in (("--min-bytes", 2**10), ("--max-bytes", 2**22), ("--repeats", 5)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -93,8 +104,11 @@ def main(argv=None) -> int:
     n = int(os.environ.get("WORLD_SIZE", 1))
     if args.min_bytes < 4 * n or args.max_bytes < args.min_bytes:
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"hplab: error: need {4 * n} <= --min-bytes <= --max-bytes "
-                  f"(got {args.min_bytes}, {args.max_bytes})", file=sys.stderr)
+            print(
+                f"hplab: error: need {4 * n} <= --min-bytes <= --max-bytes "
+                f"(got {args.min_bytes}, {args.max_bytes})",
+                file=sys.stderr,
+            )
         return 2
 
     from hplab.dist import Mesh, init_distributed, shutdown
@@ -105,26 +119,48 @@ def main(argv=None) -> int:
     buffer = torch.ones(args.max_bytes // 4, device=comm.device)
     inbox = torch.empty_like(buffer)
     shown = demo(comm)
-    runs = {op: inside(comm, op, buffer, buffer[:buffer.numel() // n].clone(), inbox)
-            for op in args.ops}
+    runs = {
+        op: inside(comm, op, buffer, buffer[: buffer.numel() // n].clone(), inbox)
+        for op in args.ops
+    }
     mesh.ledger.reset()  # the ledger below counts the timed calls only
     results = {op: [] for op in args.ops}
-    for op, nbytes in tqdm([(op, s) for op in args.ops for s in sizes], disable=comm.rank != 0,
-                           unit="size", file=sys.stdout):
+    for op, nbytes in tqdm(
+        [(op, s) for op in args.ops for s in sizes],
+        disable=comm.rank != 0,
+        unit="size",
+        file=sys.stdout,
+    ):
         numel = (nbytes - nbytes % (4 * n)) // 4  # whole fp32 slices for every rank
-        message = (comm, op, buffer[:numel], buffer[:numel // n].clone(), inbox[:numel])
+        message = (comm, op, buffer[:numel], buffer[: numel // n].clone(), inbox[:numel])
         waited, wall = waited_for_a_core_s(), time.perf_counter()
         times = [time_call(*message) for _ in range(1 + args.repeats)][1:]  # [0]: warm-up
         waited = (waited_for_a_core_s() - waited) / (time.perf_counter() - wall)
-        results[op].append(dict(bytes=4 * numel, time_s=min(times), median_s=median(times),
-                                core_wait=comm.all_reduce_scalar(waited) / n))
+        results[op].append(
+            dict(
+                bytes=4 * numel,
+                time_s=min(times),
+                median_s=median(times),
+                core_wait=comm.all_reduce_scalar(waited) / n,
+            )
+        )
     demos = [None] * n if comm.rank == 0 else None
     dist.gather_object(shown, demos, dst=0)
     if comm.rank == 0 and args.out:
-        Path(args.out).write_text(json.dumps(
-            {"world_size": n, "backend": dist.get_backend(), "repeats": args.repeats,
-             "results": results, "runs": runs, "ledger": mesh.ledger.as_dict(), "demo": demos},
-            indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "world_size": n,
+                    "backend": dist.get_backend(),
+                    "repeats": args.repeats,
+                    "results": results,
+                    "runs": runs,
+                    "ledger": mesh.ledger.as_dict(),
+                    "demo": demos,
+                },
+                indent=1,
+            )
+        )
     shutdown()
     return 0
 

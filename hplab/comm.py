@@ -37,6 +37,7 @@ from torch.profiler import record_function
 
 from hplab.formulas import bus_factor  # the factors above, in one home
 
+
 class CommTimeout(RuntimeError):
     """A collective that cannot complete: it timed out (a peer froze or crashed, or ranks
     disagree on the order of collectives), or a peer process ended."""
@@ -82,14 +83,17 @@ class CommLedger:
         return {op: asdict(s) for op, s in sorted(self.totals().items())}
 
     def by_group_dict(self) -> dict[str, dict[str, dict]]:
-        return {g: {op: asdict(s) for op, s in sorted(ops.items())}
-                for g, ops in sorted(self.by_group.items()) if ops}
+        return {
+            g: {op: asdict(s) for op, s in sorted(ops.items())}
+            for g, ops in sorted(self.by_group.items())
+            if ops
+        }
 
 
 class Pending:
     """The handle of an asynchronous collective: call `wait()` before using its result."""
 
-    def __init__(self, work, comm: "Communicator", op: str):
+    def __init__(self, work, comm: Communicator, op: str):
         self.work, self.comm, self.op = work, comm, op
 
     def wait(self) -> None:
@@ -104,15 +108,21 @@ class Pending:
         return self.work is None or self.work.is_completed()
 
 
-OPEN_COMMUNICATORS: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+OPEN_COMMUNICATORS: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
 
 class Communicator:
     """Collectives within one process group, recorded in a ledger. `ranks` are the group's global
     ranks in order; `send`/`recv` peers and the `broadcast` source are positions in that list."""
 
-    def __init__(self, group, name: str, ledger: CommLedger, ranks: list[int] | None = None,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        group,
+        name: str,
+        ledger: CommLedger,
+        ranks: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ):
         self.group, self.name, self.ledger = group, name, ledger
         self.device = torch.device(device)
         self.ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
@@ -132,12 +142,17 @@ class Communicator:
                 return call()
         except RuntimeError as err:
             text = str(err).lower()
-            why = ("timed out: a peer probably crashed or called collectives in a different "
-                   "order" if "timed out" in text or "timeout" in text else
-                   "lost its connection: a peer process ended" if "connection" in text else None)
+            why = (
+                "timed out: a peer probably crashed or called collectives in a different order"
+                if "timed out" in text or "timeout" in text
+                else "lost its connection: a peer process ended"
+                if "connection" in text
+                else None
+            )
             if why:
-                raise CommTimeout(f"{op} in the {self.name} group (ranks {self.ranks}) {why}") \
-                    from None
+                raise CommTimeout(
+                    f"{op} in the {self.name} group (ranks {self.ranks}) {why}"
+                ) from None
             raise
 
     def _run(self, op: str, nbytes: int, call, async_op: bool):
@@ -153,57 +168,106 @@ class Communicator:
     # -- the seven operations --
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place: `tensor` becomes the element-wise reduction (sum) over the group."""
-        return self._run("all_reduce", tensor.nbytes, lambda a: dist.all_reduce(
-            tensor, op=op, group=self.group, async_op=a), async_op)
+        return self._run(
+            "all_reduce",
+            tensor.nbytes,
+            lambda a: dist.all_reduce(tensor, op=op, group=self.group, async_op=a),
+            async_op,
+        )
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       op=dist.ReduceOp.SUM, async_op: bool = False):
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op=dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ):
         """`input` (n equal slices, flat or along dim 0) is reduced over the group; this rank
         keeps slice number `self.rank` in `output`."""
         if input.numel() != output.numel() * self.size:
-            raise ValueError(f"reduce_scatter: input of {input.numel()} elements is not "
-                             f"{self.size} × output of {output.numel()}")
+            raise ValueError(
+                f"reduce_scatter: input of {input.numel()} elements is not "
+                f"{self.size} × output of {output.numel()}"
+            )
         if self.size == 1:
             output.copy_(input.view_as(output))
-        return self._run("reduce_scatter", input.nbytes, lambda a: dist.reduce_scatter_single(
-            output, input, op=op, group=self.group, async_op=a), async_op)
+        return self._run(
+            "reduce_scatter",
+            input.nbytes,
+            lambda a: dist.reduce_scatter_single(
+                output, input, op=op, group=self.group, async_op=a
+            ),
+            async_op,
+        )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """`output` (n × `input`) receives every rank's `input`, in rank order."""
         if output.numel() != input.numel() * self.size:
-            raise ValueError(f"all_gather: output of {output.numel()} elements is not "
-                             f"{self.size} × input of {input.numel()}")
+            raise ValueError(
+                f"all_gather: output of {output.numel()} elements is not "
+                f"{self.size} × input of {input.numel()}"
+            )
         if self.size == 1:
             output.copy_(input.view_as(output))
-        return self._run("all_gather", output.nbytes, lambda a: dist.all_gather_single(
-            output, input, group=self.group, async_op=a), async_op)
+        return self._run(
+            "all_gather",
+            output.nbytes,
+            lambda a: dist.all_gather_single(output, input, group=self.group, async_op=a),
+            async_op,
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """In place: every rank's `tensor` becomes group-rank `src`'s."""
-        return self._run("broadcast", tensor.nbytes, lambda a: dist.broadcast(
-            tensor, src=self.ranks[src], group=self.group, async_op=a), async_op)
+        return self._run(
+            "broadcast",
+            tensor.nbytes,
+            lambda a: dist.broadcast(tensor, src=self.ranks[src], group=self.group, async_op=a),
+            async_op,
+        )
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
         """Hand `tensor` to group-rank `dst` (which must call `recv` with this rank as src)."""
-        return self._run("send", tensor.nbytes, lambda a: (dist.isend if a else dist.send)(
-            tensor, dst=self.ranks[dst], group=self.group), async_op)
+        return self._run(
+            "send",
+            tensor.nbytes,
+            lambda a: (dist.isend if a else dist.send)(
+                tensor, dst=self.ranks[dst], group=self.group
+            ),
+            async_op,
+        )
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
         """Fill `tensor` with what group-rank `src` sends."""
-        return self._run("recv", tensor.nbytes, lambda a: (dist.irecv if a else dist.recv)(
-            tensor, src=self.ranks[src], group=self.group), async_op)
+        return self._run(
+            "recv",
+            tensor.nbytes,
+            lambda a: (dist.irecv if a else dist.recv)(
+                tensor, src=self.ranks[src], group=self.group
+            ),
+            async_op,
+        )
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                          output_split_sizes: list[int] | None = None,
-                          input_split_sizes: list[int] | None = None, async_op: bool = False):
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        async_op: bool = False,
+    ):
         """Rows `input_split_sizes[j]` of `input` (along dim 0, in order) go to group-rank j;
         `output` receives rank j's rows for this rank in slice j, sized `output_split_sizes[j]`.
         No sizes: n equal slices. Payload: `input`, what this rank sends."""
         if self.size == 1:
             output.copy_(input.view_as(output))
-        return self._run("all_to_all", input.nbytes, lambda a: dist.all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, group=self.group,
-            async_op=a), async_op)
+        return self._run(
+            "all_to_all",
+            input.nbytes,
+            lambda a: dist.all_to_all_single(
+                output, input, output_split_sizes, input_split_sizes, group=self.group, async_op=a
+            ),
+            async_op,
+        )
 
     # -- helpers that move no payload worth counting --
     def barrier(self) -> None:
@@ -215,8 +279,11 @@ class Communicator:
         bookkeeping (the loss shown on the progress bar), not the algorithm being taught."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         if self.size > 1:
-            self._guard("all_reduce", lambda: dist.all_reduce(t, op=op, group=self.group),
-                        f"all_reduce_scalar {self.name}")
+            self._guard(
+                "all_reduce",
+                lambda: dist.all_reduce(t, op=op, group=self.group),
+                f"all_reduce_scalar {self.name}",
+            )
         return float(t.item())
 
 
@@ -235,8 +302,11 @@ def bucket_params(params: list[torch.Tensor], bucket_mb: float) -> list[list[tor
     buckets, size = [], 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > bucket_mb * 2**20 or \
-                (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device):
+        if (
+            not buckets
+            or size + nbytes > bucket_mb * 2**20
+            or (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device)
+        ):
             buckets.append([])
             size = 0
         buckets[-1].append(p)
@@ -254,6 +324,9 @@ def communicator(group=None, name: str = "dp") -> Communicator:
     if isinstance(group, Communicator):
         return group
     group = dist.group.WORLD if group is None else group
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else torch.device("cpu")
+    )
     return Communicator(group, name, DEFAULT_LEDGER, dist.get_process_group_ranks(group), device)

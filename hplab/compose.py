@@ -72,7 +72,7 @@ class ParallelConfig:
     min_lr: float = 0.0
 
     @classmethod
-    def from_namespace(cls, namespace) -> "ParallelConfig":
+    def from_namespace(cls, namespace) -> ParallelConfig:
         return cls(**{f.name: getattr(namespace, f.name, f.default) for f in fields(cls)})
 
 
@@ -80,34 +80,63 @@ def check_config(config: ParallelConfig, model) -> None:
     """The refusals and checks that need no process (plain sentences); `model`: its config."""
     c, experts = config, getattr(model, "n_experts", 0)
     refusals = [
-        (c.zero == 3 and c.pp > 1, ("zero", "pp"), "ZeRO-3 with a pipeline would gather every "
-         "layer again for every microbatch's forward and backward (DeepSpeed and Colossal-AI "
-         "refuse it too); use ZeRO-1 or 2"),
-        (c.sequence_parallel and (c.pp > 1 or c.zero > 0), ("sequence_parallel", "pp", "zero"),
-         "sequence parallel runs with tensor and data parallel only (no pipeline, no ZeRO)"),
-        (c.sequence_parallel and c.tp == 1, ("sequence_parallel", "tp"), "sequence parallel "
-         "splits the sequence over the tensor-parallel group, so it needs 2 or more tp ranks"),
-        (c.zero == 2 and c.pp > 1 and c.schedule == "zb-h1", ("zero", "schedule"), "ZeRO-2 "
-         "reduce-scatters each layer's gradients as backward finishes them, and ZB-H1 defers "
-         "weight gradients; use ZeRO-1"),
-        (c.offload and c.zero == 0, ("offload", "zero"), "offload moves ZeRO's sharded "
-         "optimizer state to the CPU, so it needs ZeRO 1, 2 or 3"),
-        (experts and (c.pp > 1 or c.cp > 1 or c.zero == 3 or c.recompute or c.sequence_parallel),
-         ("pp", "cp", "zero", "recompute", "sequence_parallel"), "experts run with data, expert "
-         "and tensor parallel and ZeRO-1/2 only (no pipeline, context or sequence parallel, "
-         "ZeRO-3 or recompute)"),
-        (c.ep > 1 and c.zero > 0, ("ep", "zero"), "ZeRO shards over the whole dp group, whose "
-         "ranks hold different experts under expert parallel"),
-        (c.cp > 1 and c.sequence_parallel, ("cp", "sequence_parallel"), "context parallel "
-         "already splits the sequence: use it without sequence parallel"),
+        (
+            c.zero == 3 and c.pp > 1,
+            ("zero", "pp"),
+            "ZeRO-3 with a pipeline would gather every "
+            "layer again for every microbatch's forward and backward (DeepSpeed and Colossal-AI "
+            "refuse it too); use ZeRO-1 or 2",
+        ),
+        (
+            c.sequence_parallel and (c.pp > 1 or c.zero > 0),
+            ("sequence_parallel", "pp", "zero"),
+            "sequence parallel runs with tensor and data parallel only (no pipeline, no ZeRO)",
+        ),
+        (
+            c.sequence_parallel and c.tp == 1,
+            ("sequence_parallel", "tp"),
+            "sequence parallel "
+            "splits the sequence over the tensor-parallel group, so it needs 2 or more tp ranks",
+        ),
+        (
+            c.zero == 2 and c.pp > 1 and c.schedule == "zb-h1",
+            ("zero", "schedule"),
+            "ZeRO-2 "
+            "reduce-scatters each layer's gradients as backward finishes them, and ZB-H1 defers "
+            "weight gradients; use ZeRO-1",
+        ),
+        (
+            c.offload and c.zero == 0,
+            ("offload", "zero"),
+            "offload moves ZeRO's sharded optimizer state to the CPU, so it needs ZeRO 1, 2 or 3",
+        ),
+        (
+            experts and (c.pp > 1 or c.cp > 1 or c.zero == 3 or c.recompute or c.sequence_parallel),
+            ("pp", "cp", "zero", "recompute", "sequence_parallel"),
+            "experts run with data, expert "
+            "and tensor parallel and ZeRO-1/2 only (no pipeline, context or sequence parallel, "
+            "ZeRO-3 or recompute)",
+        ),
+        (
+            c.ep > 1 and c.zero > 0,
+            ("ep", "zero"),
+            "ZeRO shards over the whole dp group, whose "
+            "ranks hold different experts under expert parallel",
+        ),
+        (
+            c.cp > 1 and c.sequence_parallel,
+            ("cp", "sequence_parallel"),
+            "context parallel already splits the sequence: use it without sequence parallel",
+        ),
     ]
     for refused, settings, reason in refusals:
         if refused:
             raise NotSupported(f"not supported: {reason}", settings)
     moe.check_layout(experts, getattr(model, "moe_top_k", 1), c.ep, c.dp)
     if c.tp > 1:
-        tp.check_divisible(model.n_head, model.n_embd, c.tp,
-                           model.n_positions if c.sequence_parallel else None)
+        tp.check_divisible(
+            model.n_head, model.n_embd, c.tp, model.n_positions if c.sequence_parallel else None
+        )
     if c.cp > 1:  # (Ulysses shares each tensor-parallel rank's heads)
         cp.check_divisible(model.n_positions, model.n_head // c.tp, c.cp, c.cp_style, c.cp_split)
     if c.pp > 1:
@@ -135,7 +164,7 @@ class Parallel:
     precision: MixedPrecision
     memory: MemoryLedger
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    pipeline: "pp.PipelineExecutor | None" = None
+    pipeline: pp.PipelineExecutor | None = None
     tied_comm: object = None
     step_start: float = 0.0  # when this rank's last pipeline step began (perf_counter)
 
@@ -149,8 +178,9 @@ def mark_no_decay(model: nn.Module) -> None:
                 p.hplab_no_decay = True
 
 
-def parameter_groups(params, tied: nn.Parameter | None = None, is_first: bool = True,
-                     weight_decay: float = 0.0) -> list:
+def parameter_groups(
+    params, tied: nn.Parameter | None = None, is_first: bool = True, weight_decay: float = 0.0
+) -> list:
     """Group parameters by where their copies live (`replicated_over`): tensor-parallel slices
     over dp, the rest over dp and tp; the pipeline's tied embedding alone (+pp on the last);
     and by weight decay (0 if `mark_no_decay` marked it: ZeRO's shards never mix groups)."""
@@ -161,8 +191,10 @@ def parameter_groups(params, tied: nn.Parameter | None = None, is_first: bool = 
         families += ("pp",) if p is tied and not is_first else ()
         decay = 0.0 if getattr(p, "hplab_no_decay", False) else weight_decay
         groups.setdefault((families, p is tied, decay), []).append(p)
-    return [{"params": ps, "replicated_over": list(fams), "tied": is_tied, "weight_decay": decay}
-            for (fams, is_tied, decay), ps in groups.items()]
+    return [
+        {"params": ps, "replicated_over": list(fams), "tied": is_tied, "weight_decay": decay}
+        for (fams, is_tied, decay), ps in groups.items()
+    ]
 
 
 def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Parallel:
@@ -174,8 +206,12 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
     if c.no_decay_bias_norm:  # by role, while the model is whole
         mark_no_decay(gpt)
     if c.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
-        tp.parallelize(gpt, mesh.tp, tp.MOE_GPT_PLAN if gpt.config.n_experts else tp.GPT_PLAN,
-                       sequence_parallel=c.sequence_parallel)
+        tp.parallelize(
+            gpt,
+            mesh.tp,
+            tp.MOE_GPT_PLAN if gpt.config.n_experts else tp.GPT_PLAN,
+            sequence_parallel=c.sequence_parallel,
+        )
     if c.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
         cp.parallelize(gpt, mesh.cp, c.cp_style, c.cp_split)
     if c.pp > 1:  # the pipeline split: this rank's stages (the other layers are freed)
@@ -193,8 +229,9 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
     # data parallel over mesh.dp: DDP, ZeRO-1/2 as the optimizer, or ZeRO-3 as fully_shard
     if c.zero == 3:  # (no pipeline: params_module is gpt; its parameters become fp32 shards)
         for block in [*gpt.transformer.h, gpt]:  # the blocks first, then the root
-            wrapped = fsdp.fully_shard(block, mesh.dp, param_dtype=precision.compute_dtype,
-                                       offload=c.offload)
+            wrapped = fsdp.fully_shard(
+                block, mesh.dp, param_dtype=precision.compute_dtype, offload=c.offload
+            )
     else:  # no DDP under ZeRO-1/2 (its optimizer syncs) or ep (finalize_grads syncs experts)
         params_module.to(precision.param_dtype)  # half-precision copies; fp32 masters below
         plain = c.zero or c.ep > 1
@@ -202,17 +239,29 @@ def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Paralle
     groups = parameter_groups(params_module.parameters(), tied, is_first, c.weight_decay)
     settings = dict(lr=c.lr, weight_decay=c.weight_decay, **ADAMW)
     if c.zero in (1, 2):
-        optimizer = ZeroOptimizer(groups, torch.optim.AdamW, mesh.dp, stage=c.zero,
-                                  bucket_mb=c.bucket_mb, offload=c.offload, **settings)
+        optimizer = ZeroOptimizer(
+            groups,
+            torch.optim.AdamW,
+            mesh.dp,
+            stage=c.zero,
+            bucket_mb=c.bucket_mb,
+            offload=c.offload,
+            **settings,
+        )
     elif precision.mixed and c.zero == 0:  # (ZeRO-3: the fp32 shards are the masters)
         optimizer = MasterWeightOptimizer(groups, torch.optim.AdamW, **settings)
     else:
         optimizer = torch.optim.AdamW(groups, **settings)
     # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: learning_rate(
-        i, c.lr, c.warmup_steps, c.lr_decay, c.decay_steps, c.min_lr) / c.lr)
-    return Parallel(wrapped, optimizer, gpt, mesh, c, precision, memory, scheduler, pipeline,
-                    tied_comm)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda i: (
+            learning_rate(i, c.lr, c.warmup_steps, c.lr_decay, c.decay_steps, c.min_lr) / c.lr
+        ),
+    )
+    return Parallel(
+        wrapped, optimizer, gpt, mesh, c, precision, memory, scheduler, pipeline, tied_comm
+    )
 
 
 def finish_gradient_sync(model: nn.Module) -> None:
@@ -246,14 +295,20 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None)
     finish_gradient_sync(model)
     if mesh.ep_size > 1:
         moe.sync_gradients(list(model.parameters()), mesh.dp, mesh.edp)
-    partial = [p.grad for p in model.parameters()
-               if getattr(p, "sequence_parallel_partial", False) and p.grad is not None]
+    partial = [
+        p.grad
+        for p in model.parameters()
+        if getattr(p, "sequence_parallel_partial", False) and p.grad is not None
+    ]
     if partial and mesh.tp_size > 1:
         _all_reduce_grads(partial, mesh.tp)
     if hasattr(optimizer, "reduce_gradients"):  # ZeroOptimizer, MasterWeightOptimizer
         optimizer.reduce_gradients()
-    stepped = [t for g in stepped_groups(optimizer) for t in g["params"]] if optimizer else \
-        list(model.parameters())  # (ZeRO: this rank's shards, the same on every cp rank)
+    stepped = (
+        [t for g in stepped_groups(optimizer) for t in g["params"]]
+        if optimizer
+        else list(model.parameters())
+    )  # (ZeRO: this rank's shards, the same on every cp rank)
     if mesh.cp_size > 1 and (grads := [t.grad for t in stepped if t.grad is not None]):
         _all_reduce_grads(grads, mesh.cp, 1 / mesh.cp_size)
     for group in stepped_groups(optimizer) if tied_comm and optimizer is not None else ():
@@ -288,8 +343,10 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = context_shard(par, x, y)
     no_sync = par.model.no_sync if isinstance(par.model, DDP) else contextlib.nullcontext
     if x.shape[0] % m:
-        raise ValueError(f"this rank's batch of {x.shape[0]} sequences does not split into "
-                         f"{m} microbatches: use a batch that is a multiple of dp × microbatches")
+        raise ValueError(
+            f"this rank's batch of {x.shape[0]} sequences does not split into "
+            f"{m} microbatches: use a batch that is a multiple of dp × microbatches"
+        )
     if par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
         par.pipeline.loss_scale = scale
         par.step_start = time.perf_counter()
@@ -307,8 +364,9 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
             losses.append(microbatch_loss.detach())
         loss = float(torch.stack(losses).mean())
     finalize_grads(par.model, mesh, par.optimizer, par.tied_comm)
-    grads = [t.grad for g in stepped_groups(par.optimizer) for t in g["params"]
-             if t.grad is not None]
+    grads = [
+        t.grad for g in stepped_groups(par.optimizer) for t in g["params"] if t.grad is not None
+    ]
     torch._foreach_mul_(grads, 1 / scale)  # (exact when the scale is 1)
     overflow = par.precision.found_overflow(grads, mesh.world)  # fp16: every rank agrees
     if not overflow:
@@ -345,9 +403,11 @@ def evaluate(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
 def memory_tensors(par: Parallel) -> dict[str, list]:
     """What this rank holds, by kind, read from the outside of every building block."""
     model, opt = par.model, par.optimizer
-    blocks = [model.memory_tensors() if isinstance(model, DDP) else fsdp.memory_tensors(model),
-              getattr(opt, "memory_tensors", dict)(),
-              model_state_tensors(par.gpt, getattr(opt, "inner", opt))]
+    blocks = [
+        model.memory_tensors() if isinstance(model, DDP) else fsdp.memory_tensors(model),
+        getattr(opt, "memory_tensors", dict)(),
+        model_state_tensors(par.gpt, getattr(opt, "inner", opt)),
+    ]
     held = {kind: [t for block in blocks for t in block.get(kind, ())] for kind in KINDS}
     if par.config.zero == 3 and par.precision.mixed:  # fully_shard computes in half precision
         shards = {id(p) for p in par.gpt.parameters()}  # from fp32 shards: they are the masters
@@ -361,10 +421,14 @@ def pipeline_report(par: Parallel) -> dict:
     (seconds from the earliest stage's step start: one clock, one machine)."""
     comm, executor = par.mesh.pp, par.pipeline
     shift = par.step_start - comm.all_reduce_scalar(par.step_start, op=dist.ReduceOp.MIN)
-    trace = [{**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift}
-             for e in executor.trace]
+    trace = [
+        {**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift} for e in executor.trace
+    ]
     end = max((e["end_s"] for e in trace if e["kind"] in pp.COMPUTE), default=0.0)
     end = comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)
-    return {"trace": trace, "in_flight_max": executor.in_flight_max,
-            "activation_bytes_in_flight_max": executor.activation_bytes_in_flight_max,
-            "bubble_fraction": pp.measured_bubble(trace, 0.0, end)}
+    return {
+        "trace": trace,
+        "in_flight_max": executor.in_flight_max,
+        "activation_bytes_in_flight_max": executor.activation_bytes_in_flight_max,
+        "bubble_fraction": pp.measured_bubble(trace, 0.0, end),
+    }

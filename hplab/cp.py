@@ -33,6 +33,7 @@ sequences; a second all-to-all turns the result back; backward, the reverse all-
 moves less than the ring, but needs the heads to divide by N. Every message goes through the
 group's `Communicator` (`mesh.cp`): the ledger counts it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,19 +55,26 @@ def check_divisible(seq_len: int, n_head: int, cp: int, style: str, split: str) 
     """Raise ContextParallelError unless the sequence (and for Ulysses the heads) split."""
     chunks = 2 * cp if split == "zigzag" else cp
     if style not in CP_STYLES or split not in CP_SPLITS:
-        raise ContextParallelError(f"context parallel: choose a style of {CP_STYLES} and a "
-                                   f"split of {CP_SPLITS}, not {style!r} and {split!r}")
+        raise ContextParallelError(
+            f"context parallel: choose a style of {CP_STYLES} and a "
+            f"split of {CP_SPLITS}, not {style!r} and {split!r}"
+        )
     if seq_len % chunks:
-        raise ContextParallelError(f"the {split} split cuts the {seq_len}-token sequence into "
-                                   f"{chunks} chunks for {cp} context-parallel ranks: make the "
-                                   f"sequence length a multiple of {chunks}")
+        raise ContextParallelError(
+            f"the {split} split cuts the {seq_len}-token sequence into "
+            f"{chunks} chunks for {cp} context-parallel ranks: make the "
+            f"sequence length a multiple of {chunks}"
+        )
     if style == "ulysses" and n_head % cp:
-        raise ContextParallelError(f"Ulysses shares out the attention heads (of each tensor-"
-                                   f"parallel rank: {n_head}) over {cp} context-parallel ranks:"
-                                   f" use a cp size that divides {n_head}, or --cp-style ring")
+        raise ContextParallelError(
+            f"Ulysses shares out the attention heads (of each tensor-"
+            f"parallel rank: {n_head}) over {cp} context-parallel ranks:"
+            f" use a cp size that divides {n_head}, or --cp-style ring"
+        )
 
 
 # --- 1. The split: which tokens each rank holds -------------------------------------------
+
 
 def positions(seq_len: int, rank: int, size: int, split: str = "zigzag") -> torch.Tensor:
     """The positions in the whole sequence of the tokens rank `rank` of `size` holds, in order."""
@@ -89,6 +97,7 @@ def unshard(shards: list[torch.Tensor], split: str = "zigzag", dim: int = 1) -> 
 
 # --- 2. One block of attention, its log-sum-exp, and the merge -----------------------------
 
+
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
     scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
     if causal:  # query i sees keys 0..i (a diagonal block: the same positions on both sides)
@@ -107,8 +116,10 @@ def block_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial attentions over disjoint key sets → the attention over their union."""
     new_lse = torch.logaddexp(lse, block_lse)
-    return (out * torch.exp(lse - new_lse).unsqueeze(-1)
-            + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)), new_lse
+    return (
+        out * torch.exp(lse - new_lse).unsqueeze(-1)
+        + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    ), new_lse
 
 
 def block_attention_backward(q, k, v, d_out, lse, delta, causal: bool):
@@ -144,13 +155,16 @@ def pairs_computed(rank: int, size: int, split: str, n: int) -> int:
 
 # --- 3. The ring ---------------------------------------------------------------------------
 
+
 def _pass_on(t: torch.Tensor, comm: Communicator):
     """Post the send of `t` to the next rank and a receive from the previous one: (the buffer
     being filled, the two pending operations). Even ranks send first, odd ones receive first:
     even where a send blocks until its receive is posted, no ring stalls."""
     buffer, me, n = torch.empty_like(t), comm.rank, comm.size
-    ops = [lambda: comm.send(t, (me + 1) % n, async_op=True),
-           lambda: comm.recv(buffer, (me - 1) % n, async_op=True)]
+    ops = [
+        lambda: comm.send(t, (me + 1) % n, async_op=True),
+        lambda: comm.recv(buffer, (me - 1) % n, async_op=True),
+    ]
     return buffer, [post() for post in (ops if me % 2 == 0 else ops[::-1])]
 
 
@@ -176,12 +190,18 @@ class RingAttention(torch.autograd.Function):
         for src, kv in _around_the_ring(torch.stack([k, v]), comm):  # one message: K and V
             if work := block_work(comm.rank, src, comm.size, split, q.shape[2]):
                 rows, cols, causal = work
-                o, l = block_attention(q[:, :, rows].float(), kv[0][:, :, cols].float(),
-                                       kv[1][:, :, cols].float(), causal)
+                block_out, block_lse = block_attention(
+                    q[:, :, rows].float(),
+                    kv[0][:, :, cols].float(),
+                    kv[1][:, :, cols].float(),
+                    causal,
+                )
                 if out is None:  # step 0: our own block, every query (so no -inf to merge)
-                    out, lse = o, l
+                    out, lse = block_out, block_lse
                 else:
-                    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
+                    out[:, :, rows], lse[:, :, rows] = merge(
+                        out[:, :, rows], lse[:, :, rows], block_out, block_lse
+                    )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.split = comm, split
         return out.to(dtype)
@@ -196,8 +216,14 @@ class RingAttention(torch.autograd.Function):
             if work := block_work(comm.rank, src, comm.size, ctx.split, q.shape[2]):
                 rows, cols, causal = work
                 dq_b, dk_b, dv_b = block_attention_backward(
-                    q[:, :, rows], kv[0][:, :, cols].float(), kv[1][:, :, cols].float(),
-                    d_out[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal)
+                    q[:, :, rows],
+                    kv[0][:, :, cols].float(),
+                    kv[1][:, :, cols].float(),
+                    d_out[:, :, rows],
+                    lse[:, :, rows],
+                    delta[:, :, rows],
+                    causal,
+                )
                 dq[:, :, rows] += dq_b
                 dkv[0][:, :, cols] += dk_b.to(dtype)  # (summed in q's dtype, as it travels)
                 dkv[1][:, :, cols] += dv_b.to(dtype)
@@ -209,11 +235,15 @@ class RingAttention(torch.autograd.Function):
 
 def ring_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> torch.Tensor:
     """Causal attention over the whole sequence, of this rank's tokens [b, heads, s/N, d]."""
-    return RingAttention.apply(q, k, v, comm, split) if comm.size > 1 else \
-        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return (
+        RingAttention.apply(q, k, v, comm, split)
+        if comm.size > 1
+        else F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
 
 
 # --- 4. Ulysses: all-to-all to whole sequences of a share of the heads ----------------------
+
 
 def _all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int):
     """Piece j of `x` along `scatter_dim` goes to rank j; the pieces received, one per rank in
@@ -241,8 +271,9 @@ def ulysses_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> tor
     """Causal attention of this rank's tokens [b, heads, s/N, d]: q, k, v go to [b, heads/N,
     s, d] (one all-to-all for the three), SDPA runs on whole sequences, an all-to-all returns."""
     check_divisible(q.shape[2] * comm.size, q.shape[1], comm.size, "ulysses", split)
-    by_rank = torch.cat([positions(q.shape[2] * comm.size, r, comm.size, split)
-                         for r in range(comm.size)]).to(q.device)  # as the tokens arrive
+    by_rank = torch.cat(
+        [positions(q.shape[2] * comm.size, r, comm.size, split) for r in range(comm.size)]
+    ).to(q.device)  # as the tokens arrive
     qkv = AllToAll.apply(torch.stack([q, k, v]), comm, 2, 3)  # [3, b, heads/N, s, d]
     q, k, v = qkv.index_select(3, by_rank.argsort())  # into sequence order
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -250,6 +281,7 @@ def ulysses_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> tor
 
 
 # --- 5. Making the GPT context-parallel ----------------------------------------------------
+
 
 def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
     """Make hplab's GPT context-parallel over `group`, in place: every attention runs `style`,
@@ -262,7 +294,8 @@ def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
     for block in model.transformer.h:
         block.attn.attend = functools.partial(attend, comm=comm, split=split)
     model.position_ids = lambda n, device=None: positions(  # torch.arange's place: n local
-        n * comm.size, comm.rank, comm.size, split).to(device)  # tokens' true positions
+        n * comm.size, comm.rank, comm.size, split
+    ).to(device)  # tokens' true positions
     return model
 
 
@@ -291,8 +324,10 @@ class AttentionMeter:
         self.now["attention_s"] += time.perf_counter() - start
         self.now["attention_blocked_s"] += self._blocked_s() - was
         self.now["attention_pairs"] += b * (  # ring: all heads; Ulysses: heads/N, the sequence
-            heads * pairs_computed(comm.rank, comm.size, self.split, n) if self.style == "ring"
-            else heads // comm.size * pairs_computed(0, 1, self.split, n * comm.size))
+            heads * pairs_computed(comm.rank, comm.size, self.split, n)
+            if self.style == "ring"
+            else heads // comm.size * pairs_computed(0, 1, self.split, n * comm.size)
+        )
         return y
 
     def _blocked_s(self) -> float:  # this rank's seconds in the cp group's calls so far

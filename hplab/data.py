@@ -54,6 +54,7 @@ class DataError(Exception):
 
 # --- 1. The corpus -------------------------------------------------------------------------
 
+
 def read_documents(corpus_path: Path) -> list[str]:
     """Split a corpus text file back into its documents (plays)."""
     text = Path(corpus_path).read_text(encoding="utf-8")
@@ -61,6 +62,7 @@ def read_documents(corpus_path: Path) -> list[str]:
 
 
 # --- 2. Tokenizers ------------------------------------------------------------------------
+
 
 def load_tokenizer(name: str = "hplab-bpe"):
     """A ``transformers.GPT2Tokenizer`` for ``"hplab-bpe"`` or ``"gpt2"``: byte-level BPE stored
@@ -83,11 +85,24 @@ def encode_documents(tokenizer, documents: list[str]) -> list[int]:
 
 # --- 3. Token files: NAME.bin (uint16 ids) + NAME.json (what they mean) -------------------
 
-def write_sidecar(prefix: Path, tokenizer_name: str, vocab_size: int, num_tokens: int,
-                  num_documents: int, source: str) -> dict:
+
+def write_sidecar(
+    prefix: Path,
+    tokenizer_name: str,
+    vocab_size: int,
+    num_tokens: int,
+    num_documents: int,
+    source: str,
+) -> dict:
     """Write ``prefix.json``, the description of ``prefix.bin``; return it as a dict."""
-    sidecar = {"tokenizer": tokenizer_name, "vocab_size": vocab_size, "dtype": "uint16",
-               "num_tokens": num_tokens, "num_documents": num_documents, "source": source}
+    sidecar = {
+        "tokenizer": tokenizer_name,
+        "vocab_size": vocab_size,
+        "dtype": "uint16",
+        "num_tokens": num_tokens,
+        "num_documents": num_documents,
+        "source": source,
+    }
     Path(f"{prefix}.json").write_text(json.dumps(sidecar, indent=2) + "\n", encoding="utf-8")
     return sidecar
 
@@ -107,16 +122,27 @@ def _jsonl_texts(input_path: Path, text_key: str):
                 raise DataError(f"{input_path}:{number}: not valid JSON") from None
             text = record.get(text_key) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise DataError(f"{input_path}:{number}: " + (
-                    "not a JSON object {...}" if not isinstance(record, dict) else
-                    f"no {text_key!r} key (use --text-key)" if text_key not in record else
-                    f"{text_key!r} is not a string"))
+                raise DataError(
+                    f"{input_path}:{number}: "
+                    + (
+                        "not a JSON object {...}"
+                        if not isinstance(record, dict)
+                        else f"no {text_key!r} key (use --text-key)"
+                        if text_key not in record
+                        else f"{text_key!r} is not a string"
+                    )
+                )
             if text:
                 yield text
 
 
-def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-bpe",
-                  text_key: str = "text", docs_per_batch: int = 1000) -> dict:
+def prepare_jsonl(
+    input_path: Path,
+    prefix: Path,
+    tokenizer_name: str = "hplab-bpe",
+    text_key: str = "text",
+    docs_per_batch: int = 1000,
+) -> dict:
     """Tokenize a JSONL corpus (one ``{"id": ..., "text": ...}`` object per line), streamed in
     batches, so it may be larger than memory. Ids go to ``prefix.bin.tmp``, renamed to
     ``prefix.bin`` only when every line was fine: a failed run leaves no half-written data."""
@@ -142,26 +168,36 @@ def prepare_jsonl(input_path: Path, prefix: Path, tokenizer_name: str = "hplab-b
             raise DataError(f"{input_path}: not UTF-8 text") from None
         raise
     os.replace(temporary_bin, f"{prefix}.bin")
-    return write_sidecar(prefix, tokenizer_name, len(tokenizer), num_tokens, num_documents,
-                         source=str(input_path))
+    return write_sidecar(
+        prefix, tokenizer_name, len(tokenizer), num_tokens, num_documents, source=str(input_path)
+    )
 
 
 # --- 4. The dataset: fixed-length samples from a memory-mapped token file -----------------
+
 
 def _find_token_file(path_or_name: str | Path, tokenizer: str) -> Path:
     """``"shakespeare"`` -> data/shakespeare.<tokenizer>.bin (./data first, then hplab's own);
     a path ``"some/dir/x"`` -> some/dir/x.<tokenizer>.bin or some/dir/x.bin."""
     path = Path(path_or_name)
     folders = [Path("data"), DATA_DIR] if len(path.parts) == 1 else [path.parent]
-    candidates = [path] if path.suffix == ".bin" else [
-        folder / f"{path.name}{ending}" for folder in folders
-        for ending in (f".{tokenizer}.bin", ".bin")]
+    candidates = (
+        [path]
+        if path.suffix == ".bin"
+        else [
+            folder / f"{path.name}{ending}"
+            for folder in folders
+            for ending in (f".{tokenizer}.bin", ".bin")
+        ]
+    )
     for candidate in candidates:
         if candidate.exists():
             return candidate
-    raise ValueError(f"no token file {path_or_name} ({candidates[0]} not found): give its path "
-                     "without .bin, as written by `python -m hplab.data prepare --input "
-                     "FILE.jsonl --output-prefix PATH`")
+    raise ValueError(
+        f"no token file {path_or_name} ({candidates[0]} not found): give its path "
+        "without .bin, as written by `python -m hplab.data prepare --input "
+        "FILE.jsonl --output-prefix PATH`"
+    )
 
 
 def _read_sidecar(bin_path: Path) -> dict:
@@ -171,11 +207,15 @@ def _read_sidecar(bin_path: Path) -> dict:
         meta = json.loads(path.read_text(encoding="utf-8"))
         return {"tokenizer": str(meta["tokenizer"]), "vocab_size": int(meta["vocab_size"])}
     except FileNotFoundError:
-        raise ValueError(f"{bin_path} has no {path.name} beside it to say which tokenizer made "
-                         "it: write both with `python -m hplab.data prepare`") from None
+        raise ValueError(
+            f"{bin_path} has no {path.name} beside it to say which tokenizer made "
+            "it: write both with `python -m hplab.data prepare`"
+        ) from None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise ValueError(f"{path} is damaged (need JSON with tokenizer and vocab_size): "
-                         "prepare the token file again") from None
+        raise ValueError(
+            f"{path} is damaged (need JSON with tokenizer and vocab_size): "
+            "prepare the token file again"
+        ) from None
 
 
 class TokenDataset:
@@ -186,32 +226,45 @@ class TokenDataset:
     opening it costs no RAM, and every process of a run shares the operating system's cache.
     ``len`` and ``[i]`` are all ``torch.utils.data.DataLoader`` needs from a dataset."""
 
-    def __init__(self, path_or_name: str | Path = "shakespeare", tokenizer: str = "hplab-bpe",
-                 seq_len: int = 64, split: str = "train"):
+    def __init__(
+        self,
+        path_or_name: str | Path = "shakespeare",
+        tokenizer: str = "hplab-bpe",
+        seq_len: int = 64,
+        split: str = "train",
+    ):
         if split not in ("train", "val") or seq_len < 1:
             raise ValueError(f"need split 'train' or 'val' and seq_len >= 1: {split!r}, {seq_len}")
         self.path = _find_token_file(path_or_name, tokenizer)
         meta = _read_sidecar(self.path)
         if meta["tokenizer"] != tokenizer:
-            raise ValueError(f"{self.path} was made with the {meta['tokenizer']!r} tokenizer but "
-                             f"this model uses {tokenizer!r}: prepare it again with --tokenizer "
-                             f"{tokenizer}, or pick the model for {meta['tokenizer']!r}")
+            raise ValueError(
+                f"{self.path} was made with the {meta['tokenizer']!r} tokenizer but "
+                f"this model uses {tokenizer!r}: prepare it again with --tokenizer "
+                f"{tokenizer}, or pick the model for {meta['tokenizer']!r}"
+            )
         self.tokenizer_name, self.vocab_size = tokenizer, meta["vocab_size"]
         if self.path.stat().st_size % TOKEN_DTYPE.itemsize:
-            raise ValueError(f"{self.path} is damaged: {self.path.stat().st_size} bytes is not a "
-                             "whole number of uint16 token ids; prepare it again")
+            raise ValueError(
+                f"{self.path} is damaged: {self.path.stat().st_size} bytes is not a "
+                "whole number of uint16 token ids; prepare it again"
+            )
         all_tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
         if len(all_tokens) and int(all_tokens.max()) >= self.vocab_size:
-            raise ValueError(f"{self.path} holds token id {int(all_tokens.max())}, beyond its "
-                             f"tokenizer's {self.vocab_size} ids: prepare it again")
+            raise ValueError(
+                f"{self.path} holds token id {int(all_tokens.max())}, beyond its "
+                f"tokenizer's {self.vocab_size} ids: prepare it again"
+            )
         train_end = int(len(all_tokens) * (1 - VAL_FRACTION))
         self.tokens = all_tokens[:train_end] if split == "train" else all_tokens[train_end:]
         self.seq_len, self.split = seq_len, split
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
-            raise ValueError(f"seq_len={seq_len} is too long: the {split} split of {self.path} "
-                             f"has only {len(self.tokens)} tokens; use a shorter --seq-len or "
-                             "more data")
+            raise ValueError(
+                f"seq_len={seq_len} is too long: the {split} split of {self.path} "
+                f"has only {len(self.tokens)} tokens; use a shorter --seq-len or "
+                "more data"
+            )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -222,11 +275,12 @@ class TokenDataset:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
         start = index * self.seq_len
-        window = torch.from_numpy(self.tokens[start: start + self.seq_len + 1].astype(np.int64))
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]
 
 
 # --- 5. The sampler: which samples each step and each data-parallel rank sees -------------
+
 
 @functools.lru_cache(maxsize=4)
 def _epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -244,18 +298,22 @@ def global_batch_indices(num_samples: int, step: int, global_batch: int, seed: i
     runs past the end of an epoch continues into the next one.
     """
     positions = range(step * global_batch, (step + 1) * global_batch)
-    return [int(_epoch_permutation(num_samples, seed, p // num_samples)[p % num_samples])
-            for p in positions]
+    return [
+        int(_epoch_permutation(num_samples, seed, p // num_samples)[p % num_samples])
+        for p in positions
+    ]
 
 
 def shard_for_rank(indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
     """The contiguous slice of the global batch that data-parallel rank ``dp_rank`` runs: rank
     ``r`` gets ``indices[r*b:(r+1)*b]`` with ``b = len(indices) // dp_size``."""
     if len(indices) % dp_size:
-        raise ValueError(f"global batch of {len(indices)} samples does not split evenly over "
-                         f"dp={dp_size} ranks; choose a batch size divisible by {dp_size}")
+        raise ValueError(
+            f"global batch of {len(indices)} samples does not split evenly over "
+            f"dp={dp_size} ranks; choose a batch size divisible by {dp_size}"
+        )
     per_rank = len(indices) // dp_size
-    return list(indices[dp_rank * per_rank: (dp_rank + 1) * per_rank])
+    return list(indices[dp_rank * per_rank : (dp_rank + 1) * per_rank])
 
 
 def get_batch(dataset: TokenDataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,24 +326,29 @@ def get_batch(dataset: TokenDataset, indices: list[int]) -> tuple[torch.Tensor, 
 
 # --- Command line: prepare your own corpus (data/build.py rebuilds the shipped data/) ------
 
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; data problems print one ``error:`` line and return 2."""
     parser = argparse.ArgumentParser("python -m hplab.data", description=__doc__.split("\n")[0])
     prepare = parser.add_subparsers(dest="command", required=True).add_parser(
-        "prepare", help="tokenize your own JSONL corpus")
+        "prepare", help="tokenize your own JSONL corpus"
+    )
     prepare.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     prepare.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.json")
     prepare.add_argument("--tokenizer", choices=sorted(TOKENIZER_FOLDERS), default="hplab-bpe")
     prepare.add_argument("--text-key", default="text")
     args = parser.parse_args(argv)
     try:
-        sidecar = prepare_jsonl(Path(args.input), Path(args.output_prefix), args.tokenizer,
-                                args.text_key)
+        sidecar = prepare_jsonl(
+            Path(args.input), Path(args.output_prefix), args.tokenizer, args.text_key
+        )
     except (DataError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output_prefix}.bin: {sidecar['num_documents']} documents, "
-          f"{sidecar['num_tokens']} tokens")
+    print(
+        f"wrote {args.output_prefix}.bin: {sidecar['num_documents']} documents, "
+        f"{sidecar['num_tokens']} tokens"
+    )
     return 0
 
 

@@ -93,8 +93,9 @@ class DDP(nn.Module):
             self.comm.broadcast(t.data, src=0)
         self.params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
         self.buckets = [Bucket(group) for group in bucket_params(self.params, bucket_mb)]
-        self.slot_of = {id(p): (b, view) for b in self.buckets
-                        for p, view in zip(b.params, b.views)}
+        self.slot_of = {
+            id(p): (b, view) for b in self.buckets for p, view in zip(b.params, b.views)
+        }
         self.next_to_launch, self.sync_enabled = 0, True  # buckets before next_to_launch: sent
         self.started = False  # a synchronised backward has begun (its callback is queued)
         self.unsynced = False  # gradients were accumulated under no_sync()
@@ -133,7 +134,7 @@ class DDP(nn.Module):
         wait for every all-reduce, reset for the next step. Does nothing with nothing to sync."""
         if not (self.started or self.unsynced):
             return
-        for b in self.buckets[self.next_to_launch:]:
+        for b in self.buckets[self.next_to_launch :]:
             for p, view in zip(b.params, b.views):
                 move_grad_in(p, view)
         self._launch_ready_buckets(force=True)
@@ -153,5 +154,4 @@ class DDP(nn.Module):
             self.sync_enabled = True
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": list(self.module.parameters()),
-                "grads": [b.buffer for b in self.buckets]}
+        return {"params": list(self.module.parameters()), "grads": [b.buffer for b in self.buckets]}

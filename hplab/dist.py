@@ -48,6 +48,7 @@ class LayoutError(ValueError):
 
 # --- start-up ------------------------------------------------------------------------------
 
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -56,8 +57,14 @@ def free_port() -> int:
 
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The variables torchrun sets for worker `rank` of `world_size` on this machine."""
-    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return dict(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -104,9 +111,15 @@ def die_with_launcher() -> None:
 # torch._dynamo, which an optimizer's first step imports, and the torch modules that take
 # `group=dist.group.WORLD` as a default argument (imported after the group exists, they would
 # hold it for good).
-PRELOAD = ["torch", "torch._dynamo", "hplab.compose", "torch.distributed.checkpoint.optimizer",
-           "torch.distributed.nn.functional", "torch.distributed.fsdp.sharded_grad_scaler",
-           "torch.distributed.optim.zero_redundancy_optimizer"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "hplab.compose",
+    "torch.distributed.checkpoint.optimizer",
+    "torch.distributed.nn.functional",
+    "torch.distributed.fsdp.sharded_grad_scaler",
+    "torch.distributed.optim.zero_redundancy_optimizer",
+]
 
 
 def import_before_the_group_exists() -> None:
@@ -130,6 +143,7 @@ def shutdown() -> None:
 
 # --- the mesh ------------------------------------------------------------------------------
 
+
 def check_layout(world_size: int, dp: int, tp: int, pp: int, cp: int = 1) -> None:
     """Raise LayoutError unless dp × tp × pp (× cp) is exactly the number of processes."""
     sizes = dict(dp=dp, tp=tp, pp=pp, **({"cp": cp} if cp != 1 else {}))
@@ -141,7 +155,8 @@ def check_layout(world_size: int, dp: int, tp: int, pp: int, cp: int = 1) -> Non
             f"layout {' × '.join(f'{k}={v}' for k, v in sizes.items())} = {dp * tp * pp * cp} "
             f"processes, but there are {world_size}: make "
             f"{' × '.join('--' + k for k in sizes)} equal the number of processes "
-            "(--nproc_per_node, or --nproc)")
+            "(--nproc_per_node, or --nproc)"
+        )
 
 
 def coordinates(rank: int, dp: int, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int]:
@@ -150,8 +165,9 @@ def coordinates(rank: int, dp: int, tp: int, pp: int, cp: int = 1) -> tuple[int,
     return (rank // (tp * cp)) % dp, rank % tp, rank // (tp * cp * dp)
 
 
-def global_rank(dp_rank: int, tp_rank: int, pp_rank: int, dp: int, tp: int,
-                cp_rank: int = 0, cp: int = 1) -> int:
+def global_rank(
+    dp_rank: int, tp_rank: int, pp_rank: int, dp: int, tp: int, cp_rank: int = 0, cp: int = 1
+) -> int:
     return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
@@ -161,8 +177,12 @@ def group_ranks(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[i
     sizes = dict(pp=pp, dp=dp, cp=cp, tp=tp)  # outermost first
     grid = [dict(zip(sizes, c)) for c in itertools.product(*(range(n) for n in sizes.values()))]
     rank = lambda c: global_rank(c["dp"], c["tp"], c["pp"], dp, tp, c["cp"], cp)  # noqa: E731
-    return {family: [[rank({**c, family: i}) for i in range(sizes[family])]
-                     for c in grid if c[family] == 0] for family in ("tp", "dp", "pp", "cp")}
+    return {
+        family: [
+            [rank({**c, family: i}) for i in range(sizes[family])] for c in grid if c[family] == 0
+        ]
+        for family in ("tp", "dp", "pp", "cp")
+    }
 
 
 class Mesh:
@@ -171,9 +191,16 @@ class Mesh:
     `mesh.cp`, `mesh.tp`, `mesh.pp` and `mesh.world` all write into one `CommLedger`: a rank's
     bytes per operation and family."""
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1,
-                 device: torch.device | None = None, ledger: CommLedger | None = None,
-                 cp: int = 1, ep: int = 1):
+    def __init__(
+        self,
+        dp: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        device: torch.device | None = None,
+        ledger: CommLedger | None = None,
+        cp: int = 1,
+        ep: int = 1,
+    ):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         check_layout(self.world_size, dp, tp, pp, cp)
         if ep < 1 or dp % ep:
@@ -187,28 +214,31 @@ class Mesh:
         # ep: each dp group cut into blocks of ep ranks; edp: the same place in every block
         self.ep_size, self.ep_rank, self.edp_rank = ep, self.dp_rank % ep, self.dp_rank // ep
         dps = self.groups["dp"]
-        self.groups["ep"] = [d[s:s + ep] for d in dps for s in range(0, dp, ep)]
+        self.groups["ep"] = [d[s : s + ep] for d in dps for s in range(0, dp, ep)]
         if ep > 1:
             self.groups["edp"] = [d[j::ep] for d in dps for j in range(ep)]
         for family, lists in self.groups.items():
             for ranks in lists:  # every rank must create every group, in the same order
                 group = new_group(ranks) if len(ranks) > 1 else None
                 if self.rank in ranks:  # this rank's group of the family: mesh.dp, .tp, .pp
-                    setattr(self, family, Communicator(group, family, self.ledger, ranks,
-                                                       self.device))
+                    setattr(
+                        self, family, Communicator(group, family, self.ledger, ranks, self.device)
+                    )
         if ep == 1:  # every expert on every rank: their replicas are the whole dp group
             self.edp = self.dp
 
     @classmethod
-    def create(cls, *args, **kwargs) -> "Mesh":
+    def create(cls, *args, **kwargs) -> Mesh:
         return cls(*args, **kwargs)  # the name the labs use: the same as Mesh(dp, tp, pp, ...)
 
     def describe(self) -> dict:
-        return {key: getattr(self, key) for key in ("rank", "dp_rank", "tp_rank", "pp_rank",
-                                                    "cp_rank")}
+        return {
+            key: getattr(self, key) for key in ("rank", "dp_rank", "tp_rank", "pp_rank", "cp_rank")
+        }
 
 
 # --- spawning processes for tests and notebooks --------------------------------------------
+
 
 def _child(fn, rank, world_size, port, args, results, backend, timeout_s):
     os.environ.update(torchrun_env(rank, world_size, port))
@@ -222,8 +252,9 @@ def _child(fn, rank, world_size, port, args, results, backend, timeout_s):
         shutdown()
 
 
-def run_distributed(fn, world_size: int, *args, backend: str | None = "gloo",
-                    timeout_s: float = 300.0) -> list:
+def run_distributed(
+    fn, world_size: int, *args, backend: str | None = "gloo", timeout_s: float = 300.0
+) -> list:
     """Run `fn(*args)` on `world_size` fresh processes joined in one process group (gloo by
     default) on a free local port; return the results by rank. `fn` must be a module-level
     function (spawned processes pickle it by name). A child's exception is re-raised here with
@@ -231,9 +262,22 @@ def run_distributed(fn, world_size: int, *args, backend: str | None = "gloo",
     ctx = multiprocessing.get_context("forkserver")  # forked from a process that has imported
     ctx.set_forkserver_preload(PRELOAD)  # torch & co. once
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, backend,
-                                              min(timeout_s, DEFAULT_TIMEOUT_S)))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(
+                fn,
+                r,
+                world_size,
+                port,
+                args,
+                results,
+                backend,
+                min(timeout_s, DEFAULT_TIMEOUT_S),
+            ),
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out = {}
@@ -242,7 +286,9 @@ def run_distributed(fn, world_size: int, *args, backend: str | None = "gloo",
             try:
                 rank, ok, value = results.get(timeout=timeout_s)
             except Exception:  # queue.Empty
-                raise TimeoutError(f"{world_size}-process run did not finish in {timeout_s:.0f}s")
+                raise TimeoutError(
+                    f"{world_size}-process run did not finish in {timeout_s:.0f}s"
+                ) from None
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = value
@@ -257,5 +303,12 @@ def run_distributed(fn, world_size: int, *args, backend: str | None = "gloo",
 def torchrun_command(nproc: int, script: str, *script_args: str) -> list[str]:
     """The command that launches `script` on `nproc` local processes, without relying on a
     `torchrun` executable on PATH (notebooks and tests use the current interpreter)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", script, *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        script,
+        *script_args,
+    ]

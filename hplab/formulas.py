@@ -16,8 +16,9 @@ import math
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
-def bubble_formula(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0,
-                   w: float = 1.0) -> dict:
+def bubble_formula(
+    schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0, w: float = 1.0
+) -> dict:
     """The textbook bubble of `schedule` (p stages, m microbatches, v chunks per rank when
     interleaved, F/B/W costs f, b, w): `relative`, the **bubble ratio** idle / compute time of a
     rank, and `of_step`, the **bubble fraction** idle / step time = relative / (1 + relative),
@@ -29,10 +30,12 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b:
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    relative, text = {"gpipe": ((p - 1) / m, "(p-1)/m"), "1f1b": ((p - 1) / m, "(p-1)/m"),
-                      "interleaved": ((p - 1) / (v * m), "(p-1)/(v·m)"),
-                      "zb-h1": ((p - 1) * (f + b - w) / (m * (f + b + w)),
-                                "(p-1)(F+B-W)/(m(F+B+W))")}[schedule]
+    relative, text = {
+        "gpipe": ((p - 1) / m, "(p-1)/m"),
+        "1f1b": ((p - 1) / m, "(p-1)/m"),
+        "interleaved": ((p - 1) / (v * m), "(p-1)/(v·m)"),
+        "zb-h1": ((p - 1) * (f + b - w) / (m * (f + b + w)), "(p-1)(F+B-W)/(m(F+B+W))"),
+    }[schedule]
     return {"relative": relative, "of_step": relative / (1 + relative), "formula": text}
 
 
@@ -48,8 +51,9 @@ def bubble_ratio(schedule: str, p: int, m: int, v: int = 1, **costs) -> float:
     return bubble_formula(schedule, p, m, v, **costs)["relative"]
 
 
-def in_flight_microbatches(schedule: str, pp: int, microbatches: int,
-                           virtual_stages: int = 1) -> float:
+def in_flight_microbatches(
+    schedule: str, pp: int, microbatches: int, virtual_stages: int = 1
+) -> float:
     """How many microbatches' activations the first pipeline stage holds at its peak. GPipe
     runs all m forwards before any backward: m. 1F1B (PipeDream-Flush, [PTD-P] Sec. 2.2) starts
     backward after pp warm-up forwards: min(pp, m). Interleaved with v chunks per rank holds
@@ -90,8 +94,9 @@ def bus_factor(op: str, n: int) -> float:
     return alpha_beta_terms(op, n)[1]
 
 
-def collective_time_s(op: str, nbytes: float, n: int, bw: float, alpha: float,
-                      calls: int = 1) -> float:
+def collective_time_s(
+    op: str, nbytes: float, n: int, bw: float, alpha: float, calls: int = 1
+) -> float:
     """Seconds of `calls` ring `op`s moving nbytes in all among n ranks, link β = bw bytes/s,
     α = alpha s per step: calls·steps·α + factor·S/β (all-reduce: 2(n−1)·α + 2(n−1)/n · S/β)."""
     if n <= 1:
@@ -100,8 +105,9 @@ def collective_time_s(op: str, nbytes: float, n: int, bw: float, alpha: float,
     return calls * steps * alpha + factor * nbytes / bw
 
 
-def moe_all_to_all_bytes(sent: int, received: int, n_embd: int, n_experts: int,
-                         dtype_bytes: int = 4) -> int:
+def moe_all_to_all_bytes(
+    sent: int, received: int, n_embd: int, n_experts: int, dtype_bytes: int = 4
+) -> int:
     """Payload bytes of one rank's all-to-alls for one MoE layer in one training step under
     expert parallel: the counts (E int64), the dispatch (its `sent` token-slots, h values each)
     and the combine (the `received` slots, sent back), each again in backward (the reverse
@@ -111,8 +117,10 @@ def moe_all_to_all_bytes(sent: int, received: int, n_embd: int, n_experts: int,
 
 # --- 3. The model: Ψ, hplab's presets, FLOPs  [PTD-P] ---------------------------------------------
 
-def gpt_num_params(n_layer: int, n_embd: int, vocab_size: int, seq_len: int,
-                   n_experts: int = 0) -> int:
+
+def gpt_num_params(
+    n_layer: int, n_embd: int, vocab_size: int, seq_len: int, n_experts: int = 0
+) -> int:
     """Ψ of GPT-2 (tied embedding / LM head, learned positions, biases everywhere):
 
         Ψ = V·h + S·h + L·(12h² + 13h) + 2h
@@ -128,13 +136,16 @@ def gpt_num_params(n_layer: int, n_embd: int, vocab_size: int, seq_len: int,
 #: hplab's own model presets (`hplab.models.gpt.PRESETS` builds its GPTConfigs from these).
 HPLAB_PRESETS = {
     # trains in seconds on a laptop CPU, on the small BPE shipped in data/hplab-bpe
-    "tiny": dict(vocab_size=2048, n_positions=64, n_embd=64, n_layer=4, n_head=4,
-                 tokenizer="hplab-bpe"),
+    "tiny": dict(
+        vocab_size=2048, n_positions=64, n_embd=64, n_layer=4, n_head=4, tokenizer="hplab-bpe"
+    ),
     # the real GPT-2 sizes, on the genuine GPT-2 BPE shipped in data/gpt2-tokenizer
-    "gpt2": dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                 tokenizer="gpt2"),
-    "gpt2-medium": dict(vocab_size=50257, n_positions=1024, n_embd=1024, n_layer=24, n_head=16,
-                        tokenizer="gpt2"),
+    "gpt2": dict(
+        vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, tokenizer="gpt2"
+    ),
+    "gpt2-medium": dict(
+        vocab_size=50257, n_positions=1024, n_embd=1024, n_layer=24, n_head=16, tokenizer="gpt2"
+    ),
 }
 
 
@@ -165,8 +176,12 @@ def flops_per_step(model, batch_size: int, recompute: str = "none") -> dict:
     head_fwd = 2 * B * s * h * V
     model_flops = 3 * (L * block_fwd + head_fwd)
     extra = {"none": 0, "selective": L * 4 * B * s * s * h, "full": L * block_fwd}[recompute]
-    return {"model_flops": model_flops, "hardware_flops": model_flops + extra,
-            "block_fwd_flops": block_fwd / B, "head_fwd_flops": head_fwd / B}
+    return {
+        "model_flops": model_flops,
+        "hardware_flops": model_flops + extra,
+        "block_fwd_flops": block_fwd / B,
+        "head_fwd_flops": head_fwd / B,
+    }
 
 
 # --- 4. Memory: model states [ZeRO] and activations [SP] ------------------------------------------
@@ -178,8 +193,14 @@ PRECISION_BYTES = {  # bytes per element: (param, grad, master, optimizer state,
 }
 
 
-def model_state_bytes(psi: float, dp: int = 1, zero: int = 0, precision: str = "bf16",
-                      offload: bool = False, padded: bool = False) -> dict:
+def model_state_bytes(
+    psi: float,
+    dp: int = 1,
+    zero: int = 0,
+    precision: str = "bf16",
+    offload: bool = False,
+    padded: bool = False,
+) -> dict:
     """Bytes per GPU of the model states of Ψ parameters, by kind. [ZeRO] Sec. 3.1 and 5.
 
     Mixed precision with Adam holds 2Ψ (fp16/bf16 params) + 2Ψ (grads) + KΨ with K = 12
@@ -199,9 +220,15 @@ def model_state_bytes(psi: float, dp: int = 1, zero: int = 0, precision: str = "
     shard = psi / dp  # what each data-parallel rank keeps of a sharded state
     if padded and dp > 1:
         shard = math.ceil(shard)
-    out = {f"{kind}_bytes": nbytes * (shard if zero >= stage else psi) for kind, nbytes, stage
-           in [("params", p_bytes, 3), ("grads", g_bytes, 2), ("optim", o_bytes, 1),
-               ("master", m_bytes, 1)]}
+    out = {
+        f"{kind}_bytes": nbytes * (shard if zero >= stage else psi)
+        for kind, nbytes, stage in [
+            ("params", p_bytes, 3),
+            ("grads", g_bytes, 2),
+            ("optim", o_bytes, 1),
+            ("master", m_bytes, 1),
+        ]
+    }
     out["cpu_bytes"] = 0.0
     if offload:
         out["cpu_bytes"] = out["optim_bytes"] + out["master_bytes"]
@@ -210,10 +237,19 @@ def model_state_bytes(psi: float, dp: int = 1, zero: int = 0, precision: str = "
     return out
 
 
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none",
-                               act_bytes: int = 2, dropout: bool = True,
-                               flash_attention: bool = False, moe_top_k: int = 0) -> float:
+def activation_bytes_per_layer(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    act_bytes: int = 2,
+    dropout: bool = True,
+    flash_attention: bool = False,
+    moe_top_k: int = 0,
+) -> float:
     """Bytes one transformer block saves for backward, for one microbatch. [SP] Sec. 4.
 
     Counted tensor by tensor (s sequence, b microbatch, h hidden, a heads, t tensor parallel):
@@ -254,8 +290,14 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
 LR_DECAYS = ("constant", "linear", "cosine")
 
 
-def learning_rate(step: int, lr: float, warmup_steps: int = 0, decay: str = "constant",
-                  decay_steps: int = 0, min_lr: float = 0.0) -> float:
+def learning_rate(
+    step: int,
+    lr: float,
+    warmup_steps: int = 0,
+    decay: str = "constant",
+    decay_steps: int = 0,
+    min_lr: float = 0.0,
+) -> float:
     """The lr of step `step` (from 0): warm-up lr·step/warmup_steps (Hugging Face's), then
     `decay` to min_lr at `decay_steps` (Megatron's), x = (step - warmup) / (decay - warmup):
     linear min_lr + (lr - min_lr)(1 - x), cosine min_lr + (lr - min_lr)(1 + cos πx)/2."""

@@ -70,14 +70,16 @@ class _Param:
         copy_markers(p, self.shard)
         self.shard.dp_sharded, self.shard._fsdp = True, self  # (`is_shard`)
         self.buffer = torch.empty((comm.size * self.rows, *self.rest), dtype=dtype, device=device)
-        self.full = nn.Parameter(self.buffer[:self.d0].view(p.shape), requires_grad=p.requires_grad)
+        self.full = nn.Parameter(
+            self.buffer[: self.d0].view(p.shape), requires_grad=p.requires_grad
+        )
         self.buffer.untyped_storage().resize_(0)
         self.places = places  # [(module, attribute name)], two or more for a tied parameter
 
     def pad(self, full: torch.Tensor) -> torch.Tensor:
         """`full` (shaped like the parameter), dim 0 zero-padded to N·rows: chunk r is rank r's."""
         padded = full.new_zeros((self.comm.size * self.rows, *self.rest))
-        padded[:self.d0] = full.reshape(padded[:self.d0].shape)
+        padded[: self.d0] = full.reshape(padded[: self.d0].shape)
         return padded
 
     def mine(self, full: torch.Tensor) -> torch.Tensor:
@@ -98,8 +100,10 @@ class _Unit:
         self.device, self.dtype = first.device, param_dtype or first.dtype
         self.param_dtype = param_dtype
         shard_device = torch.device("cpu") if offload else self.device
-        self.params = [_Param(p, where, comm, self.dtype, self.device, shard_device)
-                       for p, where in places.items()]
+        self.params = [
+            _Param(p, where, comm, self.dtype, self.device, shard_device)
+            for p, where in places.items()
+        ]
         for e in self.params:
             self._swap(e, e.shard)
             if e.full.requires_grad:
@@ -137,7 +141,7 @@ class _Unit:
         for e in self.params:
             e.buffer.untyped_storage().resize_(e.buffer.numel() * e.buffer.element_size())
             # `.data`: a write autograd does not version, so tensors saved for backward stay valid
-            e.buffer.data.view(self.comm.size, -1).copy_(rows[:, offset:offset + e.shard.numel()])
+            e.buffer.data.view(self.comm.size, -1).copy_(rows[:, offset : offset + e.shard.numel()])
             offset += e.shard.numel()
         self.gathering, self.gathered = None, True
 
@@ -163,8 +167,9 @@ class _Unit:
         for e in with_grad:
             e.full.grad = None
         out = flat.new_empty(flat.shape[1])
-        self.reducing.append((with_grad, flat, out,
-                              self.comm.reduce_scatter(out, flat.view(-1), async_op=True)))
+        self.reducing.append(
+            (with_grad, flat, out, self.comm.reduce_scatter(out, flat.view(-1), async_op=True))
+        )
 
     @torch.no_grad()
     def finish_reduce(self) -> None:
@@ -187,8 +192,11 @@ class _Unit:
             nxt.start_gather()  # prefetch: overlaps with this unit's compute
         if self.param_dtype is None:
             return None
-        return tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype)
-                             if t.is_floating_point() else t, (args, kwargs))
+        return tree_map_only(
+            torch.Tensor,
+            lambda t: t.to(self.param_dtype) if t.is_floating_point() else t,
+            (args, kwargs),
+        )
 
     def _post_forward(self, module, args, output):
         if self.family.in_backward:  # recompute inside backward: keep the parameters gathered
@@ -203,7 +211,8 @@ class _Unit:
         outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
         if outputs:
             torch.autograd.graph.register_multi_grad_hook(
-                outputs, lambda grad: self._before_backward(), mode="any")
+                outputs, lambda grad: self._before_backward(), mode="any"
+            )
         return None
 
     def _before_backward(self) -> None:
@@ -254,8 +263,10 @@ class _Family:
 
 # --- the API ------------------------------------------------------------------------------
 
-def fully_shard(module: nn.Module, group=None, param_dtype: torch.dtype | None = None,
-                offload: bool = False) -> nn.Module:
+
+def fully_shard(
+    module: nn.Module, group=None, param_dtype: torch.dtype | None = None, offload: bool = False
+) -> nn.Module:
     """Shard the parameters of `module` not already managed by an inner `fully_shard` call over
     `group` (a torch ProcessGroup, an hplab Communicator or None for the world), and hook its
     forward to gather them just in time. Returns `module`: its parameters are now fp32 shards."""
@@ -284,7 +295,7 @@ def gather_full(shard_param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor
     send = tensor.detach().to(comm.device).contiguous()
     out = send.new_empty((comm.size * e.rows, *e.rest))
     comm.all_gather(out, send)
-    return out[:e.d0].reshape(e.shape).cpu()
+    return out[: e.d0].reshape(e.shape).cpu()
 
 
 @torch.no_grad()
@@ -297,15 +308,18 @@ def local_shard(shard_param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     """{name: full fp32 tensor on the CPU} for every parameter of `module`, named as in the
     single-device model. A collective: every rank calls it, outside forward/backward."""
-    return {name: (gather_full(p, p) if is_shard(p) else p.detach().cpu().clone()).float()
-            for name, p in module.named_parameters()}
+    return {
+        name: (gather_full(p, p) if is_shard(p) else p.detach().cpu().clone()).float()
+        for name, p in module.named_parameters()
+    }
 
 
 def finish_gradient_sync(module: nn.Module) -> None:
     """Wait for the pending reduce-scatters of the units in `module` (the end of backward
     already does it; calling again does nothing)."""
-    families = dict.fromkeys(m._hplab_fsdp.family for m in module.modules()
-                             if hasattr(m, "_hplab_fsdp"))
+    families = dict.fromkeys(
+        m._hplab_fsdp.family for m in module.modules() if hasattr(m, "_hplab_fsdp")
+    )
     for family in families:
         family.finish()
 
@@ -314,7 +328,15 @@ def memory_tensors(module: nn.Module) -> dict[str, list[torch.Tensor]]:
     """What `module` holds on this rank, for `hplab.memory`: shards, buffers, full-size parameters
     gathered now (0 bytes between uses), the shards' gradients ("optim" is the caller's)."""
     params = list(module.parameters())
-    gathered = [e.buffer for m in module.modules() if hasattr(m, "_hplab_fsdp")
-                for e in m._hplab_fsdp.params]
-    return {"params": params + list(module.buffers()) + gathered,
-            "grads": [p.grad for p in params], "optim": [], "master": []}
+    gathered = [
+        e.buffer
+        for m in module.modules()
+        if hasattr(m, "_hplab_fsdp")
+        for e in m._hplab_fsdp.params
+    ]
+    return {
+        "params": params + list(module.buffers()) + gathered,
+        "grads": [p.grad for p in params],
+        "optim": [],
+        "master": [],
+    }

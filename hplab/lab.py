@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from hplab import viz  # plots; matplotlib itself loads only when one is drawn
+
 # in one home, hplab.formulas; lab 00 and tests call them as lab.<name>
 from hplab.formulas import alpha_beta_terms, training_flops_per_token
 from hplab.timeline import read_timeline
@@ -65,25 +66,44 @@ def _progress(label: str, show: bool):
             handle.update(Pretty(f"{label}: {text}"))
         else:
             print(f"\r{label}: {text}", end="\n" if final else "", file=sys.stderr, flush=True)
+
     return draw
 
 
-def launch(nproc: int, script: str | Path, args: list[str], label: str | None = None,
-           progress: bool = True, timeout_s: float = 600.0) -> tuple[str, float]:
+def launch(
+    nproc: int,
+    script: str | Path,
+    args: list[str],
+    label: str | None = None,
+    progress: bool = True,
+    timeout_s: float = 600.0,
+) -> tuple[str, float]:
     """Run `script` on `nproc` local processes; return (captured output, seconds). Progress
     comes from rank 0's tqdm bar. A non-zero exit raises LaunchError with the job's `hplab:
     error:` line (or the tail of its output); past `timeout_s` the whole job is killed."""
     from hplab.dist import torchrun_command
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO_DIR), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO_DIR), os.environ.get("PYTHONPATH", "")]),
+    )
     label = label or f"{Path(script).name} on {nproc} processes"
     draw, start, output = _progress(label, progress), time.monotonic(), bytearray()
-    command = ([sys.executable, str(script), "--nproc", str(nproc), *args]  # its own launcher
-               if Path(script).name == "train.py" else torchrun_command(nproc, str(script), *args))
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, cwd=REPO_DIR,
-                            start_new_session=True)  # its own process group, to kill as one
+    command = (
+        [sys.executable, str(script), "--nproc", str(nproc), *args]  # its own launcher
+        if Path(script).name == "train.py"
+        else torchrun_command(nproc, str(script), *args)
+    )
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO_DIR,
+        start_new_session=True,
+    )  # its own process group, to kill as one
     try:
         while True:
             if time.monotonic() - start > timeout_s:
@@ -98,8 +118,11 @@ def launch(nproc: int, script: str | Path, args: list[str], label: str | None = 
             if counts := _TQDM_COUNT.findall(tail):  # a bar of 24 characters, the loss, seconds
                 (done, total), loss = map(int, counts[-1]), _TQDM_LOSS.findall(tail)
                 bar = "█" * (24 * done // max(total, 1))
-                draw(f"{bar:·<24} {done}/{total}" + (f"  loss {loss[-1]}" if loss else "")
-                     + f"  {time.monotonic() - start:.1f} s")
+                draw(
+                    f"{bar:·<24} {done}/{total}"
+                    + (f"  loss {loss[-1]}" if loss else "")
+                    + f"  {time.monotonic() - start:.1f} s"
+                )
         proc.wait()
     except BaseException:  # a timeout or an interrupt: kill the launcher's process group
         if proc.poll() is None:
@@ -112,25 +135,46 @@ def launch(nproc: int, script: str | Path, args: list[str], label: str | None = 
         draw(f"failed after {seconds:.1f} s", final=True)
         errors = [line for line in text.splitlines() if line.startswith("hplab: error:")]
         lines = [line for line in text.replace("\r", "\n").splitlines() if line.strip()]
-        raise LaunchError(errors[0] if errors else f"{label} exited with code {proc.returncode}; "
-                          "its last output:\n" + "\n".join(lines[-30:]))
+        raise LaunchError(
+            errors[0]
+            if errors
+            else f"{label} exited with code {proc.returncode}; "
+            "its last output:\n" + "\n".join(lines[-30:])
+        )
     draw("█" * 24 + f" done in {seconds:.1f} s", final=True)
     return text, seconds
 
 
 def _flags(options: dict) -> list[str]:
     """{"bucket_mb": 1, "recompute": True} → ["--bucket-mb", "1", "--recompute"]."""
-    return [part for key, value in options.items() if value is not None and value is not False
-            for part in ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])]
+    return [
+        part
+        for key, value in options.items()
+        if value is not None and value is not False
+        for part in ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
+    ]
 
 
-def _launch_json(nproc: int, script: str, args: list[str], out_flag: str, label: str,
-                 progress: bool, timeout_s: float) -> tuple[dict, float, str]:
+def _launch_json(
+    nproc: int,
+    script: str,
+    args: list[str],
+    out_flag: str,
+    label: str,
+    progress: bool,
+    timeout_s: float,
+) -> tuple[dict, float, str]:
     """Launch `script` with `out_flag PATH` added; return (the JSON it wrote, seconds, output)."""
     with tempfile.TemporaryDirectory(prefix="hplab-") as tmp:
         path = Path(tmp) / "out.json"
-        output, seconds = launch(nproc, REPO_DIR / "hplab" / script, args + [out_flag, str(path)],
-                                 label, progress, timeout_s)
+        output, seconds = launch(
+            nproc,
+            REPO_DIR / "hplab" / script,
+            args + [out_flag, str(path)],
+            label,
+            progress,
+            timeout_s,
+        )
         return json.loads(path.read_text()), seconds, output
 
 
@@ -149,8 +193,12 @@ class Run:
     num_params = property(lambda self: self.metrics["model"]["num_params"])
     tokens_per_s = property(lambda self: self.metrics["tokens_per_s"])  # first step excluded
     losses = property(lambda self: [s["loss"] for s in self.metrics["steps"]])
-    val_losses = property(lambda self: [(e["step"], e["loss"])  # `eval_every=N`: the loss after
-                                        for e in self.metrics.get("eval", [])])  # `step` steps
+    val_losses = property(
+        lambda self: [
+            (e["step"], e["loss"])  # `eval_every=N`: the loss after
+            for e in self.metrics.get("eval", [])
+        ]
+    )  # `step` steps
 
     def memory_bytes(self, rank: int = 0) -> dict[str, int]:
         """Bytes this rank held, by kind: params, grads, optim, master, activation."""
@@ -174,22 +222,40 @@ class Run:
 
     def label(self) -> str:
         c = self.config
-        return " ".join([f"dp={c['dp']}"] + [f"{k}={c[k]}" for k, default in
-                        (("tp", 1), ("pp", 1), ("zero", 0)) if c.get(k) and c[k] != default])
+        return " ".join(
+            [f"dp={c['dp']}"]
+            + [
+                f"{k}={c[k]}"
+                for k, default in (("tp", 1), ("pp", 1), ("zero", 0))
+                if c.get(k) and c[k] != default
+            ]
+        )
 
 
-def train(nproc: int = 1, progress: bool = True, timeout_s: float = 600.0,
-          trace: bool | str = False, **flags) -> Run:
+def train(
+    nproc: int = 1,
+    progress: bool = True,
+    timeout_s: float = 600.0,
+    trace: bool | str = False,
+    **flags,
+) -> Run:
     """Run `python hplab/train.py --nproc nproc` with `flags` (python names:
     `bucket_mb=1` is `--bucket-mb 1`, `recompute=True` is `--recompute`) and return its Run.
     `trace=True` (or a folder) adds `--trace` (a new temporary folder): see `Run.timeline()`."""
-    shown = _flags({k: v for k, v in flags.items() if k not in ("steps", "batch_size", "save",
-                                                                "resume", "metrics", "seed")})
+    shown = _flags(
+        {
+            k: v
+            for k, v in flags.items()
+            if k not in ("steps", "batch_size", "save", "resume", "metrics", "seed")
+        }
+    )
     label = " ".join([f"train.py on {nproc} process{'es' if nproc > 1 else ''}", *shown])
     trace = tempfile.mkdtemp(prefix="hplab-trace-") if trace is True else trace or None
     args = _flags({k: v for k, v in flags.items() if k != "metrics"} | {"trace": trace})
-    return Run(*_launch_json(nproc, "train.py", args, "--metrics", label, progress, timeout_s),
-               trace_dir=trace)
+    return Run(
+        *_launch_json(nproc, "train.py", args, "--metrics", label, progress, timeout_s),
+        trace_dir=trace,
+    )
 
 
 # --- collectives: measured time against message size, and the α-β model ---------------------
@@ -209,8 +275,10 @@ class AlphaBetaFit:
 
     def formula(self) -> str:
         steps, factor = alpha_beta_terms(self.op, self.n)
-        return (f"T = {steps}·α + {factor:.2f}·S/β,  α = {self.alpha_s * 1e6:.0f} µs, "
-                f"β = {self.beta_bytes_per_s / 1e9:.2f} GB/s")
+        return (
+            f"T = {steps}·α + {factor:.2f}·S/β,  α = {self.alpha_s * 1e6:.0f} µs, "
+            f"β = {self.beta_bytes_per_s / 1e9:.2f} GB/s"
+        )
 
 
 def fit_alpha_beta(op: str, n: int, sizes, times) -> AlphaBetaFit:
@@ -255,15 +323,30 @@ class Collectives:
         return viz.plot_collective_times(self, ops=ops, ax=ax)
 
 
-def collectives(nproc: int = 4, min_bytes: int = 2**10, max_bytes: int = 2**22,
-                repeats: int = 5, ops: list[str] | None = None, progress: bool = True,
-                timeout_s: float = 600.0) -> Collectives:
+def collectives(
+    nproc: int = 4,
+    min_bytes: int = 2**10,
+    max_bytes: int = 2**22,
+    repeats: int = 5,
+    ops: list[str] | None = None,
+    progress: bool = True,
+    timeout_s: float = 600.0,
+) -> Collectives:
     """Time every collective on `nproc` processes for sizes from min_bytes to max_bytes
     (powers of two); returns the measurement with α-β fits (see `hplab/collectives_bench.py`)."""
     args = _flags(dict(min_bytes=min_bytes, max_bytes=max_bytes, repeats=repeats))
     args += ["--ops", *ops] if ops else []
-    return Collectives(*_launch_json(nproc, "collectives_bench.py", args, "--out",
-                                     f"collectives on {nproc} processes", progress, timeout_s))
+    return Collectives(
+        *_launch_json(
+            nproc,
+            "collectives_bench.py",
+            args,
+            "--out",
+            f"collectives on {nproc} processes",
+            progress,
+            timeout_s,
+        )
+    )
 
 
 # --- a small measurement the labs need: this machine's matmul FLOP/s -------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -55,8 +55,12 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[tor
 def model_state_tensors(model: torch.nn.Module, optimizer=None) -> dict[str, list]:
     """What a plain (unsharded, fp32) rank holds; strategies give their own dict of this kind."""
     params = list(model.parameters())
-    return {"params": params, "grads": [p.grad for p in params],
-            "optim": optimizer_state_tensors(optimizer), "master": []}
+    return {
+        "params": params,
+        "grads": [p.grad for p in params],
+        "optim": optimizer_state_tensors(optimizer),
+        "master": [],
+    }
 
 
 def peak_rss_bytes() -> int:
@@ -72,7 +76,7 @@ class MemoryLedger:
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self.bytes = {kind: 0 for kind in KINDS}
+        self.bytes = dict.fromkeys(KINDS, 0)
         self.activation_bytes = 0  # saved for backward by the largest forward pass seen
         self.activations_in_flight = 0  # bytes saved and not yet released, right now
         self.peak_tally = 0
@@ -117,6 +121,9 @@ class MemoryLedger:
 
     def as_dict(self) -> dict[str, int]:
         """The metrics file's `memory` entry for this rank."""
-        return {**{f"{kind}_bytes": self.bytes[kind] for kind in KINDS},
-                "activation_bytes": self.activation_bytes, "peak_bytes": self.peak_bytes(),
-                "peak_rss_bytes": peak_rss_bytes()}
+        return {
+            **{f"{kind}_bytes": self.bytes[kind] for kind in KINDS},
+            "activation_bytes": self.activation_bytes,
+            "peak_bytes": self.peak_bytes(),
+            "peak_rss_bytes": peak_rss_bytes(),
+        }

@@ -51,9 +51,17 @@ class MoE(nn.Module):
     top-k router. `capacity_factor` 0: dropless. After a forward, `aux_loss` holds the weighted
     auxiliary losses and `routing` what this rank routed (`RoutingStats` reads it)."""
 
-    def __init__(self, n_embd: int, n_experts: int, top_k: int, make_expert,
-                 capacity_factor: float = 0.0, aux_coef: float = 0.01, z_coef: float = 0.0,
-                 renormalize: bool = True):
+    def __init__(
+        self,
+        n_embd: int,
+        n_experts: int,
+        top_k: int,
+        make_expert,
+        capacity_factor: float = 0.0,
+        aux_coef: float = 0.01,
+        z_coef: float = 0.0,
+        renormalize: bool = True,
+    ):
         super().__init__()
         check_layout(n_experts, top_k)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
@@ -79,16 +87,16 @@ class MoE(nn.Module):
 
         kept = self.within_capacity(slot_expert, T)
         # stable sort by expert: each expert's slots contiguous, in position order
-        order = torch.argsort(slot_expert.masked_fill(~kept, E), stable=True)[:int(kept.sum())]
+        order = torch.argsort(slot_expert.masked_fill(~kept, E), stable=True)[: int(kept.sum())]
         slot_token = order.div(k, rounding_mode="floor")
         per_expert = torch.bincount(slot_expert[order], minlength=E)
         outputs = self.run_experts(tokens[slot_token], per_expert.tolist())
         combined = torch.zeros_like(tokens).index_add(
-            0, slot_token, outputs * gates.flatten()[order, None].to(outputs.dtype))
+            0, slot_token, outputs * gates.flatten()[order, None].to(outputs.dtype)
+        )
 
         self.aux_loss = self.auxiliary_loss(logits, probs, routed, T)
-        self.routing = dict(tokens_per_expert=per_expert, dropped=int((~kept).sum()),
-                            slots=T * k)
+        self.routing = dict(tokens_per_expert=per_expert, dropped=int((~kept).sum()), slots=T * k)
         return combined.view_as(x)
 
     def within_capacity(self, slot_expert: torch.Tensor, T: int) -> torch.Tensor:
@@ -114,15 +122,16 @@ class MoE(nn.Module):
         """Each expert's rows of `x` (sorted by expert, `per_expert[e]` rows for expert e)
         through that expert: here, or dispatched over the ep group and combined back."""
         if self.ep is None:
-            return torch.cat([self.experts[str(e)](rows) for e, rows in
-                              enumerate(x.split(per_expert))])
+            return torch.cat(
+                [self.experts[str(e)](rows) for e, rows in enumerate(x.split(per_expert))]
+            )
         n, local = self.ep.size, self.n_experts // self.ep.size
         # 1. counts: rank j learns how many rows of each of its experts every rank sends
         send = torch.tensor(per_expert, device=x.device)
         recv = torch.empty_like(send)
         self.ep.all_to_all_single(recv, send)
         recv = recv.view(n, local).tolist()  # [source rank][local expert]
-        send_rows = [sum(per_expert[j * local:(j + 1) * local]) for j in range(n)]
+        send_rows = [sum(per_expert[j * local : (j + 1) * local]) for j in range(n)]
         recv_rows = [sum(row) for row in recv]
         # 2. dispatch: the rows themselves; they arrive by source rank, then by expert
         arrived = AllToAll.apply(x, self.ep, recv_rows, send_rows)
@@ -175,11 +184,14 @@ def parallelize(model: nn.Module, ep=None, dp=None) -> None:
 def check_layout(n_experts: int, top_k: int, ep: int = 1, dp: int = 1) -> None:
     """Each token goes to k of the E experts; ep of the dp ranks share out each layer's E."""
     if n_experts and not 1 <= top_k <= n_experts:
-        raise ValueError(f"--moe-top-k {top_k} must be between 1 and the number of experts, "
-                         f"{n_experts}")
+        raise ValueError(
+            f"--moe-top-k {top_k} must be between 1 and the number of experts, {n_experts}"
+        )
     if ep > 1 and (not n_experts or n_experts % ep or dp % ep):
-        raise ValueError(f"--ep {ep} must divide --moe-experts ({n_experts}) and --dp ({dp}): "
-                         "expert parallel shares out each layer's experts among dp ranks")
+        raise ValueError(
+            f"--ep {ep} must divide --moe-experts ({n_experts}) and --dp ({dp}): "
+            "expert parallel shares out each layer's experts among dp ranks"
+        )
 
 
 def is_expert(p: torch.Tensor) -> bool:
@@ -211,8 +223,13 @@ class RoutingStats:
     @contextlib.contextmanager
     def step(self):
         n, E = len(self.layers), self.layers[0].n_experts if self.layers else 0
-        self.now = dict(tokens_per_expert=[[0] * E for _ in range(n)], dropped=[0] * n,
-                        slots=[0] * n, aux_loss=0.0, forwards=0)
+        self.now = dict(
+            tokens_per_expert=[[0] * E for _ in range(n)],
+            dropped=[0] * n,
+            slots=[0] * n,
+            aux_loss=0.0,
+            forwards=0,
+        )
         try:
             yield
         finally:
@@ -224,8 +241,10 @@ class RoutingStats:
         if self.now is None:
             return
         routing, now = layer.routing, self.now
-        now["tokens_per_expert"][index] = [a + b for a, b in zip(
-            now["tokens_per_expert"][index], routing["tokens_per_expert"].tolist())]
+        now["tokens_per_expert"][index] = [
+            a + b
+            for a, b in zip(now["tokens_per_expert"][index], routing["tokens_per_expert"].tolist())
+        ]
         now["dropped"][index] += routing["dropped"]
         now["slots"][index] += routing["slots"]
         now["aux_loss"] += float(layer.aux_loss.detach())

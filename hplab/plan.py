@@ -39,15 +39,27 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 
 # The formulas live in hplab.formulas; `plan.model_state_bytes` & co. are the same objects.
-from hplab.formulas import (HPLAB_PRESETS, PRECISION_BYTES, SCHEDULES,  # noqa: F401
-                            CP_STYLES, activation_bytes_per_layer, bubble_formula,
-                            bubble_ratio, collective_time_s, flops_per_step, gpt_num_params,
-                            in_flight_microbatches, model_state_bytes, moe_all_to_all_bytes,
-                            ring_attention_bytes, ulysses_bytes)
+from hplab.formulas import (
+    CP_STYLES,
+    HPLAB_PRESETS,
+    PRECISION_BYTES,
+    SCHEDULES,  # noqa: F401
+    activation_bytes_per_layer,
+    bubble_formula,
+    collective_time_s,
+    flops_per_step,
+    gpt_num_params,
+    in_flight_microbatches,
+    model_state_bytes,
+    moe_all_to_all_bytes,
+    ring_attention_bytes,
+    ulysses_bytes,
+)
 
 GB, GIB = 1e9, 2**30
 
 # --- 1. The model, the cluster and the efficiency assumptions --------------------------------
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -70,36 +82,62 @@ class ModelShape:
 
     def num_params(self) -> int:
         """Ψ of GPT-2: V·h + S·h + L·(12h² + 13h) + 2h, experts included (`formulas`)."""
-        return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.seq_len,
-                              self.n_experts)
+        return gpt_num_params(
+            self.n_layer, self.n_embd, self.vocab_size, self.seq_len, self.n_experts
+        )
 
 
 #: [GPT-3] Table 2.1 (context 2048, GPT-2 BPE); batch sizes are the paper's tokens ÷ 2048. Two
 #: rows are inconsistent: 1.3B lists 24 heads of 128 for d_model 2048 (16 fit), 13B lists
 #: d_model 5140 (5120 = 40 × 128 fits). We use what fits. Columns: name, L, h, heads, batch.
-GPT3_PRESETS = {name: ModelShape(name, L, h, a, 2048, 50257, default_batch_size=batch)
-                for name, L, h, a, batch in [
-    ("gpt3-125m", 12, 768, 12, 256), ("gpt3-350m", 24, 1024, 16, 256),
-    ("gpt3-760m", 24, 1536, 16, 256), ("gpt3-1.3b", 24, 2048, 16, 512),
-    ("gpt3-2.7b", 32, 2560, 32, 512), ("gpt3-6.7b", 32, 4096, 32, 1024),
-    ("gpt3-13b", 40, 5120, 40, 1024), ("gpt3-175b", 96, 12288, 96, 1536)]}
+GPT3_PRESETS = {
+    name: ModelShape(name, L, h, a, 2048, 50257, default_batch_size=batch)
+    for name, L, h, a, batch in [
+        ("gpt3-125m", 12, 768, 12, 256),
+        ("gpt3-350m", 24, 1024, 16, 256),
+        ("gpt3-760m", 24, 1536, 16, 256),
+        ("gpt3-1.3b", 24, 2048, 16, 512),
+        ("gpt3-2.7b", 32, 2560, 32, 512),
+        ("gpt3-6.7b", 32, 4096, 32, 1024),
+        ("gpt3-13b", 40, 5120, 40, 1024),
+        ("gpt3-175b", 96, 12288, 96, 1536),
+    ]
+}
 
 #: [PTD-P] Table 1 (vocabulary 51,200, sequence 2048), with the paper's global batch sizes.
 #: Columns as the paper's: name, n_head, n_embd, n_layer, global batch.
-MEGATRON_2021_PRESETS = {name: ModelShape(name, L, h, a, 2048, 51200, default_batch_size=batch)
-                         for name, a, h, L, batch in [
-    ("megatron-1.7b", 24, 2304, 24, 512), ("megatron-3.6b", 32, 3072, 30, 512),
-    ("megatron-7.5b", 32, 4096, 36, 512), ("megatron-18b", 48, 6144, 40, 1024),
-    ("megatron-39b", 64, 8192, 48, 1536), ("megatron-76b", 80, 10240, 60, 1792),
-    ("megatron-146b", 96, 12288, 80, 2304), ("megatron-310b", 128, 16384, 96, 2160),
-    ("megatron-530b", 128, 20480, 105, 2520), ("megatron-1t", 160, 25600, 128, 3072)]}
+MEGATRON_2021_PRESETS = {
+    name: ModelShape(name, L, h, a, 2048, 51200, default_batch_size=batch)
+    for name, a, h, L, batch in [
+        ("megatron-1.7b", 24, 2304, 24, 512),
+        ("megatron-3.6b", 32, 3072, 30, 512),
+        ("megatron-7.5b", 32, 4096, 36, 512),
+        ("megatron-18b", 48, 6144, 40, 1024),
+        ("megatron-39b", 64, 8192, 48, 1536),
+        ("megatron-76b", 80, 10240, 60, 1792),
+        ("megatron-146b", 96, 12288, 80, 2304),
+        ("megatron-310b", 128, 16384, 96, 2160),
+        ("megatron-530b", 128, 20480, 105, 2520),
+        ("megatron-1t", 160, 25600, 128, 3072),
+    ]
+}
 
 
 def model_presets() -> dict[str, ModelShape]:
     """hplab's own presets (`formulas.HPLAB_PRESETS`) plus the GPT-3 and Megatron sizes."""
-    presets = {name: ModelShape(name, c["n_layer"], c["n_embd"], c["n_head"], c["n_positions"],
-                                c["vocab_size"], dropout=False, flash_attention=True)
-               for name, c in HPLAB_PRESETS.items()}
+    presets = {
+        name: ModelShape(
+            name,
+            c["n_layer"],
+            c["n_embd"],
+            c["n_head"],
+            c["n_positions"],
+            c["vocab_size"],
+            dropout=False,
+            flash_attention=True,
+        )
+        for name, c in HPLAB_PRESETS.items()
+    }
     return {**presets, **GPT3_PRESETS, **MEGATRON_2021_PRESETS}
 
 
@@ -117,15 +155,19 @@ class GPU:
     pcie_gbps: float
 
 
-GPU_PRESETS = {g.name: g for g in [
-    # A100 SXM: 312 TFLOP/s bf16/fp16 tensor cores, 19.5 fp32; NVLink3 600 GB/s both ways;
-    # one HDR InfiniBand card (200 Gb/s = 25 GB/s) per GPU as in DGX A100.
-    GPU("a100-40g", 40 * GIB, {"bf16": 312, "fp16": 312, "fp32": 19.5}, 1555, 300, 25, 32),
-    GPU("a100-80g", 80 * GIB, {"bf16": 312, "fp16": 312, "fp32": 19.5}, 2039, 300, 25, 32),
-    # H100 / H200 SXM: 989 TFLOP/s bf16 dense, 67 fp32; NVLink4 900 GB/s both ways; NDR 400 Gb/s.
-    GPU("h100-80g", 80 * GIB, {"bf16": 989, "fp16": 989, "fp32": 67}, 3350, 450, 50, 64),
-    GPU("h200", 141e9, {"bf16": 989, "fp16": 989, "fp32": 67}, 4800, 450, 50, 64),
-]}
+GPU_PRESETS = {
+    g.name: g
+    for g in [
+        # A100 SXM: 312 TFLOP/s bf16/fp16 tensor cores, 19.5 fp32; NVLink3 600 GB/s both ways;
+        # one HDR InfiniBand card (200 Gb/s = 25 GB/s) per GPU as in DGX A100.
+        GPU("a100-40g", 40 * GIB, {"bf16": 312, "fp16": 312, "fp32": 19.5}, 1555, 300, 25, 32),
+        GPU("a100-80g", 80 * GIB, {"bf16": 312, "fp16": 312, "fp32": 19.5}, 2039, 300, 25, 32),
+        # H100 / H200 SXM: 989 TFLOP/s bf16 dense, 67 fp32; NVLink4 900 GB/s both ways;
+        # NDR 400 Gb/s.
+        GPU("h100-80g", 80 * GIB, {"bf16": 989, "fp16": 989, "fp32": 67}, 3350, 450, 50, 64),
+        GPU("h200", 141e9, {"bf16": 989, "fp16": 989, "fp32": 67}, 4800, 450, 50, 64),
+    ]
+}
 
 
 @dataclass(frozen=True)
@@ -191,56 +233,118 @@ class Layout:
 
     def short(self) -> str:
         chunks = f"×{self.virtual_stages}" * (self.virtual_stages > 1)
-        bits = [f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero}",
-                (f"cp{self.cp}" + "-ulysses" * (self.cp_style == "ulysses")) * (self.cp > 1),
-                f"ep{self.ep}" * (self.ep > 1), (self.schedule + chunks) * (self.pp > 1),
-                f"b{self.micro_batch_size}×m{self.microbatches}",
-                f"rc-{self.recompute}" * (self.recompute != "none"), "sp" * self.sequence_parallel,
-                "offload" * self.offload]
+        bits = [
+            f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero}",
+            (f"cp{self.cp}" + "-ulysses" * (self.cp_style == "ulysses")) * (self.cp > 1),
+            f"ep{self.ep}" * (self.ep > 1),
+            (self.schedule + chunks) * (self.pp > 1),
+            f"b{self.micro_batch_size}×m{self.microbatches}",
+            f"rc-{self.recompute}" * (self.recompute != "none"),
+            "sp" * self.sequence_parallel,
+            "offload" * self.offload,
+        ]
         return " ".join(bit for bit in bits if bit)
 
 
 def check_layout(model: ModelShape, lay: Layout) -> None:
     """Raise PlanError with one clear line if the layout cannot run."""
     sizes = {**asdict(model), **asdict(lay)}
-    for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "dp", "tp", "pp", "cp",
-                 "ep", "microbatches", "virtual_stages", "batch_size"):
+    for name in (
+        "n_layer",
+        "n_embd",
+        "n_head",
+        "seq_len",
+        "vocab_size",
+        "dp",
+        "tp",
+        "pp",
+        "cp",
+        "ep",
+        "microbatches",
+        "virtual_stages",
+        "batch_size",
+    ):
         if sizes[name] < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be at least 1, got {sizes[name]}")
-    L, h, a, tp, cp, E, ep = (model.n_layer, model.n_embd, model.n_head, lay.tp, lay.cp,
-                              model.n_experts, lay.ep)
+    L, h, a, tp, cp, E, ep = (
+        model.n_layer,
+        model.n_embd,
+        model.n_head,
+        lay.tp,
+        lay.cp,
+        model.n_experts,
+        lay.ep,
+    )
     chunks = lay.pp * (lay.virtual_stages if lay.schedule == "interleaved" else 1)
-    why = next((why for bad, why in [
-        (lay.zero not in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {lay.zero}"),
-        (lay.schedule not in SCHEDULES,
-         f"unknown schedule {lay.schedule!r}: choose one of {', '.join(SCHEDULES)}"),
-        (lay.precision not in PRECISION_BYTES,
-         f"unknown precision {lay.precision!r}: choose fp32, bf16 or fp16"),
-        (h % a, f"n_embd={h} is not divisible by n_head={a}"),
-        (a % tp, f"n_head={a} is not divisible by tp={tp}: "
-                 "tensor parallel gives each rank whole attention heads"),
-        (lay.pp > 1 and L < chunks, f"n_layer={L} is fewer than pp×virtual stages={chunks}"),
-        (lay.schedule == "interleaved" and lay.pp > 1 and L % chunks,
-         f"interleaved schedule needs n_layer={L} divisible by pp×virtual_stages={chunks}"),
-        (lay.batch_size % (lay.dp * lay.microbatches), f"global batch {lay.batch_size} is not "
-         f"divisible by dp×microbatches={lay.dp}×{lay.microbatches}"),
-        (lay.sequence_parallel and tp > 1 and model.seq_len % tp,
-         f"sequence parallel needs seq_len={model.seq_len} divisible by tp={tp}"),
-        (lay.cp_style not in CP_STYLES, f"unknown context-parallel style {lay.cp_style!r}"),
-        (cp > 1 and model.seq_len % (2 * cp), f"context parallel's zig-zag split needs seq_len="
-         f"{model.seq_len} divisible by 2×cp={2 * cp}"),
-        (lay.cp_style == "ulysses" and (a // tp) % cp, f"Ulysses needs the {a // tp} heads per "
-         f"tensor-parallel rank divisible by cp={cp}"),
-        (E and not 1 <= model.moe_top_k <= E,
-         f"--moe-top-k must be between 1 and the {E} experts, got {model.moe_top_k}"),
-        (ep > 1 and (not E or E % ep or lay.dp % ep), f"ep={ep} must divide the experts "
-         f"(--moe-experts {E}) and dp={lay.dp}: it splits them over some data-parallel ranks")]
-        if bad), None)
+    why = next(
+        (
+            why
+            for bad, why in [
+                (lay.zero not in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {lay.zero}"),
+                (
+                    lay.schedule not in SCHEDULES,
+                    f"unknown schedule {lay.schedule!r}: choose one of {', '.join(SCHEDULES)}",
+                ),
+                (
+                    lay.precision not in PRECISION_BYTES,
+                    f"unknown precision {lay.precision!r}: choose fp32, bf16 or fp16",
+                ),
+                (h % a, f"n_embd={h} is not divisible by n_head={a}"),
+                (
+                    a % tp,
+                    f"n_head={a} is not divisible by tp={tp}: "
+                    "tensor parallel gives each rank whole attention heads",
+                ),
+                (
+                    lay.pp > 1 and L < chunks,
+                    f"n_layer={L} is fewer than pp×virtual stages={chunks}",
+                ),
+                (
+                    lay.schedule == "interleaved" and lay.pp > 1 and L % chunks,
+                    f"interleaved schedule needs n_layer={L} divisible by "
+                    f"pp×virtual_stages={chunks}",
+                ),
+                (
+                    lay.batch_size % (lay.dp * lay.microbatches),
+                    f"global batch {lay.batch_size} is not "
+                    f"divisible by dp×microbatches={lay.dp}×{lay.microbatches}",
+                ),
+                (
+                    lay.sequence_parallel and tp > 1 and model.seq_len % tp,
+                    f"sequence parallel needs seq_len={model.seq_len} divisible by tp={tp}",
+                ),
+                (lay.cp_style not in CP_STYLES, f"unknown context-parallel style {lay.cp_style!r}"),
+                (
+                    cp > 1 and model.seq_len % (2 * cp),
+                    f"context parallel's zig-zag split needs seq_len="
+                    f"{model.seq_len} divisible by 2×cp={2 * cp}",
+                ),
+                (
+                    lay.cp_style == "ulysses" and (a // tp) % cp,
+                    f"Ulysses needs the {a // tp} heads per "
+                    f"tensor-parallel rank divisible by cp={cp}",
+                ),
+                (
+                    E and not 1 <= model.moe_top_k <= E,
+                    f"--moe-top-k must be between 1 and the {E} experts, got {model.moe_top_k}",
+                ),
+                (
+                    ep > 1 and (not E or E % ep or lay.dp % ep),
+                    f"ep={ep} must divide the experts "
+                    f"(--moe-experts {E}) and dp={lay.dp}: it splits them over some "
+                    "data-parallel ranks",
+                ),
+            ]
+            if bad
+        ),
+        None,
+    )
     if why:
         raise PlanError(why)
 
 
 # --- 3. Memory: parameters per stage [ZeRO], activations per GPU [SP] ------------------------
+
 
 def params_per_stage(model: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
     """Parameters one GPU holds on the first and on the last pipeline stage (dense), and of
@@ -260,8 +364,13 @@ def params_per_stage(model: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1) -
     head = 2 * h + (V * h / tp if pp > 1 else 0)  # tied: no second copy on one stage
     first = blocks * block + embed + (head if pp == 1 else 0)  # one stage holds all of it
     last = blocks * block + (embed if pp == 1 else 0) + head
-    return {"first": first, "last": last, "experts": experts, "blocks_per_stage": blocks,
-            "block": block + experts / blocks}  # what ZeRO-3 gathers
+    return {
+        "first": first,
+        "last": last,
+        "experts": experts,
+        "blocks_per_stage": blocks,
+        "block": block + experts / blocks,
+    }  # what ZeRO-3 gathers
 
 
 def activation_memory(model: ModelShape, lay: Layout) -> dict:
@@ -276,13 +385,22 @@ def activation_memory(model: ModelShape, lay: Layout) -> dict:
     of it: b·(s/cp)·h more per layer (K/V blocks in flight not counted)."""
     s, b, h, t = model.seq_len // lay.cp, lay.micro_batch_size, model.n_embd, lay.tp
     act = PRECISION_BYTES[lay.precision][4]
-    kw = dict(s=s, b=b, h=h, a=model.n_head, t=t, sequence_parallel=lay.sequence_parallel,
-              act_bytes=act, dropout=model.dropout,
-              flash_attention=model.flash_attention or lay.cp > 1,
-              moe_top_k=model.moe_top_k if model.n_experts else 0)
+    kw = dict(
+        s=s,
+        b=b,
+        h=h,
+        a=model.n_head,
+        t=t,
+        sequence_parallel=lay.sequence_parallel,
+        act_bytes=act,
+        dropout=model.dropout,
+        flash_attention=model.flash_attention or lay.cp > 1,
+        moe_top_k=model.moe_top_k if model.n_experts else 0,
+    )
     head_major = s * b * h * act / t if lay.cp > 1 else 0.0
-    per_layer = activation_bytes_per_layer(recompute=lay.recompute, **kw) \
-        + head_major * (lay.recompute != "full")
+    per_layer = activation_bytes_per_layer(recompute=lay.recompute, **kw) + head_major * (
+        lay.recompute != "full"
+    )
     unrecomputed = activation_bytes_per_layer(recompute="none", **kw) + head_major  # all of it
     sp_div = t if lay.sequence_parallel else 1
     layers = math.ceil(model.n_layer / lay.pp)
@@ -293,10 +411,15 @@ def activation_memory(model: ModelShape, lay: Layout) -> dict:
     first = k * (per_layer * layers + embed_extra + (head_extra if one else 0))
     last_k = lay.microbatches if lay.schedule == "gpipe" and not one else 1  # in flight there
     last = last_k * (per_layer * layers + (embed_extra if one else 0) + head_extra)
-    return {"per_layer_bytes": per_layer, "first_stage_bytes": first, "last_stage_bytes": last,
-            "in_flight_microbatches": k, "unrecomputed_layer_bytes": unrecomputed,
-            "recompute_working_bytes": unrecomputed if lay.recompute == "full" else 0.0,
-            "per_microbatch_model_bytes": per_layer * model.n_layer + embed_extra + head_extra}
+    return {
+        "per_layer_bytes": per_layer,
+        "first_stage_bytes": first,
+        "last_stage_bytes": last,
+        "in_flight_microbatches": k,
+        "unrecomputed_layer_bytes": unrecomputed,
+        "recompute_working_bytes": unrecomputed if lay.recompute == "full" else 0.0,
+        "per_microbatch_model_bytes": per_layer * model.n_layer + embed_extra + head_extra,
+    }
 
 
 def group_link(cluster: Cluster, size: int, stride: int, eff: Efficiency) -> tuple:
@@ -315,14 +438,27 @@ def group_link(cluster: Cluster, size: int, stride: int, eff: Efficiency) -> tup
 
 # --- 4. One plan: memory and time of a layout on a cluster -----------------------------------
 
-def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
-         eff: Efficiency | None = None, padded: bool = False) -> dict:
+
+def plan(
+    model: ModelShape,
+    lay: Layout,
+    cluster: Cluster | None = None,
+    eff: Efficiency | None = None,
+    padded: bool = False,
+) -> dict:
     """Memory per GPU, step time and throughput of `lay` on `cluster`. Returns a flat dict
     (the JSON the command line prints); all sizes in bytes, times in seconds."""
     cluster, eff = cluster or Cluster(GPU_PRESETS["a100-80g"]), eff or Efficiency()
     check_layout(model, lay)
-    dp, cp, tp, pp, ep, m, b = lay.dp, lay.cp, lay.tp, lay.pp, lay.ep, lay.microbatches, \
-        lay.micro_batch_size
+    dp, cp, tp, pp, ep, m, b = (
+        lay.dp,
+        lay.cp,
+        lay.tp,
+        lay.pp,
+        lay.ep,
+        lay.microbatches,
+        lay.micro_batch_size,
+    )
     v = lay.virtual_stages if (lay.schedule == "interleaved" and pp > 1) else 1
     p_bytes, g_bytes, *_, act_bytes = PRECISION_BYTES[lay.precision]
     redo = 2 if lay.recompute == "full" else 1  # full recompute runs each forward twice
@@ -334,13 +470,23 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     experts = stage_params["experts"]
     sharding = (lay.zero, lay.precision, lay.offload, padded)
     expert_states = model_state_bytes(experts, dp // ep, *sharding)
-    states = {where: {k: v + expert_states[k] for k, v in model_state_bytes(
-        stage_params[where], dp, *sharding).items()} for where in ("first", "last")}
+    states = {
+        where: {
+            k: v + expert_states[k]
+            for k, v in model_state_bytes(stage_params[where], dp, *sharding).items()
+        }
+        for where in ("first", "last")
+    }
     acts = activation_memory(model, lay)
     # ZeRO-3 gathers whole blocks: the one in use and the next one, prefetched
     zero3_buffer = 2 * stage_params["block"] * p_bytes if lay.zero == 3 and dp > 1 else 0.0
-    totals = {where: states[where]["total_bytes"] + acts[f"{where}_stage_bytes"]
-              + acts["recompute_working_bytes"] + zero3_buffer for where in ("first", "last")}
+    totals = {
+        where: states[where]["total_bytes"]
+        + acts[f"{where}_stage_bytes"]
+        + acts["recompute_working_bytes"]
+        + zero3_buffer
+        for where in ("first", "last")
+    }
     worst = max(totals, key=totals.get)
     memory, usable = totals[worst], cluster.gpu.memory_bytes * eff.usable_memory
 
@@ -360,23 +506,32 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     tp_bw, tp_alpha, tp_cross = group_link(cluster, tp, 1, eff)
     tp_msg = tokens * model.n_embd * act_bytes
     op, times = ("all_gather", 2) if lay.sequence_parallel else ("all_reduce", 1)
-    tp_mb = (2 + 2 * redo) * layers * times * collective_time_s(op, tp_msg, tp, tp_bw, tp_alpha) \
+    tp_mb = (
+        (2 + 2 * redo)
+        * layers
+        * times
+        * collective_time_s(op, tp_msg, tp, tp_bw, tp_alpha)
         * (1 - eff.tp_overlap)
+    )
 
     # --- context parallel, per layer: (cp−1)·redo + 2cp−1 ring sends, or 2·redo + 2 all-to-alls
     cp_bw, cp_alpha, cp_cross = group_link(cluster, cp, tp, eff)
     ring = lay.cp_style == "ring"
     sent = (ring_attention_bytes if ring else ulysses_bytes)(
-        b, model.seq_len, model.n_embd / tp, cp, act_bytes)
+        b, model.seq_len, model.n_embd / tp, cp, act_bytes
+    )
     cp_bytes = layers * (redo * sent["forward"] + sent["backward"]) * (cp > 1)
     messages = layers * ((cp - 1) * redo + 2 * cp - 1 if ring else 2 * redo + 2)
-    cp_mb = collective_time_s("send" if ring else "all_to_all", cp_bytes, cp, cp_bw, cp_alpha,
-                              messages) * (1 - eff.cp_overlap)
+    cp_mb = collective_time_s(
+        "send" if ring else "all_to_all", cp_bytes, cp, cp_bw, cp_alpha, messages
+    ) * (1 - eff.cp_overlap)
 
     # --- expert parallel, per layer, T·k slots per rank (a forward moves half the formula's slots)
     ep_bw, ep_alpha, ep_cross = group_link(cluster, ep, tp * cp, eff)
-    a2a = [moe_all_to_all_bytes(slots, slots, model.n_embd, model.n_experts, act_bytes)
-           for slots in (tokens * model.moe_top_k, tokens * model.moe_top_k / 2)]
+    a2a = [
+        moe_all_to_all_bytes(slots, slots, model.n_embd, model.n_experts, act_bytes)
+        for slots in (tokens * model.moe_top_k, tokens * model.moe_top_k / 2)
+    ]
     ep_bytes = layers * (a2a[0] + (redo - 1) * a2a[1]) * (ep > 1)
     ep_mb = collective_time_s("all_to_all", ep_bytes, ep, ep_bw, ep_alpha, layers * (3 * redo + 2))
 
@@ -391,89 +546,163 @@ def plan(model: ModelShape, lay: Layout, cluster: Cluster | None = None,
     # experts' over their dp/ep replicas; then hplab averages what each rank steps over cp ------
     dp_bw, dp_alpha, dp_cross = group_link(cluster, dp, tp * cp, eff)
     local = max(stage_params["first"], stage_params["last"])
-    groups = [(local, dp, dp_bw, dp_alpha),
-              (experts, dp // ep, *group_link(cluster, dp // ep, tp * cp * ep, eff)[:2])]
-    ar, rs, ag = (sum(collective_time_s(op, psi * nbytes, n, bw, alpha)
-                      for psi, n, bw, alpha in groups) for op, nbytes in
-                  (("all_reduce", g_bytes), ("reduce_scatter", g_bytes), ("all_gather", p_bytes)))
+    groups = [
+        (local, dp, dp_bw, dp_alpha),
+        (experts, dp // ep, *group_link(cluster, dp // ep, tp * cp * ep, eff)[:2]),
+    ]
+    ar, rs, ag = (
+        sum(collective_time_s(op, psi * nbytes, n, bw, alpha) for psi, n, bw, alpha in groups)
+        for op, nbytes in (
+            ("all_reduce", g_bytes),
+            ("reduce_scatter", g_bytes),
+            ("all_gather", p_bytes),
+        )
+    )
     shard = local / dp + experts / (dp // ep) if lay.zero else local + experts  # what it steps
-    dp_s = (ar,  # DDP: one all-reduce of the gradients
-            rs + ag,  # ZeRO-1: reduce-scatter + all-gather, the same volume
-            m * rs + ag,  # ZeRO-2 keeps no full gradient: reduce-scatter every microbatch
-            # ZeRO-3, every microbatch: gather for forward, (recompute,) backward; scatter grads
-            m * ((1 + redo) * ag + rs))[lay.zero] \
-        + collective_time_s("all_reduce", shard * g_bytes, cp, cp_bw, cp_alpha)
+    dp_s = (
+        ar,  # DDP: one all-reduce of the gradients
+        rs + ag,  # ZeRO-1: reduce-scatter + all-gather, the same volume
+        m * rs + ag,  # ZeRO-2 keeps no full gradient: reduce-scatter every microbatch
+        # ZeRO-3, every microbatch: gather for forward, (recompute,) backward; scatter grads
+        m * ((1 + redo) * ag + rs),
+    )[lay.zero] + collective_time_s("all_reduce", shard * g_bytes, cp, cp_bw, cp_alpha)
     dp_exposed = dp_s * (1 - eff.dp_overlap)
     # --offload: gradients down and parameters up over PCIe, Adam on the host
-    offload_s = (shard * (g_bytes + p_bytes) / (cluster.gpu.pcie_gbps * GB)
-                 + shard / eff.cpu_adam_params_per_s) if lay.offload else 0.0
+    offload_s = (
+        (
+            shard * (g_bytes + p_bytes) / (cluster.gpu.pcie_gbps * GB)
+            + shard / eff.cpu_adam_params_per_s
+        )
+        if lay.offload
+        else 0.0
+    )
 
     step = m * work_mb + bubble["relative"] * m * work_mb + p2p_s + dp_exposed + offload_s
     tflops = flops["hardware_flops"] / (step * lay.gpus) / 1e12
     model_tflops = flops["model_flops"] / (step * lay.gpus) / 1e12
-    return {"model": model.name, "params": model.num_params(), "layout": lay.short(), **asdict(lay),
-            "n_experts": model.n_experts, "moe_top_k": model.moe_top_k,
-            "micro_batch_size": b, "gpus": lay.gpus, "gpu": cluster.gpu.name,
-            "gpus_per_node": cluster.gpus_per_node, "expert_params_per_gpu": experts,
-            **{k: states[worst][k] for k in ("params_bytes", "grads_bytes", "optim_bytes",
-                                             "master_bytes")},
-            "cpu_offload_bytes": states[worst]["cpu_bytes"],
-            "model_state_bytes_per_gpu": states[worst]["total_bytes"],
-            "activation_bytes_per_gpu": acts[f"{worst}_stage_bytes"],
-            "activation_bytes_per_microbatch": acts["per_microbatch_model_bytes"],
-            "activation_bytes_per_layer": acts["per_layer_bytes"],
-            **{k: acts[k] for k in ("in_flight_microbatches", "recompute_working_bytes")},
-            "zero3_gather_bytes": zero3_buffer, "memory_bytes_per_gpu": memory,
-            "worst_stage": worst, "usable_bytes_per_gpu": usable, "fits": memory <= usable,
-            "step_time_s": step, **{k: m * v for k, v in dict(  # per microbatch × m
-                compute_s=compute_mb, gemm_s=gemm_s, elementwise_s=elementwise_s, tp_comm_s=tp_mb,
-                cp_comm_s=cp_mb, ep_comm_s=ep_mb, cp_bytes_per_step=cp_bytes,
-                ep_all_to_all_bytes_per_step=ep_bytes).items()},
-            "bubble_s": bubble["relative"] * m * work_mb, "bubble_ratio": bubble["relative"],
-            "bubble_fraction": bubble["of_step"],  # of the pipeline
-            "pp_comm_s": p2p_s, "dp_comm_s": dp_s, "dp_comm_exposed_s": dp_exposed,
-            "offload_s": offload_s, "tp_crosses_nodes": tp_cross, "cp_crosses_nodes": cp_cross,
-            "ep_crosses_nodes": ep_cross, "dp_crosses_nodes": dp_cross,
-            "pp_crosses_nodes": pp_cross, "model_flops_per_step": flops["model_flops"],
-            "hardware_flops_per_step": flops["hardware_flops"],
-            "tokens_per_s": lay.batch_size * model.seq_len / step, "tflops_per_gpu": tflops,
-            "model_tflops_per_gpu": model_tflops, "mfu": model_tflops * 1e12 / peak,
-            "hfu": tflops * 1e12 / peak}
+    return {
+        "model": model.name,
+        "params": model.num_params(),
+        "layout": lay.short(),
+        **asdict(lay),
+        "n_experts": model.n_experts,
+        "moe_top_k": model.moe_top_k,
+        "micro_batch_size": b,
+        "gpus": lay.gpus,
+        "gpu": cluster.gpu.name,
+        "gpus_per_node": cluster.gpus_per_node,
+        "expert_params_per_gpu": experts,
+        **{
+            k: states[worst][k]
+            for k in ("params_bytes", "grads_bytes", "optim_bytes", "master_bytes")
+        },
+        "cpu_offload_bytes": states[worst]["cpu_bytes"],
+        "model_state_bytes_per_gpu": states[worst]["total_bytes"],
+        "activation_bytes_per_gpu": acts[f"{worst}_stage_bytes"],
+        "activation_bytes_per_microbatch": acts["per_microbatch_model_bytes"],
+        "activation_bytes_per_layer": acts["per_layer_bytes"],
+        **{k: acts[k] for k in ("in_flight_microbatches", "recompute_working_bytes")},
+        "zero3_gather_bytes": zero3_buffer,
+        "memory_bytes_per_gpu": memory,
+        "worst_stage": worst,
+        "usable_bytes_per_gpu": usable,
+        "fits": memory <= usable,
+        "step_time_s": step,
+        **{
+            k: m * v
+            for k, v in dict(  # per microbatch × m
+                compute_s=compute_mb,
+                gemm_s=gemm_s,
+                elementwise_s=elementwise_s,
+                tp_comm_s=tp_mb,
+                cp_comm_s=cp_mb,
+                ep_comm_s=ep_mb,
+                cp_bytes_per_step=cp_bytes,
+                ep_all_to_all_bytes_per_step=ep_bytes,
+            ).items()
+        },
+        "bubble_s": bubble["relative"] * m * work_mb,
+        "bubble_ratio": bubble["relative"],
+        "bubble_fraction": bubble["of_step"],  # of the pipeline
+        "pp_comm_s": p2p_s,
+        "dp_comm_s": dp_s,
+        "dp_comm_exposed_s": dp_exposed,
+        "offload_s": offload_s,
+        "tp_crosses_nodes": tp_cross,
+        "cp_crosses_nodes": cp_cross,
+        "ep_crosses_nodes": ep_cross,
+        "dp_crosses_nodes": dp_cross,
+        "pp_crosses_nodes": pp_cross,
+        "model_flops_per_step": flops["model_flops"],
+        "hardware_flops_per_step": flops["hardware_flops"],
+        "tokens_per_s": lay.batch_size * model.seq_len / step,
+        "tflops_per_gpu": tflops,
+        "model_tflops_per_gpu": model_tflops,
+        "mfu": model_tflops * 1e12 / peak,
+        "hfu": tflops * 1e12 / peak,
+    }
 
 
 # --- 5. Search: every feasible layout, ranked, and why the winner wins -----------------------
 
-def candidate_layouts(model: ModelShape, gpus: int, batch_size: int, precision: str = "bf16",
-                      fixed: dict | None = None, allow_offload: bool = False):
+
+def candidate_layouts(
+    model: ModelShape,
+    gpus: int,
+    batch_size: int,
+    precision: str = "bf16",
+    fixed: dict | None = None,
+    allow_offload: bool = False,
+):
     """Every layout of `gpus` GPUs that can run: dp·tp·pp = gpus (cp = ep = 1: the search
     splits neither sequences nor experts; plan() takes them), whole heads per tensor-
     parallel rank, a global batch that splits into whole microbatches of 1, 2, 4 or 8, and each
     ZeRO stage, recompute mode, sequence parallel and pipeline schedule (interleaved with 2 to 8
     chunks). `fixed` pins fields of Layout to a value or a tuple of allowed values (e.g.
     {"tp": 8, "schedule": ("1f1b", "gpipe")})."""
-    fixed = {k: v if isinstance(v, (tuple, list, set, frozenset)) else (v,)
-             for k, v in (fixed or {}).items()}
+    fixed = {
+        k: v if isinstance(v, (tuple, list, set, frozenset)) else (v,)
+        for k, v in (fixed or {}).items()
+    }
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
     for tp, pp, b in itertools.product(divisors, divisors, (1, 2, 4, 8)):
         dp = gpus // (tp * pp)
         if gpus % (tp * pp) or model.n_head % tp or pp > model.n_layer or batch_size % (dp * b):
             continue
         m = batch_size // dp // b
-        scheds = [("1f1b", 1)] + [("gpipe", 1), ("zb-h1", 1)] * (pp > 1) + [
-            ("interleaved", v) for v in (2, 3, 4, 6, 8)
-            if pp > 1 and model.n_layer % (pp * v) == 0 and m % pp == 0]
+        scheds = (
+            [("1f1b", 1)]
+            + [("gpipe", 1), ("zb-h1", 1)] * (pp > 1)
+            + [
+                ("interleaved", v)
+                for v in (2, 3, 4, 6, 8)
+                if pp > 1 and model.n_layer % (pp * v) == 0 and m % pp == 0
+            ]
+        )
         for (schedule, v), zero, rc, sp, off in itertools.product(
-                scheds, (0, 1, 2, 3)[:4 if dp > 1 else 1], RECOMPUTE,
-                (False, True)[:1 + (tp > 1)], (False, True)[:1 + allow_offload]):
+            scheds,
+            (0, 1, 2, 3)[: 4 if dp > 1 else 1],
+            RECOMPUTE,
+            (False, True)[: 1 + (tp > 1)],
+            (False, True)[: 1 + allow_offload],
+        ):
             lay = Layout(dp, tp, pp, zero, schedule, v, m, batch_size, precision, rc, sp, off)
             if all(getattr(lay, k) in allowed for k, allowed in fixed.items()):
                 yield lay
 
 
-def search(model: ModelShape, gpus: int, cluster: Cluster | None = None,
-           eff: Efficiency | None = None, batch_size: int | None = None, precision: str = "bf16",
-           fixed: dict | None = None, allow_offload: bool = False, tie: float = 0.02,
-           comfortable_memory: float = 0.8) -> dict:
+def search(
+    model: ModelShape,
+    gpus: int,
+    cluster: Cluster | None = None,
+    eff: Efficiency | None = None,
+    batch_size: int | None = None,
+    precision: str = "bf16",
+    fixed: dict | None = None,
+    allow_offload: bool = False,
+    tie: float = 0.02,
+    comfortable_memory: float = 0.8,
+) -> dict:
     """Plan every candidate layout; rank the ones that fit by step time. The planner is good
     to a few percent (tests/test_plan.py), so layouts within `tie` of the fastest count as
     equally fast. Among those the simplest wins, preferring one that leaves headroom (memory
@@ -482,62 +711,116 @@ def search(model: ModelShape, gpus: int, cluster: Cluster | None = None,
     the plain 1F1B schedule, bigger microbatches."""
     cluster, eff = cluster or Cluster(GPU_PRESETS["a100-80g"]), eff or Efficiency()
     batch_size = batch_size or model.default_batch_size
-    plans = [plan(model, lay, cluster, eff) for lay in
-             candidate_layouts(model, gpus, batch_size, precision, fixed, allow_offload)]
+    plans = [
+        plan(model, lay, cluster, eff)
+        for lay in candidate_layouts(model, gpus, batch_size, precision, fixed, allow_offload)
+    ]
     if not plans:
-        raise PlanError(f"no layout of {gpus} GPUs splits a batch of {batch_size} sequences and "
-                        f"{model.n_head} heads evenly: change --gpus or --batch-size")
+        raise PlanError(
+            f"no layout of {gpus} GPUs splits a batch of {batch_size} sequences and "
+            f"{model.n_head} heads evenly: change --gpus or --batch-size"
+        )
     feasible = sorted((p for p in plans if p["fits"]), key=lambda p: p["step_time_s"])
     winner = None
     if feasible:
         fastest = feasible[0]["step_time_s"]
         ties = [p for p in feasible if p["step_time_s"] <= fastest * (1 + tie)]
-        roomy = [p for p in ties
-                 if p["memory_bytes_per_gpu"] <= comfortable_memory * p["usable_bytes_per_gpu"]]
-        winner = min(roomy or ties, key=lambda p: (
-            p["tp"] * p["pp"], p["zero"], RECOMPUTE.index(p["recompute"]), p["sequence_parallel"],
-            p["offload"], p["schedule"] != "1f1b", p["virtual_stages"], -p["micro_batch_size"]))
+        roomy = [
+            p
+            for p in ties
+            if p["memory_bytes_per_gpu"] <= comfortable_memory * p["usable_bytes_per_gpu"]
+        ]
+        winner = min(
+            roomy or ties,
+            key=lambda p: (
+                p["tp"] * p["pp"],
+                p["zero"],
+                RECOMPUTE.index(p["recompute"]),
+                p["sequence_parallel"],
+                p["offload"],
+                p["schedule"] != "1f1b",
+                p["virtual_stages"],
+                -p["micro_batch_size"],
+            ),
+        )
         feasible.sort(key=lambda p: p is not winner)  # the winner first, the rest by time
-    return {"model": model.name, "params": model.num_params(), "gpus": gpus,
-            "gpu": cluster.gpu.name, "gpus_per_node": cluster.gpus_per_node,
-            "batch_size": batch_size, "precision": precision, "evaluated": len(plans),
-            "feasible": len(feasible), "winner": winner, "ranking": feasible,
-            "explanation": explain(winner, plans, gpus, batch_size), "_all": plans}
+    return {
+        "model": model.name,
+        "params": model.num_params(),
+        "gpus": gpus,
+        "gpu": cluster.gpu.name,
+        "gpus_per_node": cluster.gpus_per_node,
+        "batch_size": batch_size,
+        "precision": precision,
+        "evaluated": len(plans),
+        "feasible": len(feasible),
+        "winner": winner,
+        "ranking": feasible,
+        "explanation": explain(winner, plans, gpus, batch_size),
+        "_all": plans,
+    }
 
 
-HEADLINE = ("model_state_bytes_per_gpu", "activation_bytes_per_gpu", "memory_bytes_per_gpu",
-            "step_time_s", "tflops_per_gpu", "mfu", "layout")
-TIME_PARTS = {"compute_s": "compute", "tp_comm_s": "tensor-parallel comm",
-              "cp_comm_s": "context-parallel comm", "ep_comm_s": "expert all-to-all",
-              "bubble_s": "pipeline bubble", "pp_comm_s": "pipeline sends",
-              "dp_comm_exposed_s": "data-parallel/ZeRO comm", "offload_s": "offload"}
-KNOBS = {"zero": "ZeRO stage", "tp": "tensor parallel", "pp": "pipeline parallel",
-         "recompute": "recompute", "sequence_parallel": "sequence parallel",
-         "schedule": "schedule", "micro_batch_size": "micro-batch size"}
-FAMILIES = {"plain DDP": lambda p: p["tp"] == p["pp"] == 1 and p["zero"] == 0,
-            "ZeRO only (no TP/PP)": lambda p: p["tp"] == p["pp"] == 1 and p["zero"] > 0,
-            "TP + DP (no PP)": lambda p: p["tp"] > 1 and p["pp"] == 1,
-            "PP + DP (no TP)": lambda p: p["pp"] > 1 and p["tp"] == 1,
-            "PP + TP + DP": lambda p: p["pp"] > 1 and p["tp"] > 1}
+HEADLINE = (
+    "model_state_bytes_per_gpu",
+    "activation_bytes_per_gpu",
+    "memory_bytes_per_gpu",
+    "step_time_s",
+    "tflops_per_gpu",
+    "mfu",
+    "layout",
+)
+TIME_PARTS = {
+    "compute_s": "compute",
+    "tp_comm_s": "tensor-parallel comm",
+    "cp_comm_s": "context-parallel comm",
+    "ep_comm_s": "expert all-to-all",
+    "bubble_s": "pipeline bubble",
+    "pp_comm_s": "pipeline sends",
+    "dp_comm_exposed_s": "data-parallel/ZeRO comm",
+    "offload_s": "offload",
+}
+KNOBS = {
+    "zero": "ZeRO stage",
+    "tp": "tensor parallel",
+    "pp": "pipeline parallel",
+    "recompute": "recompute",
+    "sequence_parallel": "sequence parallel",
+    "schedule": "schedule",
+    "micro_batch_size": "micro-batch size",
+}
+FAMILIES = {
+    "plain DDP": lambda p: p["tp"] == p["pp"] == 1 and p["zero"] == 0,
+    "ZeRO only (no TP/PP)": lambda p: p["tp"] == p["pp"] == 1 and p["zero"] > 0,
+    "TP + DP (no PP)": lambda p: p["tp"] > 1 and p["pp"] == 1,
+    "PP + DP (no TP)": lambda p: p["pp"] > 1 and p["tp"] == 1,
+    "PP + TP + DP": lambda p: p["pp"] > 1 and p["tp"] > 1,
+}
 
 
 def _why_slower(alt: dict, best: dict) -> str:
     if not alt["fits"]:
-        return (f"does not fit: {alt['memory_bytes_per_gpu'] / GB:.0f} GB > "
-                f"{alt['usable_bytes_per_gpu'] / GB:.0f} GB usable")
+        return (
+            f"does not fit: {alt['memory_bytes_per_gpu'] / GB:.0f} GB > "
+            f"{alt['usable_bytes_per_gpu'] / GB:.0f} GB usable"
+        )
     delta = alt["step_time_s"] - best["step_time_s"]
     if delta <= best["step_time_s"] * 0.005:
         return f"as fast ({alt['memory_bytes_per_gpu'] / GB:.0f} GB)"
     grew = max(TIME_PARTS, key=lambda k: alt[k] - best[k])
-    return (f"+{delta / best['step_time_s']:.0%} ({TIME_PARTS[grew]} "
-            f"+{alt[grew] - best[grew]:.2g} s)")
+    return (
+        f"+{delta / best['step_time_s']:.0%} ({TIME_PARTS[grew]} +{alt[grew] - best[grew]:.2g} s)"
+    )
 
 
 def _best(plans: list[dict]) -> dict | None:
     """The fastest that fits, else the one closest to fitting."""
     fits = [p for p in plans if p["fits"]]
-    return (min(fits, key=lambda p: p["step_time_s"]) if fits
-            else min(plans, key=lambda p: p["memory_bytes_per_gpu"], default=None))
+    return (
+        min(fits, key=lambda p: p["step_time_s"])
+        if fits
+        else min(plans, key=lambda p: p["memory_bytes_per_gpu"], default=None)
+    )
 
 
 def explain(winner: dict | None, plans: list[dict], gpus: int, batch_size: int) -> list[str]:
@@ -547,14 +830,21 @@ def explain(winner: dict | None, plans: list[dict], gpus: int, batch_size: int) 
     w = winner or _best(plans)
     mem, usable = w["memory_bytes_per_gpu"] / GB, w["usable_bytes_per_gpu"] / GB
     if winner is None:
-        return [f"no layout fits: the smallest needs {mem:.1f} GB per GPU ({w['layout']}) but "
-                f"only {usable:.1f} GB are usable; add GPUs, use a bigger GPU, or --offload"]
-    links = [f"{g} group {'crosses nodes' if w[f'{g}_crosses_nodes'] else 'stays in a node'}"
-             for g in ("tp", "dp", "pp") if w[g] > 1]
-    lines = [f"winner: {w['layout']}: {w['step_time_s']:.3g} s/step, {w['tflops_per_gpu']:.0f} "
-             f"TFLOP/s per GPU, MFU {w['mfu']:.0%}, {mem:.1f} GB of {usable:.0f} GB usable",
-             "  step = " + ", ".join(f"{name} {w[k]:.3g} s"
-                                     for k, name in TIME_PARTS.items() if w[k] > 0)]
+        return [
+            f"no layout fits: the smallest needs {mem:.1f} GB per GPU ({w['layout']}) but "
+            f"only {usable:.1f} GB are usable; add GPUs, use a bigger GPU, or --offload"
+        ]
+    links = [
+        f"{g} group {'crosses nodes' if w[f'{g}_crosses_nodes'] else 'stays in a node'}"
+        for g in ("tp", "dp", "pp")
+        if w[g] > 1
+    ]
+    lines = [
+        f"winner: {w['layout']}: {w['step_time_s']:.3g} s/step, {w['tflops_per_gpu']:.0f} "
+        f"TFLOP/s per GPU, MFU {w['mfu']:.0%}, {mem:.1f} GB of {usable:.0f} GB usable",
+        "  step = "
+        + ", ".join(f"{name} {w[k]:.3g} s" for k, name in TIME_PARTS.items() if w[k] > 0),
+    ]
     lines += ["  " + "; ".join(links)] * bool(links) + ["best of each family:"]
     for name, member in FAMILIES.items():
         best = _best([p for p in plans if member(p)])
@@ -563,12 +853,17 @@ def explain(winner: dict | None, plans: list[dict], gpus: int, batch_size: int) 
             lines.append(f"  {name:22s} {best['layout']:44s} {tag}")
         elif name == "plain DDP":
             states = model_state_bytes(w["params"], gpus, 0, w["precision"])["total_bytes"]
-            lines.append(f"  {name:22s} dp={gpus} cannot split the batch of {batch_size}; "
-                         f"its model states alone would need {states / GB:.0f} GB per GPU")
+            lines.append(
+                f"  {name:22s} dp={gpus} cannot split the batch of {batch_size}; "
+                f"its model states alone would need {states / GB:.0f} GB per GPU"
+            )
     lines.append("changing one choice of the winner (the rest kept where possible):")
     for knob, name in KNOBS.items():
-        alts = [f"{val}: {_why_slower(_best(_neighbours(w, plans, knob, val)), w)}"
-                for val in sorted({p[knob] for p in plans}) if val != w[knob]]
+        alts = [
+            f"{val}: {_why_slower(_best(_neighbours(w, plans, knob, val)), w)}"
+            for val in sorted({p[knob] for p in plans})
+            if val != w[knob]
+        ]
         lines += [f"  {name} = {w[knob]}: " + "; ".join(alts)] * bool(alts)
     return lines
 
@@ -584,56 +879,80 @@ def _neighbours(w: dict, plans: list[dict], knob: str, value) -> list[dict]:
 
 # --- 6. Reports for humans, and the command line ---------------------------------------------
 
+
 def _rows(pairs, width: int = 34) -> list[str]:
     """One table row per (label, bytes): GB, or TB from 1e12 on."""
-    return [f"  {label:<{width}s}" + (f"{x / GB:9.3f} GB" if x < 1e12 else f"{x / 1e12:9.3f} TB")
-            for label, x in pairs]
+    return [
+        f"  {label:<{width}s}" + (f"{x / GB:9.3f} GB" if x < 1e12 else f"{x / 1e12:9.3f} TB")
+        for label, x in pairs
+    ]
 
 
 def format_plan(p: dict) -> str:
     moe = f", {p['n_experts']} experts, top-{p['moe_top_k']}" * bool(p["n_experts"])
-    out = [f"{p['model']} (Ψ = {p['params'] / 1e9:.3g} B{moe}) on {p['gpus']} × {p['gpu']} "
-           f"({p['gpus_per_node']} per node): {p['layout']}, {p['precision']}",
-           "memory per GPU" + f" (worst: {p['worst_stage']} pipeline stage)" * (p["pp"] > 1)]
-    rows = {"params_bytes": "parameters", "grads_bytes": "gradients",
-            "optim_bytes": "optimizer state", "master_bytes": "fp32 master weights",
-            "activation_bytes_per_gpu":
-                f"activations ({p['in_flight_microbatches']:g} mb in flight)",
-            "recompute_working_bytes": "recompute working block",
-            "zero3_gather_bytes": "ZeRO-3 gathered blocks", "memory_bytes_per_gpu": "total",
-            "usable_bytes_per_gpu": f"usable ({p['gpu']})"}  # (params, acts, totals: never 0)
+    out = [
+        f"{p['model']} (Ψ = {p['params'] / 1e9:.3g} B{moe}) on {p['gpus']} × {p['gpu']} "
+        f"({p['gpus_per_node']} per node): {p['layout']}, {p['precision']}",
+        "memory per GPU" + f" (worst: {p['worst_stage']} pipeline stage)" * (p["pp"] > 1),
+    ]
+    rows = {
+        "params_bytes": "parameters",
+        "grads_bytes": "gradients",
+        "optim_bytes": "optimizer state",
+        "master_bytes": "fp32 master weights",
+        "activation_bytes_per_gpu": f"activations ({p['in_flight_microbatches']:g} mb in flight)",
+        "recompute_working_bytes": "recompute working block",
+        "zero3_gather_bytes": "ZeRO-3 gathered blocks",
+        "memory_bytes_per_gpu": "total",
+        "usable_bytes_per_gpu": f"usable ({p['gpu']})",
+    }  # (params, acts, totals: never 0)
     out += _rows((label, p[k]) for k, label in rows.items() if p[k])
     out[-1] += "  fits" if p["fits"] else "  DOES NOT FIT"
     out += _rows([("offloaded to host", p["cpu_offload_bytes"])] * bool(p["cpu_offload_bytes"]))
     out.append(f"time per step: {p['step_time_s']:.4g} s")
-    out += [f"  {label:<34s}{p[key]:10.4g} s  {p[key] / p['step_time_s']:6.1%}"
-            for key, label in TIME_PARTS.items() if p[key]]  # (compute: never 0)
+    out += [
+        f"  {label:<34s}{p[key]:10.4g} s  {p[key] / p['step_time_s']:6.1%}"
+        for key, label in TIME_PARTS.items()
+        if p[key]
+    ]  # (compute: never 0)
     if p["dp_comm_s"] and p["dp_comm_exposed_s"] < p["dp_comm_s"]:
-        out.append(f"  (data-parallel traffic {p['dp_comm_s']:.3g} s, of which hidden "
-                   f"{p['dp_comm_s'] - p['dp_comm_exposed_s']:.3g} s)")
-    out += [f"  ({key[:2]} group: each GPU sends {p[key] / GB:.4g} GB per step)"
-            for key in ("cp_bytes_per_step", "ep_all_to_all_bytes_per_step") if p[key]]
-    out.append(f"throughput: {p['tokens_per_s']:.4g} tokens/s, {p['tflops_per_gpu']:.1f} TFLOP/s "
-               f"per GPU (with recompute), {p['model_tflops_per_gpu']:.1f} model TFLOP/s, "
-               f"MFU {p['mfu']:.1%}")
+        out.append(
+            f"  (data-parallel traffic {p['dp_comm_s']:.3g} s, of which hidden "
+            f"{p['dp_comm_s'] - p['dp_comm_exposed_s']:.3g} s)"
+        )
+    out += [
+        f"  ({key[:2]} group: each GPU sends {p[key] / GB:.4g} GB per step)"
+        for key in ("cp_bytes_per_step", "ep_all_to_all_bytes_per_step")
+        if p[key]
+    ]
+    out.append(
+        f"throughput: {p['tokens_per_s']:.4g} tokens/s, {p['tflops_per_gpu']:.1f} TFLOP/s "
+        f"per GPU (with recompute), {p['model_tflops_per_gpu']:.1f} model TFLOP/s, "
+        f"MFU {p['mfu']:.1%}"
+    )
     return "\n".join(out)
 
 
 def format_search(res: dict, top: int = 10) -> str:
-    out = [f"{res['model']} (Ψ = {res['params'] / 1e9:.3g} B) on {res['gpus']} × {res['gpu']} "
-           f"({res['gpus_per_node']} per node), global batch {res['batch_size']}, "
-           f"{res['precision']}: {res['feasible']} of {res['evaluated']} layouts fit "
-           "(within 2% of the fastest counts as a tie; the simplest of those is ranked first)"]
+    out = [
+        f"{res['model']} (Ψ = {res['params'] / 1e9:.3g} B) on {res['gpus']} × {res['gpu']} "
+        f"({res['gpus_per_node']} per node), global batch {res['batch_size']}, "
+        f"{res['precision']}: {res['feasible']} of {res['evaluated']} layouts fit "
+        "(within 2% of the fastest counts as a tie; the simplest of those is ranked first)"
+    ]
     if res["ranking"]:
         out.append(f"{'#':>3} {'layout':44s} {'GB/GPU':>7} {'s/step':>8} {'TFLOP/s':>8} {'MFU':>5}")
-        out += [f"{i:>3} {p['layout']:44s} {p['memory_bytes_per_gpu'] / GB:7.1f} "
-                f"{p['step_time_s']:8.3g} {p['tflops_per_gpu']:8.1f} {p['mfu']:5.1%}"
-                for i, p in enumerate(res["ranking"][:top], 1)]
+        out += [
+            f"{i:>3} {p['layout']:44s} {p['memory_bytes_per_gpu'] / GB:7.1f} "
+            f"{p['step_time_s']:8.3g} {p['tflops_per_gpu']:8.1f} {p['mfu']:5.1%}"
+            for i, p in enumerate(res["ranking"][:top], 1)
+        ]
     return "\n".join(out + res["explanation"])
 
 
 def _positive(kind):
     """An argparse type: a number above 0 (a count: at least 1), else one line and exit 2."""
+
     def parse(text: str):
         try:
             value = kind(text)
@@ -642,6 +961,7 @@ def _positive(kind):
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text!r}")
         return value
+
     return parse
 
 
@@ -652,42 +972,73 @@ def build_parser() -> argparse.ArgumentParser:
     preset = dict(action=argparse.BooleanOptionalAction, default=None)
     for title, flags in {
         "model (as hplab/train.py)": {
-            "--model": dict(default="gpt2", help="preset: hplab's tiny/gpt2/gpt2-medium, "
-                            "gpt3-125m ... gpt3-175b, megatron-1.7b ... megatron-1t"),
-            "--n-layer": n, "--n-embd": n, "--n-head": n, "--seq-len": n, "--vocab-size": n,
+            "--model": dict(
+                default="gpt2",
+                help="preset: hplab's tiny/gpt2/gpt2-medium, "
+                "gpt3-125m ... gpt3-175b, megatron-1.7b ... megatron-1t",
+            ),
+            "--n-layer": n,
+            "--n-embd": n,
+            "--n-head": n,
+            "--seq-len": n,
+            "--vocab-size": n,
             "--moe-experts": dict(n, dest="n_experts", help="a mixture of this many experts"),
             "--moe-top-k": dict(n, dest="moe_top_k", help="experts per token (default 2)"),
             "--dropout": dict(preset, help="count dropout masks (default: as the preset)"),
-            "--flash-attention": dict(preset, help="attention keeps no s×s matrices "
-                                      "(default: as the preset)"),
-            "--params": dict(real, help="only the model-state memory of this many "
-                             "parameters (with --dp, --zero, --precision)")},
+            "--flash-attention": dict(
+                preset, help="attention keeps no s×s matrices (default: as the preset)"
+            ),
+            "--params": dict(
+                real,
+                help="only the model-state memory of this many "
+                "parameters (with --dp, --zero, --precision)",
+            ),
+        },
         "layout (as hplab/train.py)": {
-            "--dp": n, "--tp": dict(n, default=1), "--pp": dict(n, default=1),
-            "--cp": dict(n, default=1), "--cp-style": dict(default="ring", choices=CP_STYLES),
+            "--dp": n,
+            "--tp": dict(n, default=1),
+            "--pp": dict(n, default=1),
+            "--cp": dict(n, default=1),
+            "--cp-style": dict(default="ring", choices=CP_STYLES),
             "--ep": dict(n, default=1, help="expert parallel, among the --dp ranks"),
             "--zero": dict(type=int, default=0, choices=(0, 1, 2, 3)),
             "--schedule": dict(default="1f1b", choices=SCHEDULES),
-            "--virtual-stages": dict(n, default=1), "--microbatches": n,
+            "--virtual-stages": dict(n, default=1),
+            "--microbatches": n,
             "--batch-size": dict(n, help="global, in sequences"),
-            "--precision": dict(choices=tuple(PRECISION_BYTES),
-                                help="default: fp32 for hplab's presets, bf16 for the others"),
+            "--precision": dict(
+                choices=tuple(PRECISION_BYTES),
+                help="default: fp32 for hplab's presets, bf16 for the others",
+            ),
             "--recompute": dict(on, help="full activation recompute"),
             "--selective-recompute": dict(on, help="recompute only the attention scores [SP]"),
-            "--sequence-parallel": on, "--offload": dict(on, help="optimizer state on the host"),
-            "--padded": dict(on, help="ZeRO shards padded to a multiple of dp, as hplab "
-                             "allocates them")},
+            "--sequence-parallel": on,
+            "--offload": dict(on, help="optimizer state on the host"),
+            "--padded": dict(
+                on, help="ZeRO shards padded to a multiple of dp, as hplab allocates them"
+            ),
+        },
         "cluster": {
             "--gpu": dict(default="a100-80g", choices=tuple(GPU_PRESETS)),
             "--gpus": dict(n, help="total GPUs (required with --search)"),
             "--gpus-per-node": dict(n, default=8),
             "--intra-bw": dict(real, help="GB/s per GPU inside a node (default NVLink)"),
-            "--inter-bw": dict(real, help="GB/s per GPU between nodes (default its NIC)")},
-        "efficiency assumptions": {"--eff-" + f.name.replace("_", "-"): dict(  # overlaps may be 0
-            type=_positive(float) if f.default else float, default=f.default,
-            dest="eff_" + f.name) for f in fields(Efficiency)},
-        "output": {"--search": dict(on, help="rank every layout of --gpus GPUs"),
-                   "--top": dict(n, default=10), "--json": on}}.items():
+            "--inter-bw": dict(real, help="GB/s per GPU between nodes (default its NIC)"),
+        },
+        "efficiency assumptions": {
+            "--eff-" + f.name.replace("_", "-"): dict(  # overlaps may be 0
+                type=_positive(float) if f.default else float,
+                default=f.default,
+                dest="eff_" + f.name,
+            )
+            for f in fields(Efficiency)
+        },
+        "output": {
+            "--search": dict(on, help="rank every layout of --gpus GPUs"),
+            "--top": dict(n, default=10),
+            "--json": on,
+        },
+    }.items():
         group = ap.add_argument_group(title)
         for flag, kwargs in flags.items():
             group.add_argument(flag, **kwargs)
@@ -698,23 +1049,46 @@ def _run(args) -> tuple[dict, str]:
     """The result of the command line (its JSON) and the report for humans."""
     if args.params is not None:  # model states of a bare parameter count
         dp, precision = args.dp or 1, args.precision or "bf16"
-        st = model_state_bytes(args.params / (args.tp * args.pp), dp, args.zero, precision,
-                               args.offload, args.padded)
-        res = {"params": args.params, "dp": dp, "tp": args.tp, "pp": args.pp, "zero": args.zero,
-               "precision": precision, **st, "cpu_offload_bytes": st["cpu_bytes"],
-               "model_state_bytes_per_gpu": st["total_bytes"]}
-        rows = _rows([(k[:-6].replace("cpu", "on host"), x) for k, x in st.items()
-                      if x or k != "cpu_bytes"], 8)
-        return res, "\n".join([f"model states of Ψ = {args.params:.4g} parameters, {precision}, "
-                               f"ZeRO-{args.zero} over dp={dp} (per GPU) [ZeRO Sec. 5]", *rows])
+        st = model_state_bytes(
+            args.params / (args.tp * args.pp), dp, args.zero, precision, args.offload, args.padded
+        )
+        res = {
+            "params": args.params,
+            "dp": dp,
+            "tp": args.tp,
+            "pp": args.pp,
+            "zero": args.zero,
+            "precision": precision,
+            **st,
+            "cpu_offload_bytes": st["cpu_bytes"],
+            "model_state_bytes_per_gpu": st["total_bytes"],
+        }
+        rows = _rows(
+            [(k[:-6].replace("cpu", "on host"), x) for k, x in st.items() if x or k != "cpu_bytes"],
+            8,
+        )
+        return res, "\n".join(
+            [
+                f"model states of Ψ = {args.params:.4g} parameters, {precision}, "
+                f"ZeRO-{args.zero} over dp={dp} (per GPU) [ZeRO Sec. 5]",
+                *rows,
+            ]
+        )
     presets = model_presets()
     if args.model not in presets:
         raise PlanError(f"unknown model preset {args.model!r}: choose one of {', '.join(presets)}")
-    model = replace(presets[args.model], **{k: v for k, v in vars(args).items() if v is not None
-                                            and k in ModelShape.__dataclass_fields__})
+    model = replace(
+        presets[args.model],
+        **{
+            k: v
+            for k, v in vars(args).items()
+            if v is not None and k in ModelShape.__dataclass_fields__
+        },
+    )
     check_layout(model, Layout())  # the model's own sizes, before any search
-    precision = args.precision or ("bf16" if args.model.startswith(("gpt3-", "megatron-"))
-                                   else "fp32")
+    precision = args.precision or (
+        "bf16" if args.model.startswith(("gpt3-", "megatron-")) else "fp32"
+    )
     cluster = Cluster(GPU_PRESETS[args.gpu], args.gpus_per_node, args.intra_bw, args.inter_bw)
     eff = Efficiency(**{f.name: getattr(args, "eff_" + f.name) for f in fields(Efficiency)})
     batch = args.batch_size or model.default_batch_size
@@ -724,7 +1098,7 @@ def _run(args) -> tuple[dict, str]:
         res = search(model, args.gpus, cluster, eff, batch, precision, allow_offload=args.offload)
         del res["_all"]
         text = format_search(res, args.top)
-        res["ranking"] = res["ranking"][:args.top]
+        res["ranking"] = res["ranking"][: args.top]
         # the headline numbers of the winner, at top level for notebooks
         return {**res, **{k: res["winner"][k] for k in HEADLINE if res["winner"]}}, text
     tp, pp, cp = args.tp, args.pp, args.cp
@@ -733,8 +1107,23 @@ def _run(args) -> tuple[dict, str]:
         raise PlanError(f"dp×cp×tp×pp = {dp}×{cp}×{tp}×{pp} ≠ --gpus {args.gpus}")
     recompute = "full" if args.recompute else ("selective" if args.selective_recompute else "none")
     m = args.microbatches or (max(1, batch // dp) if pp > 1 else 1)
-    lay = Layout(dp, tp, pp, args.zero, args.schedule, args.virtual_stages, m, batch, precision,
-                 recompute, args.sequence_parallel, args.offload, cp, args.cp_style, args.ep)
+    lay = Layout(
+        dp,
+        tp,
+        pp,
+        args.zero,
+        args.schedule,
+        args.virtual_stages,
+        m,
+        batch,
+        precision,
+        recompute,
+        args.sequence_parallel,
+        args.offload,
+        cp,
+        args.cp_style,
+        args.ep,
+    )
     res = plan(model, lay, cluster, eff, args.padded)
     return res, format_plan(res)
 

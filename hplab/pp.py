@@ -35,13 +35,16 @@ from hplab.dist import new_group
 from hplab.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_formula: labs)
 from hplab.memory import MemoryLedger
 from hplab.models.gpt import cross_entropy as loss_fn  # noqa: F401 (for torch's pipelining)
-from hplab.schedule import (COMPUTE, Action, DeadlockError, PipelineError, Simulation,  # noqa: F401
-                            add_communication, build_schedule, chunk_owner,
-                            idle_between_actions, measured_bubble, message_key,
-                            one_f_one_b_order, schedule_text, simulate)
-
+from hplab.schedule import (
+    Action,
+    PipelineError,
+    Simulation,  # noqa: F401
+    chunk_owner,
+    message_key,
+)
 
 # --- 1. Stages ------------------------------------------------------------------------------------
+
 
 def split_layers(n_layer: int, num_chunks: int) -> list[range]:
     """Balanced consecutive layer ranges: the first `n_layer % num_chunks` chunks get one
@@ -49,7 +52,8 @@ def split_layers(n_layer: int, num_chunks: int) -> list[range]:
     if num_chunks > n_layer:
         raise PipelineError(
             f"{num_chunks} pipeline chunks (--pp × --virtual-stages) but the model has only "
-            f"{n_layer} layers: use at most {n_layer} chunks or more layers (--n-layer)")
+            f"{n_layer} layers: use at most {n_layer} chunks or more layers (--n-layer)"
+        )
     base, extra = divmod(n_layer, num_chunks)
     start = [c * base + min(c, extra) for c in range(num_chunks + 1)]
     return [range(start[c], start[c + 1]) for c in range(num_chunks)]
@@ -84,8 +88,9 @@ def build_stages(gpt, rank: int, p: int, virtual_stages: int = 1) -> list[Stage]
     """The chunks this pipeline rank runs, in chunk order."""
     num_chunks = p * virtual_stages
     layers = split_layers(gpt.config.n_layer, num_chunks)
-    return [Stage(gpt, c, num_chunks, layers[c]) for c in range(num_chunks)
-            if chunk_owner(c, p) == rank]
+    return [
+        Stage(gpt, c, num_chunks, layers[c]) for c in range(num_chunks) if chunk_owner(c, p) == rank
+    ]
 
 
 def stage_parameters(stages: list[Stage]) -> list[nn.Parameter]:
@@ -146,6 +151,7 @@ def sync_tied_gradients(stages: list[Stage], tied_comm) -> None:
 # pinned to what B saw, so nothing counts twice. A hand-written autograd.Function computes all
 # its gradients when it runs: its weight part is dropped in B, redone in W.
 
+
 def _grad_node(t: torch.Tensor):
     """The autograd node that receives t's gradient: its grad_fn, or for a leaf (a weight, a
     received activation) its AccumulateGrad node, reached through a view."""
@@ -174,8 +180,9 @@ def weight_groups(out: torch.Tensor, x: torch.Tensor, params) -> list[tuple[list
         acc = _grad_node(p)
         if acc not in consumers:
             continue  # not used by this microbatch
-        behind = _reachable([acc], lambda n: [c for c in consumers.get(n, ())
-                                              if c not in to_input])  # p's side, up to x's
+        behind = _reachable(
+            [acc], lambda n: [c for c in consumers.get(n, ()) if c not in to_input]
+        )  # p's side, up to x's
         frontier = {c for n in behind for c in consumers.get(n, ()) if c in to_input}
         weights, nodes = [p], set(frontier)
         for other in {id(group_of[n]): group_of[n] for n in frontier if n in group_of}.values():
@@ -190,35 +197,46 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     needs (per group: the weights, and each frontier node with the gradient it received)."""
     groups = weight_groups(out, x, params)
     seen: dict = {}
-    hooks = [node.register_prehook(lambda grads, node=node: seen.__setitem__(node, grads))
-             for _, nodes in groups for node in nodes]
+    hooks = [
+        node.register_prehook(lambda grads, node=node: seen.__setitem__(node, grads))
+        for _, nodes in groups
+        for node in nodes
+    ]
     try:
         (grad_x,) = torch.autograd.grad(out, [x], grad, retain_graph=True)  # W reuses the graph
     finally:
         for hook in hooks:
             hook.remove()
-    work = [(weights, [(node, seen[node]) for node in nodes if node in seen])
-            for weights, nodes in groups]
+    work = [
+        (weights, [(node, seen[node]) for node in nodes if node in seen])
+        for weights, nodes in groups
+    ]
     return grad_x, work
 
 
 def backward_weight(work) -> None:
     """W: the weight gradients B left out, accumulated into `p.grad`."""
     for weights, frontier in work:
-        edges = [(GradientEdge(node, i), g) for node, grads in frontier
-                 for i, g in enumerate(grads) if g is not None]
+        edges = [
+            (GradientEdge(node, i), g)
+            for node, grads in frontier
+            for i, g in enumerate(grads)
+            if g is not None
+        ]
         if not edges:
             continue
         pins = [node.register_prehook(lambda _, grads=grads: grads) for node, grads in frontier]
         try:  # the graph is kept for the other groups; it goes when `work` goes
-            torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
-                                    inputs=weights, retain_graph=True)
+            torch.autograd.backward(
+                [e for e, _ in edges], [g for _, g in edges], inputs=weights, retain_graph=True
+            )
         finally:
             for pin in pins:
                 pin.remove()
 
 
 # --- 3. Executor: run this rank's action list for real --------------------------------------------
+
 
 class PipelineExecutor:
     """Runs one rank's action list for one training step over `comm`, the pipeline group.
@@ -227,8 +245,9 @@ class PipelineExecutor:
     backward is split (the first stage's input is token ids: its B is empty, its W the whole
     backward). `memory` (a MemoryLedger) measures each forward's saved activations."""
 
-    def __init__(self, stages: list[Stage], plan: list[Action], comm, memory=None,
-                 dtype=torch.float32):
+    def __init__(
+        self, stages: list[Stage], plan: list[Action], comm, memory=None, dtype=torch.float32
+    ):
         self.stages = {s.chunk: s for s in stages}
         self.plan, self.comm, self.dtype = plan, comm, dtype
         self.memory = memory or MemoryLedger(comm.device)
@@ -245,8 +264,9 @@ class PipelineExecutor:
             return (None if stage.is_first else x.grad), None
         if stage.is_first:  # nothing for B: W runs the whole backward
             return None, lambda: torch.autograd.backward(out, grad)
-        grad_x, work = backward_input(out, grad, x, [p for p in stage.parameters()
-                                                     if p.requires_grad])
+        grad_x, work = backward_input(
+            out, grad, x, [p for p in stage.parameters() if p.requires_grad]
+        )
         return grad_x, lambda: backward_weight(work)
 
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[float]:
@@ -262,8 +282,15 @@ class PipelineExecutor:
         t0 = time.perf_counter()
 
         def record(kind, a, start):
-            self.trace.append({"kind": kind, "microbatch": a.microbatch, "chunk": a.chunk,
-                               "start_s": start - t0, "end_s": time.perf_counter() - t0})
+            self.trace.append(
+                {
+                    "kind": kind,
+                    "microbatch": a.microbatch,
+                    "chunk": a.chunk,
+                    "start_s": start - t0,
+                    "end_s": time.perf_counter() - t0,
+                }
+            )
 
         for a in self.plan:
             sends = [s for s in sends if not s[1].is_completed()]  # free delivered buffers
@@ -285,16 +312,19 @@ class PipelineExecutor:
                         out = loss * self.loss_scale / m  # 1/m of the batch's mean
                 stage_in[mb, c], stage_out[mb, c], act_bytes[mb, c] = x, out, counted[0]
                 self.in_flight_max = max(self.in_flight_max, len(act_bytes))
-                self.activation_bytes_in_flight_max = max(self.activation_bytes_in_flight_max,
-                                                          sum(act_bytes.values()))
+                self.activation_bytes_in_flight_max = max(
+                    self.activation_bytes_in_flight_max, sum(act_bytes.values())
+                )
             elif a.kind == "B":
                 input_grads[mb, c], weight_work[mb, c] = self.backward(
-                    stage, stage_out.pop((mb, c)), message, stage_in[mb, c])
+                    stage, stage_out.pop((mb, c)), message, stage_in[mb, c]
+                )
             elif a.kind == "W":
                 weight_work.pop((mb, c))()  # the microbatch's graph goes with it
             elif a.kind.startswith("send"):
-                tensor = (stage_out[mb, c].detach() if a.kind == "send_act"
-                          else input_grads.pop((mb, c)))
+                tensor = (
+                    stage_out[mb, c].detach() if a.kind == "send_act" else input_grads.pop((mb, c))
+                )
                 sends.append((tensor, self.comm.send(tensor, a.peer, async_op=True)))
             else:  # recv_act / recv_grad: post the receive now, wait for it when needed
                 buffer = torch.empty(act_shape, dtype=self.dtype, device=inputs[0].device)

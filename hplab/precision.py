@@ -28,7 +28,7 @@ a strategy that keeps whole parameters (data parallel); ZeRO shards its masters 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -101,12 +101,17 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class, **optimizer_kwargs):
         super().__init__(params, optimizer_kwargs)
-        self.masters = {p: nn.Parameter(p.detach().float().clone())
-                        for g in self.param_groups for p in g["params"]}
+        self.masters = {
+            p: nn.Parameter(p.detach().float().clone())
+            for g in self.param_groups
+            for p in g["params"]
+        }
         for p, master in self.masters.items():
             copy_markers(p, master)
-        self.inner = optimizer_class([{**g, "params": [self.masters[p] for p in g["params"]]}
-                                      for g in self.param_groups], **optimizer_kwargs)
+        self.inner = optimizer_class(
+            [{**g, "params": [self.masters[p] for p in g["params"]]} for g in self.param_groups],
+            **optimizer_kwargs,
+        )
         self.reduced = False
 
     @torch.no_grad()

@@ -20,21 +20,31 @@ from hplab.models.gpt import GPT
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt: str, max_new_tokens: int = 40, top_k: int | None = None,
-             temperature: float | None = None, seed: int = 0) -> str:
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 40,
+    top_k: int | None = None,
+    temperature: float | None = None,
+    seed: int = 0,
+) -> str:
     """The prompt and its continuation. Greedy unless `top_k` or `temperature` is given; then
     sampled (from all tokens when `top_k` is None, T = 1 when `temperature` is None) with a
     generator seeded by `seed` alone, so the same call gives the same text. What cannot be
     sampled is a one-line ValueError."""
     if not prompt:
         raise ValueError("the prompt is empty: give the text to continue")
-    for flag, value in (("--max-new-tokens", max_new_tokens), ("--top-k", top_k),
-                        ("--temperature", temperature)):
+    for flag, value in (
+        ("--max-new-tokens", max_new_tokens),
+        ("--top-k", top_k),
+        ("--temperature", temperature),
+    ):
         if value is not None and not value > 0:  # `not >`: NaN is refused too
             raise ValueError(f"{flag} must be positive, got {value}")
     ids, generator = torch.tensor([tokenizer.encode(prompt)]), torch.Generator().manual_seed(seed)
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -model.config.n_positions:])[0][0, -1]  # the last position's
+        logits = model(ids[:, -model.config.n_positions :])[0][0, -1]  # the last position's
         next_id = logits.argmax()  # greedy
         if top_k is not None or temperature is not None:  # sampling instead
             top = torch.topk(logits / (temperature or 1.0), min(top_k or len(logits), len(logits)))
@@ -46,8 +56,11 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 40, top_k: int
 def load_model(directory):
     """(model, tokenizer) from a `train.py --save` checkpoint (checksums verified) or any Hugging
     Face GPT-2 folder, in eval mode. Missing or damaged files: a CheckpointError (ValueError)."""
-    saved = (checkpoint.load if (Path(directory) / "trainer_state.json").is_file()
-             else checkpoint.load_pretrained)(directory)
+    saved = (
+        checkpoint.load
+        if (Path(directory) / "trainer_state.json").is_file()
+        else checkpoint.load_pretrained
+    )(directory)
     model = GPT(saved["config"])
     model.load_state_dict(saved["model"])
     return model.eval(), load_tokenizer(saved["config"].tokenizer)
@@ -64,8 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     args = parser.parse_args(argv)
     try:
-        print(generate(*load_model(args.checkpoint), args.prompt, args.max_new_tokens,
-                       args.top_k, args.temperature, args.seed))
+        print(
+            generate(
+                *load_model(args.checkpoint),
+                args.prompt,
+                args.max_new_tokens,
+                args.top_k,
+                args.temperature,
+                args.seed,
+            )
+        )
     except (ValueError, OSError) as err:  # a CheckpointError is a ValueError
         print(f"hplab: error: {err}", file=sys.stderr)
         return 2

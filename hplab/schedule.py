@@ -49,6 +49,7 @@ def chunk_owner(chunk: int, p: int) -> int:
 
 # --- 1. Schedules: per rank, a plain list of actions ----------------------------------------------
 
+
 @dataclass(frozen=True)
 class Action:
     """One step of one rank's program. kind: "F", "B" (without W: the weight gradients too),
@@ -62,15 +63,22 @@ class Action:
 
     def __str__(self) -> str:
         arrow = {"send": "→", "recv": "←"}.get(self.kind[:4])
-        return (f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
-                + (f"{arrow}{self.peer}" if arrow else ""))
+        return (
+            f"{self.kind}{self.microbatch}"
+            + (f".{self.chunk}" if self.chunk else "")
+            + (f"{arrow}{self.peer}" if arrow else "")
+        )
 
 
 def message_key(action: Action) -> tuple:
     """Which message a send or receive carries: (activation or gradient, microbatch, the chunk
     that consumes it). A send and a receive match when their keys are equal."""
-    what, towards_consumer = {"send_act": ("act", 1), "recv_act": ("act", 0),
-                              "send_grad": ("grad", -1), "recv_grad": ("grad", 0)}[action.kind]
+    what, towards_consumer = {
+        "send_act": ("act", 1),
+        "recv_act": ("act", 0),
+        "send_grad": ("grad", -1),
+        "recv_grad": ("grad", 0),
+    }[action.kind]
     return what, action.microbatch, action.chunk + towards_consumer
 
 
@@ -92,16 +100,19 @@ def gpipe_order(p: int, m: int) -> list[list[tuple]]:
 def _warm_up_then_alternate(forwards: list, backwards: list, warmup: int) -> list:
     """`warmup` forwards, then one forward and one backward in turn, then the backwards left."""
     steady = [a for pair in zip(forwards[warmup:], backwards) for a in pair]
-    return forwards[:warmup] + steady + backwards[len(forwards) - warmup:]
+    return forwards[:warmup] + steady + backwards[len(forwards) - warmup :]
 
 
 def one_f_one_b_order(p: int, m: int) -> list[list[tuple]]:
     """1F1B (PipeDream-Flush, Narayanan et al. 2021): rank r runs p-r-1 warm-up forwards, then
     alternates one forward and one backward, then finishes the remaining backwards. A
     microbatch's activations are freed by its backward, so rank r never holds more than p-r."""
-    return [_warm_up_then_alternate([("F", i, r) for i in range(m)],
-                                    [("B", i, r) for i in range(m)], min(p - r - 1, m))
-            for r in range(p)]
+    return [
+        _warm_up_then_alternate(
+            [("F", i, r) for i in range(m)], [("B", i, r) for i in range(m)], min(p - r - 1, m)
+        )
+        for r in range(p)
+    ]
 
 
 def interleaved_order(p: int, m: int, v: int) -> list[list[tuple]]:
@@ -112,17 +123,22 @@ def interleaved_order(p: int, m: int, v: int) -> list[list[tuple]]:
     if m % p:
         raise PipelineError(
             f"the interleaved schedule runs microbatches in groups of p={p}, but --microbatches "
-            f"is {m}: use a multiple of {p}")
+            f"is {m}: use a multiple of {p}"
+        )
 
     def unit(kind: str, k: int, r: int) -> tuple:
         local = (k // p) % v if kind == "F" else v - 1 - (k // p) % v
         return kind, (k // (p * v)) * p + k % p, local * p + r
 
     units = range(m * v)
-    return [_warm_up_then_alternate([unit("F", k, r) for k in units],
-                                    [unit("B", k, r) for k in units],
-                                    min(2 * (p - r - 1) + (v - 1) * p, m * v))
-            for r in range(p)]
+    return [
+        _warm_up_then_alternate(
+            [unit("F", k, r) for k in units],
+            [unit("B", k, r) for k in units],
+            min(2 * (p - r - 1) + (v - 1) * p, m * v),
+        )
+        for r in range(p)
+    ]
 
 
 def zb_h1_order(p: int, m: int) -> list[list[tuple]]:
@@ -132,9 +148,15 @@ def zb_h1_order(p: int, m: int) -> list[list[tuple]]:
     (p-r-1 forwards ahead), while every W is p-1 microbatches behind its F: on the last rank
     W waits for up to p-1 later backwards, which shortens the chain of B's the first rank
     waits for."""
-    return [[(kind, mb, r) for x in range(m + p - 1)
-             for kind, mb in (("F", x), ("B", x - (p - 1 - r)), ("W", x - (p - 1)))
-             if 0 <= mb < m] for r in range(p)]
+    return [
+        [
+            (kind, mb, r)
+            for x in range(m + p - 1)
+            for kind, mb in (("F", x), ("B", x - (p - 1 - r)), ("W", x - (p - 1)))
+            if 0 <= mb < m
+        ]
+        for r in range(p)
+    ]
 
 
 def add_communication(orders: list[list[tuple]], p: int, v: int) -> list[list[Action]]:
@@ -172,29 +194,42 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """The action list of every rank for schedule `name` with p ranks, m microbatches and
     (interleaved only) v chunks per rank."""
     for wrong, message in (
-            (name not in SCHEDULES, f"unknown schedule {name!r}: choose one of "
-                                    f"{', '.join(SCHEDULES)}"),
-            (p < 2, f"a pipeline needs at least 2 stages, got --pp {p}"),
-            (m < 1, f"--microbatches must be at least 1, got {m}"),
-            (v < 1, f"--virtual-stages must be at least 1, got {v}"),
-            (name != "interleaved" and v != 1, f"--virtual-stages {v} needs --schedule "
-             f"interleaved (the {name} schedule runs one chunk per rank)"),
-            (name == "interleaved" and v < 2, "the interleaved schedule needs --virtual-stages "
-             "of at least 2 (with 1 chunk per rank it is plain 1f1b)")):
+        (name not in SCHEDULES, f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}"),
+        (p < 2, f"a pipeline needs at least 2 stages, got --pp {p}"),
+        (m < 1, f"--microbatches must be at least 1, got {m}"),
+        (v < 1, f"--virtual-stages must be at least 1, got {v}"),
+        (
+            name != "interleaved" and v != 1,
+            f"--virtual-stages {v} needs --schedule "
+            f"interleaved (the {name} schedule runs one chunk per rank)",
+        ),
+        (
+            name == "interleaved" and v < 2,
+            "the interleaved schedule needs --virtual-stages "
+            "of at least 2 (with 1 chunk per rank it is plain 1f1b)",
+        ),
+    ):
         if wrong:
             raise PipelineError(message)
-    orders = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zb_h1_order,
-              "interleaved": lambda p, m: interleaved_order(p, m, v)}[name]
+    orders = {
+        "gpipe": gpipe_order,
+        "1f1b": one_f_one_b_order,
+        "zb-h1": zb_h1_order,
+        "interleaved": lambda p, m: interleaved_order(p, m, v),
+    }[name]
     return add_communication(orders(p, m), p, v)
 
 
 def schedule_text(plans: list[list[Action]]) -> str:
     """One line per rank of its computations: `rank 0: F0 F1 B0 ...` (chunk after a dot)."""
-    return "\n".join(f"rank {r}: " + " ".join(str(a) for a in plan if a.kind in COMPUTE)
-                     for r, plan in enumerate(plans))
+    return "\n".join(
+        f"rank {r}: " + " ".join(str(a) for a in plan if a.kind in COMPUTE)
+        for r, plan in enumerate(plans)
+    )
 
 
 # --- 2. Simulator: the same action lists, with given costs ----------------------------------------
+
 
 @dataclass
 class Simulation:
@@ -215,8 +250,14 @@ class Simulation:
         return max(itertools.accumulate((k == "F") - (k == release) for k in actions))
 
 
-def simulate(plans: list[list[Action]], f: float | list = 1.0, b: float | list = 1.0,
-             w: float | list = 1.0, latency: float = 0.0, own: dict | None = None) -> Simulation:
+def simulate(
+    plans: list[list[Action]],
+    f: float | list = 1.0,
+    b: float | list = 1.0,
+    w: float | list = 1.0,
+    latency: float = 0.0,
+    own: dict | None = None,
+) -> Simulation:
     """Run the action lists with costs per whole stage and microbatch: F = f, B = b (input
     gradient), W = w (weight gradients); a schedule without W runs b + w in its B. A chunk of
     an interleaved stage costs 1/v of that; unequal stages: f, b, w as lists, one cost per
@@ -255,8 +296,9 @@ def simulate(plans: list[list[Action]], f: float | list = 1.0, b: float | list =
                 moved = True
     stuck = {r: str(plans[r][pos[r]]) for r in range(p) if pos[r] < len(plans[r])}
     if stuck:
-        raise DeadlockError("schedule deadlocks: " + ", ".join(
-            f"rank {r} waits at {a}" for r, a in stuck.items()))
+        raise DeadlockError(
+            "schedule deadlocks: " + ", ".join(f"rank {r} waits at {a}" for r, a in stuck.items())
+        )
     return Simulation(timeline, max(clock))
 
 

@@ -21,8 +21,13 @@ import re
 from collections import Counter
 from pathlib import Path
 
-SPAN_KINDS = {"forward": "forward", "wait": "wait", "step": "step",
-              "autograd::engine::evaluate_function:": "backward", "gloo:": "comm"}
+SPAN_KINDS = {
+    "forward": "forward",
+    "wait": "wait",
+    "step": "step",
+    "autograd::engine::evaluate_function:": "backward",
+    "gloo:": "comm",
+}
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier")
 RUN_AS = {"all_reduce": ("all_reduce", "reduce_scatter")}  # gloo reduce-scatters by all-reducing
 
@@ -35,9 +40,12 @@ class Recorder:
     def __init__(self, model, directory: str | None, rank: int, steps: range):
         self.path = Path(directory or ".") / f"rank{rank}.json"
         self.window = (steps[1:3] or steps[:1]) if directory else range(0)
-        self.modules = [("model", model), ("embedding", model.transformer.wte),
-                        *((f"block {i}", b) for i, b in enumerate(model.transformer.h)),
-                        ("head", model.lm_head)]
+        self.modules = [
+            ("model", model),
+            ("embedding", model.transformer.wte),
+            *((f"block {i}", b) for i, b in enumerate(model.transformer.h)),
+            ("head", model.lm_head),
+        ]
 
     @contextlib.contextmanager
     def step(self, step: int):
@@ -83,14 +91,17 @@ def label_forward(module, name: str) -> list:
 
     def leave(*_):
         open_ranges.pop().__exit__(None, None, None)
+
     return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
 
 def is_trace_folder(path: Path) -> bool:
     """Whether `path` holds nothing but Chrome traces named rank<N>.json (a previous --trace)."""
     with contextlib.suppress(ValueError, OSError, TypeError):  # unreadable, not JSON, not a dict
-        return all(re.fullmatch(r"rank\d+\.json", f.name) and "traceEvents" in json.loads(
-            f.read_text()) for f in path.iterdir())
+        return all(
+            re.fullmatch(r"rank\d+\.json", f.name) and "traceEvents" in json.loads(f.read_text())
+            for f in path.iterdir()
+        )
     return False
 
 
@@ -127,8 +138,14 @@ def _spans(events: list[dict], t0: float) -> list[dict]:
             numbers[key := " ".join(launch.split()[:2])] += 1
             name = f"{launch} #{numbers[key]}"
         if kind:
-            spans.append(dict(kind=kind, name=name, start_s=(e["ts"] - t0) / 1e6,
-                              end_s=(e["ts"] + e.get("dur", 0) - t0) / 1e6))
+            spans.append(
+                dict(
+                    kind=kind,
+                    name=name,
+                    start_s=(e["ts"] - t0) / 1e6,
+                    end_s=(e["ts"] + e.get("dur", 0) - t0) / 1e6,
+                )
+            )
         if kind == "comm":  # when the caller's launch of it began
             spans[-1]["launched_s"] = (launched - t0) / 1e6
     return spans
@@ -186,21 +203,29 @@ def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list
     and `hidden_s`, the time the call ran with every rank there while this rank was not blocked
     (it computed), and `core_s`, gloo's threads' wait for a core over the steps (schedstat)."""
     timeline, path = read_timeline(directory), Path(directory)
-    comm = [[s for s in spans if s["kind"] == "comm" and s["name"].split()[0] in ops]
-            for spans in timeline]
+    comm = [
+        [s for s in spans if s["kind"] == "comm" and s["name"].split()[0] in ops]
+        for spans in timeline
+    ]
     if any([c["name"] for c in calls] != [c["name"] for c in comm[0]] for calls in comm):
         raise ValueError(f"{directory}: the ranks launched different collectives")
     last = [max(starts) for starts in zip(*([c["start_s"] for c in calls] for calls in comm))]
     result = []
     for rank, (spans, calls) in enumerate(zip(timeline, comm)):
-        blocked = _union(s for s in spans if s["kind"] in ("launch", "wait")
-                         and s["name"].removeprefix("wait ").split()[0] in ops)
-        returned = [next((e for s, e in blocked if s <= c["end_s"] <= e), c["end_s"])
-                    for c in calls]  # the end of the wait that the call's completion ended
-        phases = dict(running=[(max(c["start_s"], t), c["end_s"]) for c, t in zip(calls, last)],
-                      other_rank=[(c["start_s"], t) for c, t in zip(calls, last)],
-                      launching=[(c["launched_s"], c["start_s"]) for c in calls],
-                      waking=[(c["end_s"], r) for c, r in zip(calls, returned)])
+        blocked = _union(
+            s
+            for s in spans
+            if s["kind"] in ("launch", "wait") and s["name"].removeprefix("wait ").split()[0] in ops
+        )
+        returned = [
+            next((e for s, e in blocked if s <= c["end_s"] <= e), c["end_s"]) for c in calls
+        ]  # the end of the wait that the call's completion ended
+        phases = dict(
+            running=[(max(c["start_s"], t), c["end_s"]) for c, t in zip(calls, last)],
+            other_rank=[(c["start_s"], t) for c, t in zip(calls, last)],
+            launching=[(c["launched_s"], c["start_s"]) for c in calls],
+            waking=[(c["end_s"], r) for c, r in zip(calls, returned)],
+        )
         times, counted = dict(blocked_s=_length(blocked)), []
         for name, intervals in phases.items():  # each instant counted once, in this order
             now = _merge(counted + _intersect(blocked, _merge(intervals)))

@@ -46,6 +46,7 @@ Collectives per transformer block, every payload b·s·h (b sequences of s token
 
 Every collective goes through the group's `Communicator` (`mesh.tp`), so the ledger counts it.
 This file knows nothing of data parallel; `hplab.compose` composes the two."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -66,11 +67,14 @@ class TensorParallelError(ValueError):
 
 # --- 1. Moving tensors across the group (activations are [batch, sequence, hidden]) ----------
 
+
 def _split(x: torch.Tensor, comm: Communicator, dim: int = -1) -> torch.Tensor:
     """This rank's 1/T slice of `x` along `dim`."""
     if x.shape[dim] % comm.size:
-        raise TensorParallelError(f"a dimension of {x.shape[dim]} does not split over {comm.size}"
-                                  f" tensor-parallel ranks: make it a multiple of {comm.size}")
+        raise TensorParallelError(
+            f"a dimension of {x.shape[dim]} does not split over {comm.size}"
+            f" tensor-parallel ranks: make it a multiple of {comm.size}"
+        )
     return x.chunk(comm.size, dim)[comm.rank].contiguous()
 
 
@@ -97,25 +101,53 @@ def _all_reduce(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 
 # --- 2. The conjugate operators: each backward is the other's forward ------------------------
 
+
 def _operator(name: str, fwd, bwd, doc: str) -> type[torch.autograd.Function]:
     def forward(ctx, x, comm):
         ctx.comm = comm
         return fwd(x, comm)
-    return type(torch.autograd.Function)(name, (torch.autograd.Function,), {
-        "__doc__": doc, "forward": staticmethod(forward),
-        "backward": staticmethod(lambda ctx, grad: (bwd(grad, ctx.comm), None))})
+
+    return type(torch.autograd.Function)(
+        name,
+        (torch.autograd.Function,),
+        {
+            "__doc__": doc,
+            "forward": staticmethod(forward),
+            "backward": staticmethod(lambda ctx, grad: (bwd(grad, ctx.comm), None)),
+        },
+    )
 
 
 _identity = lambda x, comm: x.view_as(x)  # noqa: E731
 # one autograd Function each:    name                    forward    backward
-CopyToTensorParallel = _operator("CopyToTensorParallel", _identity, _all_reduce, """f: every
-    rank uses the same X in a different column slice: X's gradient sums their contributions.""")
-ReduceFromTensorParallel = _operator("ReduceFromTensorParallel", _all_reduce, _identity, """g:
-    sums a row-parallel layer's partial outputs; what follows is replicated, so is its grad.""")
-GatherSequence = _operator("GatherSequence", _all_gather, _reduce_scatter, """Sequence
-    parallel's f: each rank's s/T tokens, all s gathered; backward sums the grads, keeps mine.""")
-ReduceScatterSequence = _operator("ReduceScatterSequence", _reduce_scatter, _all_gather, """Sequence
-    parallel's g: sum the partial outputs and keep my s/T tokens; backward gathers.""")
+CopyToTensorParallel = _operator(
+    "CopyToTensorParallel",
+    _identity,
+    _all_reduce,
+    """f: every
+    rank uses the same X in a different column slice: X's gradient sums their contributions.""",
+)
+ReduceFromTensorParallel = _operator(
+    "ReduceFromTensorParallel",
+    _all_reduce,
+    _identity,
+    """g:
+    sums a row-parallel layer's partial outputs; what follows is replicated, so is its grad.""",
+)
+GatherSequence = _operator(
+    "GatherSequence",
+    _all_gather,
+    _reduce_scatter,
+    """Sequence
+    parallel's f: each rank's s/T tokens, all s gathered; backward sums the grads, keeps mine.""",
+)
+ReduceScatterSequence = _operator(
+    "ReduceScatterSequence",
+    _reduce_scatter,
+    _all_gather,
+    """Sequence
+    parallel's g: sum the partial outputs and keep my s/T tokens; backward gathers.""",
+)
 
 
 class LinearWithSequenceGather(torch.autograd.Function):
@@ -140,11 +172,13 @@ class LinearWithSequenceGather(torch.autograd.Function):
 
 # --- 3. How a parameter is cut, and glued back -----------------------------------------------
 
+
 @dataclass(frozen=True)
 class Split:
     """Where a tensor-parallel parameter comes from: the full tensor cut along `dim`, each of
     its `fused` blocks (c_attn's Q | K | V) on its own; `full_size`: the size along `dim`
     before zero padding to a multiple of T (the vocabulary)."""
+
     dim: int
     fused: int = 1
     full_size: int | None = None
@@ -162,8 +196,10 @@ def shard(full: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
 def unshard(local: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
     """The full tensor, rebuilt on every rank from every rank's piece (one all-gather)."""
     per_rank = _all_gather(local.detach(), comm, split.dim).chunk(comm.size, split.dim)
-    blocks = [torch.cat([r.chunk(split.fused, split.dim)[b] for r in per_rank], split.dim)
-              for b in range(split.fused)]
+    blocks = [
+        torch.cat([r.chunk(split.fused, split.dim)[b] for r in per_rank], split.dim)
+        for b in range(split.fused)
+    ]
     full = torch.cat(blocks, split.dim)
     return full.narrow(split.dim, 0, split.full_size or full.shape[split.dim]).contiguous()
 
@@ -183,6 +219,7 @@ def _cut(p: nn.Parameter | None, split: Split, comm: Communicator) -> nn.Paramet
 
 # --- 4. The parallel layers: `Layer(full_module, comm, sequence_parallel)` keeps my pieces ---
 # Hugging Face's `Conv1D` stores its weight [in, out], not [out, in]: cut along the other dim.
+
 
 class ColumnParallelLinear(nn.Module):
     """Splits the *outputs*: takes the full activations (with `sequence_parallel`, this rank's
@@ -246,8 +283,12 @@ class SequenceParallelPositions(nn.Module):
 
     def __init__(self, embedding, comm: Communicator, sequence_parallel=False, given_slice=False):
         super().__init__()
-        self.weight, self.comm, self.sp, self.shift = (embedding.weight, comm,
-                                                       sequence_parallel, given_slice)
+        self.weight, self.comm, self.sp, self.shift = (
+            embedding.weight,
+            comm,
+            sequence_parallel,
+            given_slice,
+        )
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         if self.sp:
@@ -255,8 +296,9 @@ class SequenceParallelPositions(nn.Module):
         return F.embedding(pos, self.weight)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                                 comm: Communicator, vocab_size: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, comm: Communicator, vocab_size: int
+) -> torch.Tensor:
     """The mean cross-entropy, from each rank's slice of the logits [..., V/T]:
     loss = log Σ_v exp(z_v) − z_target, with three all-reduces of b·s numbers:
       1. m = max_v z_v            all-reduce(max): a constant shift for stability, no gradient
@@ -282,19 +324,23 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 # A style: any callable (module, comm, sequence_parallel) → the module that takes its place (a
 # layer above), or a fix that changes the module in place and returns it. Where to cut is data.
 
+
 def divide(*names: str):
     """A fix: counts of what is now split (heads, widths) become this rank's share."""
+
     def style(module, comm, sequence_parallel=False):
         for name in names:
             setattr(module, name, getattr(module, name) // comm.size)
         return module
+
     return style
 
 
 def vocab_parallel_loss(model, comm, sequence_parallel=False):
     """hplab's GPT computes its loss with `model.loss_fn`: make it the vocab-parallel one."""
-    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, comm=comm,
-                                      vocab_size=model.config.vocab_size)
+    model.loss_fn = functools.partial(
+        vocab_parallel_cross_entropy, comm=comm, vocab_size=model.config.vocab_size
+    )
     return model
 
 
@@ -302,8 +348,10 @@ def needs_sdpa(model, comm, sequence_parallel=False):
     """HF GPT-2 handed s/T ids would size an explicit causal mask by them while attention sees
     all s tokens: only "sdpa" (PyTorch's attention, causal, no mask) is right."""
     if sequence_parallel and (attention := model.config._attn_implementation) != "sdpa":
-        raise TensorParallelError("sequence parallel needs the model built with "
-                                  f"attn_implementation='sdpa' (not {attention!r})")
+        raise TensorParallelError(
+            "sequence parallel needs the model built with "
+            f"attn_implementation='sdpa' (not {attention!r})"
+        )
     return model
 
 
@@ -311,32 +359,41 @@ _BLOCKS = {  # c_attn: this rank's heads' rows of Q, of K and of V
     "transformer.h.*.attn.c_attn": functools.partial(ColumnParallelLinear, fused=3),
     "transformer.h.*.attn.c_proj": RowParallelLinear,
     "transformer.h.*.mlp.c_fc": ColumnParallelLinear,
-    "transformer.h.*.mlp.c_proj": RowParallelLinear}
+    "transformer.h.*.mlp.c_proj": RowParallelLinear,
+}
 GPT_PLAN = {  # hplab's GPT (hplab/models/gpt.py); the order matters: wte before its tied head
     "transformer.wte": VocabParallelEmbedding,
     "lm_head": ColumnParallelLinear,  # its weight is wte's piece: this rank's V/T logits
     "transformer.wpe": SequenceParallelPositions,
-    **_BLOCKS, "transformer.h.*.attn": divide("n_head"),  # this rank's heads
-    "": vocab_parallel_loss}
+    **_BLOCKS,
+    "transformer.h.*.attn": divide("n_head"),  # this rank's heads
+    "": vocab_parallel_loss,
+}
 MOE_GPT_PLAN = {  # with a mixture of experts (hplab/moe.py) each expert's MLP is cut the same way
-    pattern.replace(".mlp.", ".mlp.experts.*."): style for pattern, style in GPT_PLAN.items()}
+    pattern.replace(".mlp.", ".mlp.experts.*."): style for pattern, style in GPT_PLAN.items()
+}
 HF_GPT2_PLAN = {  # Hugging Face GPT2LMHeadModel, handed s/T ids under sequence parallel
     "": needs_sdpa,
     "transformer.wte": functools.partial(VocabParallelEmbedding, given_slice=True),
     "lm_head": ColumnParallelLinear,
     "transformer.wpe": functools.partial(SequenceParallelPositions, given_slice=True),
     **_BLOCKS,  # HF cuts c_attn's output into q, k, v of width split_size:
-    "transformer.h.*.attn": divide("num_heads", "embed_dim", "split_size")}
+    "transformer.h.*.attn": divide("num_heads", "embed_dim", "split_size"),
+}
 
 
 def check_divisible(n_head: int, n_embd: int, tp: int, seq_len: int | None = None) -> None:
     """Raise TensorParallelError unless a model with these sizes splits over `tp` ranks."""
     ranks, use = f"{tp} tensor-parallel ranks", "use a tensor-parallel size that divides"
     for wrong, message in (  # attention is split by heads, the hidden size by columns or rows
-            (n_head % tp, f"{n_head} attention heads do not split over {ranks}: {use} {n_head}"),
-            (n_embd % tp, f"a hidden size of {n_embd} does not split over {ranks}: {use} {n_embd}"),
-            (seq_len and seq_len % tp, f"sequence parallel cuts the {seq_len}-token sequence"
-             f" over {ranks}: make the sequence length a multiple of {tp}")):
+        (n_head % tp, f"{n_head} attention heads do not split over {ranks}: {use} {n_head}"),
+        (n_embd % tp, f"a hidden size of {n_embd} does not split over {ranks}: {use} {n_embd}"),
+        (
+            seq_len and seq_len % tp,
+            f"sequence parallel cuts the {seq_len}-token sequence"
+            f" over {ranks}: make the sequence length a multiple of {tp}",
+        ),
+    ):
         if wrong:
             raise TensorParallelError(message)
 
@@ -347,14 +404,20 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
     and keeps its pieces, under the same names (`p.sequence_parallel_partial`: see above)."""
     comm = communicator(group, "tp")
     if hasattr(config := getattr(model, "config", None), "n_head"):
-        check_divisible(config.n_head, config.n_embd, comm.size,
-                        config.n_positions if sequence_parallel else None)
+        check_divisible(
+            config.n_head,
+            config.n_embd,
+            comm.size,
+            config.n_positions if sequence_parallel else None,
+        )
     names = [name for name, _ in model.named_modules()]
     for pattern, style in plan.items():
         matches = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
         if not matches:
-            raise TensorParallelError(f"the plan names {pattern!r}, but {type(model).__name__}"
-                                      f" has no module matching it (it has {names[1:4]}, ...)")
+            raise TensorParallelError(
+                f"the plan names {pattern!r}, but {type(model).__name__}"
+                f" has no module matching it (it has {names[1:4]}, ...)"
+            )
         for name in matches:
             old = model.get_submodule(name)
             if (new := style(old, comm, sequence_parallel)) is not old:
@@ -362,4 +425,3 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
     for p in model.parameters():
         p.sequence_parallel_partial = sequence_parallel and not is_split(p)
     return model
-

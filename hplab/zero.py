@@ -85,14 +85,17 @@ class FlatBucket:
         self.lo, self.hi = comm.rank * self.shard_numel, (comm.rank + 1) * self.shard_numel
         dtype, device = params[0].dtype, params[0].device
         self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
-        self.flat[:ends[-1]] = torch.cat([p.detach().reshape(-1) for p in params])
+        self.flat[: ends[-1]] = torch.cat([p.detach().reshape(-1) for p in params])
         comm.broadcast(self.flat, src=0)  # replicas start equal: rank 0's values
         for p, where in self.slices:
             p.data = self.flat[where].view(p.shape)  # the model now reads the flat buffer
 
         # The fp32 master shard: the param shard itself when there is nothing to convert.
-        self.master = nn.Parameter(self.flat[self.lo:self.hi].to(
-            "cpu" if offload else device, torch.float32, copy=dtype != torch.float32 or offload))
+        self.master = nn.Parameter(
+            self.flat[self.lo : self.hi].to(
+                "cpu" if offload else device, torch.float32, copy=dtype != torch.float32 or offload
+            )
+        )
         copy_markers(params[0], self.master)
         self.master.dp_sharded = True  # disjoint over dp: a global norm counts it everywhere
         self.grad_shard: torch.Tensor | None = None
@@ -155,9 +158,10 @@ class ShardedState:
             state = self.inner.state.get(b.master, {})
             full = {k: b.unshard(t) for k, t in state.items() if torch.is_tensor(t) and t.dim()}
             for p in b.params:
-                states[p] = {k: full[k][p] if k in full else
-                             (t.cpu().clone() if torch.is_tensor(t) else t)
-                             for k, t in state.items()}
+                states[p] = {
+                    k: full[k][p] if k in full else (t.cpu().clone() if torch.is_tensor(t) else t)
+                    for k, t in state.items()
+                }
         return values, states
 
     @torch.no_grad()
@@ -169,16 +173,20 @@ class ShardedState:
                 p.copy_(values[p])
         for b in self.buckets:
             flat = b.pack(values, torch.float32)
-            b.master.copy_(flat[b.lo:b.hi])
+            b.master.copy_(flat[b.lo : b.hi])
             b.flat.copy_(flat)  # (after the master: it may be a view of the flat buffer)
             saved = next((states[p] for p in b.params if states.get(p)), None)
             if saved is not None:
                 self.inner.state[b.master] = {
-                    k: b.pack({p: states[p][k] for p in b.params if k in states.get(p, {})},
-                              t.dtype)[b.lo:b.hi].clone().to(b.master.device)
-                    if torch.is_tensor(t) and t.dim() else
-                    (t.clone() if torch.is_tensor(t) else t)
-                    for k, t in saved.items()}
+                    k: b.pack(
+                        {p: states[p][k] for p in b.params if k in states.get(p, {})}, t.dtype
+                    )[b.lo : b.hi]
+                    .clone()
+                    .to(b.master.device)
+                    if torch.is_tensor(t) and t.dim()
+                    else (t.clone() if torch.is_tensor(t) else t)
+                    for k, t in saved.items()
+                }
 
     # -- torch's state_dict, as ZeroRedundancyOptimizer has it ---------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -186,17 +194,28 @@ class ShardedState:
         _, states = self.full_state()
         params = [p for g in self.param_groups for p in g["params"]]
         index = iter(range(len(params)))
-        self.consolidated = None if self.comm.rank != to else {
-            "state": {i: states[p] for i, p in enumerate(params) if states.get(p)},
-            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                              "params": [next(index) for _ in g["params"]]}
-                             for g in self.param_groups]}
+        self.consolidated = (
+            None
+            if self.comm.rank != to
+            else {
+                "state": {i: states[p] for i, p in enumerate(params) if states.get(p)},
+                "param_groups": [
+                    {
+                        **{k: v for k, v in g.items() if k != "params"},
+                        "params": [next(index) for _ in g["params"]],
+                    }
+                    for g in self.param_groups
+                ],
+            }
+        )
 
     def state_dict(self) -> dict:
         """The whole state in torch's format, on the rank `consolidate_state_dict` named."""
         if getattr(self, "consolidated", None) is None:
-            raise RuntimeError("call consolidate_state_dict(to=rank) on every rank first; "
-                               "state_dict() then returns the whole state on that rank")
+            raise RuntimeError(
+                "call consolidate_state_dict(to=rank) on every rank first; "
+                "state_dict() then returns the whole state on that rank"
+            )
         return self.consolidated
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -216,11 +235,21 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     `self.param_groups` and takes their hyperparameters before each step (so an LR scheduler
     on this optimizer works)."""
 
-    def __init__(self, params, optimizer_class, group=None, stage: int = 1,
-                 bucket_mb: float = 25, offload: bool = False, **optimizer_kwargs):
+    def __init__(
+        self,
+        params,
+        optimizer_class,
+        group=None,
+        stage: int = 1,
+        bucket_mb: float = 25,
+        offload: bool = False,
+        **optimizer_kwargs,
+    ):
         if stage not in (1, 2):
-            raise ZeroError(f"ZeroOptimizer stage must be 1 or 2, got {stage} (stage 0 is "
-                            "plain DDP; stage 3 is hplab.fully_shard)")
+            raise ZeroError(
+                f"ZeroOptimizer stage must be 1 or 2, got {stage} (stage 0 is "
+                "plain DDP; stage 3 is hplab.fully_shard)"
+            )
         if bucket_mb < 0:
             raise ZeroError(f"bucket_mb must be at least 0, got {bucket_mb}")
         super().__init__(params, optimizer_kwargs)
@@ -228,8 +257,10 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         self.frozen, self.buckets, inner_groups = [], [], []
         for g in self.param_groups:
             self.frozen += [p for p in g["params"] if not p.requires_grad]
-            mine = [FlatBucket(ps, self.comm, offload) for ps in
-                    bucket_params([p for p in g["params"] if p.requires_grad], bucket_mb)]
+            mine = [
+                FlatBucket(ps, self.comm, offload)
+                for ps in bucket_params([p for p in g["params"] if p.requires_grad], bucket_mb)
+            ]
             self.buckets += mine
             inner_groups.append({**g, "params": [b.master for b in mine]})
         with torch.no_grad():
@@ -277,8 +308,11 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
                 b.start_reduce_scatter(free_grads=True)
         for b in self.buckets:  # fp32 where the master lives (no copy when it already is)
             b.finish_reduce_scatter()
-            b.master.grad = torch.zeros_like(b.master) if b.grad_shard is None else \
-                b.grad_shard.to(b.master.device, torch.float32)
+            b.master.grad = (
+                torch.zeros_like(b.master)
+                if b.grad_shard is None
+                else b.grad_shard.to(b.master.device, torch.float32)
+            )
         self.reduced = True
 
     @torch.no_grad()
@@ -307,8 +341,10 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """For the MemoryLedger (a master that is a view of the params counts once, as params)."""
-        return {"params": [b.flat for b in self.buckets] + self.frozen,
-                "grads": [t for b in self.buckets for t in (b.grad_shard, b.master.grad)]
-                + [p.grad for g in self.param_groups for p in g["params"]],
-                "optim": optimizer_state_tensors(self.inner),
-                "master": [b.master for b in self.buckets]}
+        return {
+            "params": [b.flat for b in self.buckets] + self.frozen,
+            "grads": [t for b in self.buckets for t in (b.grad_shard, b.master.grad)]
+            + [p.grad for g in self.param_groups for p in g["params"]],
+            "optim": optimizer_state_tensors(self.inner),
+            "master": [b.master for b in self.buckets],
+        }

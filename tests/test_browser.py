@@ -30,22 +30,32 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LABS = sorted(path.stem for path in (ROOT / "labs").glob("*.ipynb")
-              if "import ipywidgets" in path.read_text(encoding="utf-8"))
+LABS = sorted(
+    path.stem
+    for path in (ROOT / "labs").glob("*.ipynb")
+    if "import ipywidgets" in path.read_text(encoding="utf-8")
+)
 ARTIFACTS = ROOT / "tests" / "artifacts" / "browser"
-CHROMIUM = next((p for p in (os.environ.get("HPLAB_CHROMIUM"), shutil.which("chromium"),
-                             "/usr/bin/chromium") if p and os.path.exists(p)), None)
+CHROMIUM = next(
+    (
+        p
+        for p in (os.environ.get("HPLAB_CHROMIUM"), shutil.which("chromium"), "/usr/bin/chromium")
+        if p and os.path.exists(p)
+    ),
+    None,
+)
 TOKEN = "hplab-browser-test"
 SETTINGS = {  # no autosave (copies anyway), every cell in the page, no news or update pop-ups
     "@jupyterlab/docmanager-extension:plugin": {"autosave": False},
     "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"},
-    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false",
-                                                     "checkForUpdates": False},
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
 }
 
 pytest.importorskip("jupyterlab", reason="JupyterLab is not installed (the `lab` extra)")
-playwright = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed "
-                                 "(pip install playwright; no browser download needed)")
+playwright = pytest.importorskip(
+    "playwright.sync_api",
+    reason="Playwright is not installed (pip install playwright; no browser download needed)",
+)
 if CHROMIUM is None:
     pytest.skip("Chromium is not installed (apt-get install chromium)", allow_module_level=True)
 
@@ -64,12 +74,16 @@ def named_start_values(source: str) -> dict[str, str]:
     cell's code given a literal `value=`: what the explorer must start at (no snapping)."""
     named = {}
     for call in ast.walk(ast.parse(source)):
-        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) \
-                and getattr(call.func.value, "id", "") == "widgets":
+        if (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and getattr(call.func.value, "id", "") == "widgets"
+        ):
             keywords = {k.arg: k.value for k in call.keywords}
             if {"value", "description"} <= keywords.keys():
-                named[ast.literal_eval(keywords["description"])] = \
-                    str(ast.literal_eval(keywords["value"]))
+                named[ast.literal_eval(keywords["description"])] = str(
+                    ast.literal_eval(keywords["value"])
+                )
     return named
 
 
@@ -90,9 +104,14 @@ def jupyterlab(tmp_path_factory):
         (home / "work" / name).symlink_to(ROOT / name)
     (home / "config" / "labconfig").mkdir(parents=True)
     (home / "config" / "lab" / "user-settings").mkdir(parents=True)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"),
-               JUPYTER_DATA_DIR=str(home / "data"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
-               IPYTHONDIR=str(home / "ipython"), JUPYTER_PLATFORM_DIRS="1")
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(home / "config"),
+        JUPYTER_DATA_DIR=str(home / "data"),
+        JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+        IPYTHONDIR=str(home / "ipython"),
+        JUPYTER_PLATFORM_DIRS="1",
+    )
     env.pop("MPLBACKEND", None)  # the labs choose `%matplotlib inline` themselves
     settings_dir = home / "config" / "lab" / "user-settings"
     for plugin, values in SETTINGS.items():
@@ -100,16 +119,23 @@ def jupyterlab(tmp_path_factory):
         (settings_dir / package).mkdir(parents=True, exist_ok=True)
         (settings_dir / package / f"{name}.jupyterlab-settings").write_text(json.dumps(values))
     port = free_port()
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-           f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-           f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={home / 'work'}",
-           f"--LabApp.user_settings_dir={settings_dir}",
-           f"--LabApp.workspaces_dir={home / 'workspaces'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={TOKEN}",
+        f"--ServerApp.root_dir={home / 'work'}",
+        f"--LabApp.user_settings_dir={settings_dir}",
+        f"--LabApp.workspaces_dir={home / 'workspaces'}",
+    ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")
     log = open(home / "server.log", "wb")
-    server = subprocess.Popen(cmd, cwd=home / "work", env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
+    server = subprocess.Popen(cmd, cwd=home / "work", env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
@@ -135,8 +161,9 @@ def jupyterlab(tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser():
     with playwright.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                     args=["--no-sandbox", "--disable-gpu"])
+        chromium = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
+        )
         yield chromium
         chromium.close()
 
@@ -165,8 +192,9 @@ def move(control, page) -> str:
     if "widget-dropdown" in classes:
         select = control.locator("select")
         options = select.locator("option").all_inner_texts()
-        target = options[(options.index(select.evaluate("s => s.selectedOptions[0].text"))
-                          + 1) % len(options)]
+        target = options[
+            (options.index(select.evaluate("s => s.selectedOptions[0].text")) + 1) % len(options)
+        ]
         select.select_option(label=target)
         return f"dropdown -> {target}"
     if "widget-toggle-buttons" in classes:
@@ -191,8 +219,9 @@ def test_explorers_redraw_in_jupyterlab(lab, jupyterlab, browser):
     sources = nbformat.read(copies / f"{lab}.ipynb", 4).cells  # what the browser shows
     run, explorers = cells_to_run(sources)
     assert explorers, f"{lab} imports ipywidgets but has no viz.explore cell"
-    assert not any("interact(" in cell.source for cell in sources), \
+    assert not any("interact(" in cell.source for cell in sources), (
         f"{lab}: ipywidgets' interact leaves the figure frozen under matplotlib's `inline`"
+    )
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:  # ?reset: this notebook alone, not the tabs an earlier test left open
@@ -207,7 +236,8 @@ def test_explorers_redraw_in_jupyterlab(lab, jupyterlab, browser):
             assert saved.locator("img").count() == 1, f"{lab} cell {i}: no saved figure"
             saved.first.screenshot(path=str(ARTIFACTS / f"{lab}-cell{i}-as-saved.png"))
         page.locator('.jp-Notebook-ExecutionIndicator[data-status="idle"]').wait_for(
-            timeout=120_000)  # the kernel has started
+            timeout=120_000
+        )  # the kernel has started
         for count, i in enumerate(run, start=1):
             cell = cells.nth(i)
             cell.locator(".jp-InputArea-prompt").click()
@@ -223,24 +253,30 @@ def test_explorers_redraw_in_jupyterlab(lab, jupyterlab, browser):
             named = named_start_values(sources[i].source)
             for c in range(controls.count()):
                 label = controls.nth(c).locator(".widget-label").first
-                assert label.evaluate("e => e.scrollWidth <= e.clientWidth"), \
+                assert label.evaluate("e => e.scrollWidth <= e.clientWidth"), (
                     f"{lab} cell {i}: the label {label.inner_text()!r} is cut"
+                )
                 readout = controls.nth(c).locator(".widget-readout")
                 if label.inner_text() in named and readout.count():
-                    assert readout.inner_text() == named[label.inner_text()], \
+                    assert readout.inner_text() == named[label.inner_text()], (
                         f"{lab} cell {i}: {label.inner_text()} starts at {readout.inner_text()}"
+                    )
                 before = image.screenshot()
                 done = move(controls.nth(c), page)
                 deadline = time.time() + 30
                 while image.screenshot() == before and time.time() < deadline:
                     time.sleep(0.2)
-                assert image.screenshot() != before, \
+                assert image.screenshot() != before, (
                     f"{lab} cell {i}: the figure did not change after {done}"
+                )
             cell.screenshot(path=str(ARTIFACTS / f"{lab}-cell{i}-moved.png"))
             assert not tracebacks(cell), f"{lab} cell {i}: {tracebacks(cell)[0][-800:]}"
     finally:
         page.close()
         sessions = json.load(urllib.request.urlopen(f"{url}/api/sessions?token={TOKEN}"))
         for session in sessions:  # stop this lab's kernel: the next lab gets the cores
-            urllib.request.urlopen(urllib.request.Request(
-                f"{url}/api/sessions/{session['id']}?token={TOKEN}", method="DELETE"))
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    f"{url}/api/sessions/{session['id']}?token={TOKEN}", method="DELETE"
+                )
+            )

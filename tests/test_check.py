@@ -14,7 +14,7 @@ from hplab.check import EXERCISES, EXERCISES_DIR, SOLUTIONS_DIR, main, run_check
 
 # A ring that passes whole tensors around (using the solution's own `_exchange`): right sums,
 # (n-1)·S bytes sent instead of 2(n-1)/n·S.
-RING_WHOLE_TENSOR = '''
+RING_WHOLE_TENSOR = """
 
 def ring_all_reduce(tensor, comm):
     n, r = comm.size, comm.rank
@@ -23,88 +23,155 @@ def ring_all_reduce(tensor, comm):
         passing = _exchange(comm, passing, passing, (r + 1) % n, (r - 1) % n)
         total += passing
     return tensor.copy_(total)
-'''
+"""
 
 # exercise -> {mistake: [(text in the solution, what replaces it), ...]}; ("", text) appends.
 WRONG = {
     "memory": {
         "untied_head": [("embeddings = V * h + S * h", "embeddings = 2 * V * h + S * h")],
-        "no_ln_f": [("return embeddings + L * block + layer_norm",
-                     "return embeddings + L * block")],
+        "no_ln_f": [
+            ("return embeddings + L * block + layer_norm", "return embeddings + L * block")
+        ],
     },
     "ring_allreduce": {
-        "builtin": [("    if n == 1:\n        return tensor\n",
-                     "    comm.all_reduce(tensor)\n    return tensor\n")],
+        "builtin": [
+            (
+                "    if n == 1:\n        return tensor\n",
+                "    comm.all_reduce(tensor)\n    return tensor\n",
+            )
+        ],
         "whole_tensor": [("", RING_WHOLE_TENSOR)],
     },
     "buckets": {
         "forward_order": [("for p in reversed(params):", "for p in params:")],
-        "from_last_hook": [("if self.ready[next_bucket] < len(bucket):",
-                            "if sum(self.ready) < len(self.bucket_index):")],
-        "in_wait": [("self.in_flight.append((bucket, flat, self.comm.all_reduce(flat, "
-                     "async_op=True)))", "self.in_flight.append((bucket, flat, None))"),
-                    ("            handle.wait()\n", "            self.comm.all_reduce(flat)\n")],
+        "from_last_hook": [
+            (
+                "if self.ready[next_bucket] < len(bucket):",
+                "if sum(self.ready) < len(self.bucket_index):",
+            )
+        ],
+        "in_wait": [
+            (
+                "self.in_flight.append((bucket, flat, self.comm.all_reduce(flat, async_op=True)))",
+                "self.in_flight.append((bucket, flat, None))",
+            ),
+            ("            handle.wait()\n", "            self.comm.all_reduce(flat)\n"),
+        ],
         "no_divide": [(" / self.comm.size", "")],
     },
     "zero1": {
-        "all_reduce": [("        self.comm.reduce_scatter(my_grad, grads)\n",
-                        "        self.comm.all_reduce(grads)\n"
-                        "        my_grad = grads.view(n, -1)[self.comm.rank].clone()\n")],
+        "all_reduce": [
+            (
+                "        self.comm.reduce_scatter(my_grad, grads)\n",
+                "        self.comm.all_reduce(grads)\n"
+                "        my_grad = grads.view(n, -1)[self.comm.rank].clone()\n",
+            )
+        ],
         "no_divide": [("        grads /= n\n", "")],
     },
     "tp_linear": {
-        "no_f": [("F.linear(CopyToTP.apply(x, self.comm), self.weight, self.bias)",
-                  "F.linear(x, self.weight, self.bias)")],
-        "no_g": [("ReduceFromTP.apply(F.linear(x_slice, self.weight), self.comm) + self.bias",
-                  "F.linear(x_slice, self.weight) + self.bias")],
-        "bias_before_g": [("ReduceFromTP.apply(F.linear(x_slice, self.weight), self.comm) + "
-                           "self.bias", "ReduceFromTP.apply(F.linear(x_slice, self.weight, "
-                           "self.bias), self.comm)")],
+        "no_f": [
+            (
+                "F.linear(CopyToTP.apply(x, self.comm), self.weight, self.bias)",
+                "F.linear(x, self.weight, self.bias)",
+            )
+        ],
+        "no_g": [
+            (
+                "ReduceFromTP.apply(F.linear(x_slice, self.weight), self.comm) + self.bias",
+                "F.linear(x_slice, self.weight) + self.bias",
+            )
+        ],
+        "bias_before_g": [
+            (
+                "ReduceFromTP.apply(F.linear(x_slice, self.weight), self.comm) + self.bias",
+                "ReduceFromTP.apply(F.linear(x_slice, self.weight, self.bias), self.comm)",
+            )
+        ],
         "g_backward_reduces": [  # g's backward all-reduces like f's: X.grad counted T times
-            ("    def forward(ctx, x, comm):\n        x = x.clone()",
-             "    def forward(ctx, x, comm):\n        ctx.comm = comm\n        x = x.clone()"),
-            ("    def backward(ctx, grad):\n        return grad, None",
-             "    def backward(ctx, grad):\n        grad = grad.clone()\n"
-             "        ctx.comm.all_reduce(grad)\n        return grad, None")],
+            (
+                "    def forward(ctx, x, comm):\n        x = x.clone()",
+                "    def forward(ctx, x, comm):\n        ctx.comm = comm\n        x = x.clone()",
+            ),
+            (
+                "    def backward(ctx, grad):\n        return grad, None",
+                "    def backward(ctx, grad):\n        grad = grad.clone()\n"
+                "        ctx.comm.all_reduce(grad)\n        return grad, None",
+            ),
+        ],
     },
     "one_f_one_b": {
         "gpipe": [("warmup = min(p - 1 - r, m)", "warmup = m")],
         "no_warmup": [("warmup = min(p - 1 - r, m)", "warmup = 0")],
         "one_warmup_too_many": [("warmup = min(p - 1 - r, m)", "warmup = min(p - r, m)")],
         "warmup_by_rank": [("warmup = min(p - 1 - r, m)", "warmup = min(r, m)")],
-        "backward_first": [('order += [("F", warmup + i), ("B", i)]',
-                            'order += [("B", i), ("F", warmup + i)]')],
+        "backward_first": [
+            ('order += [("F", warmup + i), ("B", i)]', 'order += [("B", i), ("F", warmup + i)]')
+        ],
     },
     "mesh": {  # more mix-ups of the numbering are in tests/test_lab06.py
-        "dp_groups_keyed_like_tp": [('families["dp"].setdefault((t, p), [])',
-                                     'families["dp"].setdefault((d, p), [])')],
+        "dp_groups_keyed_like_tp": [
+            ('families["dp"].setdefault((t, p), [])', 'families["dp"].setdefault((d, p), [])')
+        ],
     },
     "planning": {
-        "bubble_ratio": [("return (pp - 1) / (microbatches + pp - 1)",
-                          "return (pp - 1) / microbatches")],
+        "bubble_ratio": [
+            ("return (pp - 1) / (microbatches + pp - 1)", "return (pp - 1) / microbatches")
+        ],
         "grads_never_sharded": [("grads / (dp if zero >= 2 else 1)", "grads")],
     },
     "lse_merge": {
-        "exp_of_lse": [("    lse = torch.logaddexp(lse_a, lse_b)\n",
-                        "    lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))\n")],
-        "plain_average": [("return share_a[..., None] * out_a + share_b[..., None] * out_b, lse",
-                           "return (out_a + out_b) / 2, lse")],
-        "nan_where_nothing_seen": [(".nan_to_num(0.0)\n    share_b", "\n    share_b"),
-                                   ("share_b = torch.exp(lse_b - lse).nan_to_num(0.0)",
-                                    "share_b = torch.exp(lse_b - lse)")],
+        "exp_of_lse": [
+            (
+                "    lse = torch.logaddexp(lse_a, lse_b)\n",
+                "    lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))\n",
+            )
+        ],
+        "plain_average": [
+            (
+                "return share_a[..., None] * out_a + share_b[..., None] * out_b, lse",
+                "return (out_a + out_b) / 2, lse",
+            )
+        ],
+        "nan_where_nothing_seen": [
+            (".nan_to_num(0.0)\n    share_b", "\n    share_b"),
+            (
+                "share_b = torch.exp(lse_b - lse).nan_to_num(0.0)",
+                "share_b = torch.exp(lse_b - lse)",
+            ),
+        ],
     },
     "dispatch": {
-        "token_order": [("return torch.sort(expert_index.flatten(), stable=True).indices",
-                         "return torch.arange(expert_index.numel())")],
+        "token_order": [
+            (
+                "return torch.sort(expert_index.flatten(), stable=True).indices",
+                "return torch.arange(expert_index.numel())",
+            )
+        ],
         "reversed_within_expert": [
-            ("torch.sort(expert_index.flatten(), stable=True).indices",
-             "torch.sort(expert_index.flatten(), stable=True, descending=True).indices.flip(0)")],
-        "one_count_per_token": [("torch.bincount(expert_index.flatten(), minlength",
-                                 "torch.bincount(expert_index[:, 0], minlength")],
-        "experts_dealt_round_robin": [("per_expert.view(ep_size, n_experts // ep_size).sum(dim=1)",
-                                       "per_expert.view(n_experts // ep_size, ep_size).sum(dim=0)")],
-        "no_gates": [("(by_pair.view(T, k, -1) * gates[..., None]).sum(dim=1)",
-                      "by_pair.view(T, k, -1).sum(dim=1)")],
+            (
+                "torch.sort(expert_index.flatten(), stable=True).indices",
+                "torch.sort(expert_index.flatten(), stable=True, descending=True).indices.flip(0)",
+            )
+        ],
+        "one_count_per_token": [
+            (
+                "torch.bincount(expert_index.flatten(), minlength",
+                "torch.bincount(expert_index[:, 0], minlength",
+            )
+        ],
+        "experts_dealt_round_robin": [
+            (
+                "per_expert.view(ep_size, n_experts // ep_size).sum(dim=1)",
+                "per_expert.view(n_experts // ep_size, ep_size).sum(dim=0)",
+            )
+        ],
+        "no_gates": [
+            (
+                "(by_pair.view(T, k, -1) * gates[..., None]).sum(dim=1)",
+                "by_pair.view(T, k, -1).sum(dim=1)",
+            )
+        ],
         "not_unpermuted": [("by_pair[order] = results", "by_pair[:] = results")],
     },
 }
@@ -126,9 +193,11 @@ def outcomes(tmp_path_factory):
     """{exercise: {"solution" | mistake | "skeleton": {case name: Result}}}, one launch each."""
     tmp, out = tmp_path_factory.mktemp("exercises"), {}
     for name, exercise in EXERCISES.items():
-        paths = {"solution": SOLUTIONS_DIR / exercise.file,
-                 **{mistake: write_variant(name, mistake, tmp) for mistake in WRONG[name]},
-                 "skeleton": EXERCISES_DIR / exercise.file}  # last: it fails at once
+        paths = {
+            "solution": SOLUTIONS_DIR / exercise.file,
+            **{mistake: write_variant(name, mistake, tmp) for mistake in WRONG[name]},
+            "skeleton": EXERCISES_DIR / exercise.file,
+        }  # last: it fails at once
         results = run_check(name, list(paths.values()))
         out[name] = {label: {r.name: r for r in rs} for label, rs in zip(paths, results)}
     return out
@@ -169,7 +238,8 @@ def test_memory_names_the_mistake(outcomes):
 
 def test_ring_names_the_builtin_and_the_whole_tensor_ring(outcomes):
     assert "used all_reduce: build it from send and recv only" in failed(
-        outcomes, "ring_allreduce", "builtin")
+        outcomes, "ring_allreduce", "builtin"
+    )
     # right sums, but 3·S bytes per rank on 4 ranks instead of 1.5·S
     message = failed(outcomes, "ring_allreduce", "whole_tensor")
     assert "sent 12,000 bytes" in message and "6,000" in message
@@ -186,7 +256,8 @@ def test_buckets_need_reverse_order_and_overlap(outcomes):
     assert outcomes["buckets"]["from_last_hook"]["bucket_bytes=inf"].passed
     assert outcomes["buckets"]["forward_order"]["bucket_bytes=inf"].passed
     assert "when backward returned, 0 all-reduce(s)" in failed(
-        outcomes, "buckets", "in_wait", "bucket_bytes=inf")
+        outcomes, "buckets", "in_wait", "bucket_bytes=inf"
+    )
 
 
 def test_buckets_name_the_missing_division(outcomes):
@@ -197,7 +268,8 @@ def test_buckets_name_the_missing_division(outcomes):
 
 def test_zero1_names_the_all_reduce_and_the_missing_division(outcomes):
     assert "used all_reduce: ZeRO-1 needs only a reduce-scatter" in failed(
-        outcomes, "zero1", "all_reduce")
+        outcomes, "zero1", "all_reduce"
+    )
     message = failed(outcomes, "zero1", "no_divide")
     assert "not my shard of the global-batch average" in message
     assert "2× too large: divide by n" in message
@@ -206,25 +278,30 @@ def test_zero1_names_the_all_reduce_and_the_missing_division(outcomes):
 def test_tp_linear_names_a_missing_f_or_g(outcomes):
     results = outcomes["tp_linear"]["no_f"]
     assert results["b=2 s=8 h=16: forward"].passed  # f does nothing in forward
-    assert "f's backward must all-reduce" in failed(outcomes, "tp_linear", "no_f",
-                                                   "b=2 s=8 h=16: X.grad")
-    assert "backward: nothing" in failed(outcomes, "tp_linear", "no_f",
-                                         "b=2 s=8 h=16: communication")
+    assert "f's backward must all-reduce" in failed(
+        outcomes, "tp_linear", "no_f", "b=2 s=8 h=16: X.grad"
+    )
+    assert "backward: nothing" in failed(
+        outcomes, "tp_linear", "no_f", "b=2 s=8 h=16: communication"
+    )
     assert "only this rank's partial sum: g must all-reduce it" in failed(
-        outcomes, "tp_linear", "no_g", "b=2 s=8 h=16: forward")
+        outcomes, "tp_linear", "no_g", "b=2 s=8 h=16: forward"
+    )
 
 
 def test_tp_linear_names_the_bias_and_a_reducing_g(outcomes):
-    assert "add it once, after g" in failed(outcomes, "tp_linear", "bias_before_g",
-                                            "b=2 s=8 h=16: forward")
+    assert "add it once, after g" in failed(
+        outcomes, "tp_linear", "bias_before_g", "b=2 s=8 h=16: forward"
+    )
     assert outcomes["tp_linear"]["g_backward_reduces"]["b=2 s=8 h=16: forward"].passed
     message = failed(outcomes, "tp_linear", "g_backward_reduces", "b=2 s=8 h=16: X.grad")
     assert "2× too large: only f's backward all-reduces" in message
 
 
 def test_one_f_one_b_names_wrong_warmup_counts(outcomes):
-    assert "p=2, m=2: ranks hold at most [2, 2] microbatches' activations, 1F1B [2, 1]" in \
-        failed(outcomes, "one_f_one_b", "gpipe")
+    assert "p=2, m=2: ranks hold at most [2, 2] microbatches' activations, 1F1B [2, 1]" in failed(
+        outcomes, "one_f_one_b", "gpipe"
+    )
     message = failed(outcomes, "one_f_one_b", "one_warmup_too_many")
     assert "ranks hold at most [2, 2]" in message and "too many forwards" in message
     message = failed(outcomes, "one_f_one_b", "no_warmup")
@@ -236,8 +313,10 @@ def test_one_f_one_b_names_wrong_warmup_counts(outcomes):
 
 def test_mesh_names_a_group_keyed_by_the_wrong_coordinates(outcomes):
     assert outcomes["mesh"]["dp_groups_keyed_like_tp"]["coordinates"].passed
-    assert "rank 0's dp group is [0, 1], expected [0] (the ranks that share its tp and pp" in \
-        failed(outcomes, "mesh", "dp_groups_keyed_like_tp", "groups: dp")
+    assert (
+        "rank 0's dp group is [0, 1], expected [0] (the ranks that share its tp and pp"
+        in failed(outcomes, "mesh", "dp_groups_keyed_like_tp", "groups: dp")
+    )
 
 
 def test_planning_names_the_bubble_ratio_and_shows_the_memory_by_kind(outcomes):
@@ -246,33 +325,41 @@ def test_planning_names_the_bubble_ratio_and_shows_the_memory_by_kind(outcomes):
     message = failed(outcomes, "planning", "bubble_ratio", "bubble_fraction")
     assert "pp=2, m=1: you say 1, the bubble fraction (p−1)/(m+p−1) is 0.5" in message
     assert "that is the bubble ratio (p−1)/m" in message
-    assert outcomes["planning"]["grads_never_sharded"]["model_state_bytes_per_gpu(zero=1, bf16)"]\
-        .passed
-    assert "= 2 (params) + 0.6667 (grads) + 2.667 (optim) + 1.333 (master) bytes per " \
-        "parameter" in failed(outcomes, "planning", "grads_never_sharded",
-                              "model_state_bytes_per_gpu(zero=2, bf16)")
+    assert outcomes["planning"]["grads_never_sharded"][
+        "model_state_bytes_per_gpu(zero=1, bf16)"
+    ].passed
+    assert (
+        "= 2 (params) + 0.6667 (grads) + 2.667 (optim) + 1.333 (master) bytes per "
+        "parameter"
+        in failed(
+            outcomes, "planning", "grads_never_sharded", "model_state_bytes_per_gpu(zero=2, bf16)"
+        )
+    )
 
 
 def test_lse_merge_names_the_overflow_the_weights_and_the_nan(outcomes):
     assert "exp(lse) overflowed — factor out the larger lse" in failed(
-        outcomes, "lse_merge", "exp_of_lse", "scores past exp's range (~1000)")
+        outcomes, "lse_merge", "exp_of_lse", "scores past exp's range (~1000)"
+    )
     assert outcomes["lse_merge"]["exp_of_lse"]["two blocks"].passed  # only large scores show it
     assert "each partial weighs exp(its lse − the merged lse)" in failed(
-        outcomes, "lse_merge", "plain_average")
-    assert "−inf − (−inf) is NaN" in failed(outcomes, "lse_merge", "nan_where_nothing_seen",
-                                          "a ring of four blocks, causal")
+        outcomes, "lse_merge", "plain_average"
+    )
+    assert "−inf − (−inf) is NaN" in failed(
+        outcomes, "lse_merge", "nan_where_nothing_seen", "a ring of four blocks, causal"
+    )
 
 
 def test_dispatch_names_the_order_the_counts_and_the_gates(outcomes):
     assert "not grouped by expert" in failed(outcomes, "dispatch", "token_order")
-    assert "keep token order (sort stably)" in failed(outcomes, "dispatch",
-                                                      "reversed_within_expert")
-    assert "a token goes to k experts" in failed(outcomes, "dispatch", "one_count_per_token",
-                                                 "send_counts")
-    assert "not e % ep" in failed(outcomes, "dispatch", "experts_dealt_round_robin",
-                                  "send_counts")
-    assert "weight each result by its gate" in failed(outcomes, "dispatch", "no_gates",
-                                                      "combine")
+    assert "keep token order (sort stably)" in failed(
+        outcomes, "dispatch", "reversed_within_expert"
+    )
+    assert "a token goes to k experts" in failed(
+        outcomes, "dispatch", "one_count_per_token", "send_counts"
+    )
+    assert "not e % ep" in failed(outcomes, "dispatch", "experts_dealt_round_robin", "send_counts")
+    assert "weight each result by its gate" in failed(outcomes, "dispatch", "no_gates", "combine")
     assert "differ" in failed(outcomes, "dispatch", "not_unpermuted", "combine")
 
 
@@ -304,8 +391,10 @@ def test_an_endless_loop_fails_within_the_time_limit(tmp_path):
 def test_distributed_checks_report_an_exit_and_an_endless_loop(tmp_path):
     exits, loops = tmp_path / "exits.py", tmp_path / "loops.py"
     exits.write_text("import sys\nsys.exit(3)\n")
-    loops.write_text("class ColumnParallelLinear:\n    def __init__(self, full, comm):\n"
-                     "        while True:\n            pass\n")
+    loops.write_text(
+        "class ColumnParallelLinear:\n    def __init__(self, full, comm):\n"
+        "        while True:\n            pass\n"
+    )
     exited, looped = run_check("tp_linear", [exits, loops], limit_s=5)
     assert [r.passed for r in exited] == [False] and "sys.exit(3)" in exited[0].message
     assert [r.passed for r in looped] == [False] and "did not finish in 5 s" in looped[0].message

@@ -1,33 +1,41 @@
 """Unified checkpoints: HF-loadable, pickle-free, atomic (a kill mid-save loses nothing)."""
 
-import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from hplab import checkpoint
-from hplab.models.gpt import PRESETS, GPTConfig, build_model
+from hplab.models.gpt import GPTConfig, build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = GPTConfig(vocab_size=300, n_positions=16, n_embd=32, n_layer=2, n_head=4)
 
 
 def fake_optimizer_state(model, fill):
-    return {n: {"exp_avg": torch.full_like(p, fill), "exp_avg_sq": torch.full_like(p, fill),
-                "step": torch.tensor(float(fill))} for n, p in model.named_parameters()}
+    return {
+        n: {
+            "exp_avg": torch.full_like(p, fill),
+            "exp_avg_sq": torch.full_like(p, fill),
+            "step": torch.tensor(float(fill)),
+        }
+        for n, p in model.named_parameters()
+    }
 
 
 def save_version(directory, version):
     model = build_model(CONFIG, seed=version)
-    checkpoint.save(directory, CONFIG, model.state_dict(), fake_optimizer_state(model, version),
-                    {"step": version})
+    checkpoint.save(
+        directory,
+        CONFIG,
+        model.state_dict(),
+        fake_optimizer_state(model, version),
+        {"step": version},
+    )
     return model
 
 
@@ -35,14 +43,21 @@ def test_round_trip_and_hugging_face_opens_it(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = save_version(tmp_path / "ckpt", 3)
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert files == ["config.json", "model.safetensors", "optimizer.safetensors",
-                     "rng.safetensors", "trainer_state.json"]  # no pickle anywhere
+    assert files == [
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "rng.safetensors",
+        "trainer_state.json",
+    ]  # no pickle anywhere
     loaded = checkpoint.load(tmp_path / "ckpt")
     assert loaded["config"] == CONFIG and loaded["trainer_state"]["step"] == 3
     for name, t in model.state_dict().items():
         assert torch.equal(loaded["model"][name], t), name
-    assert torch.equal(loaded["optimizer"]["transformer.h.1.mlp.c_fc.weight"]["exp_avg"],
-                       torch.full((128, 32), 3.0))
+    assert torch.equal(
+        loaded["optimizer"]["transformer.h.1.mlp.c_fc.weight"]["exp_avg"],
+        torch.full((128, 32), 3.0),
+    )
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt").eval()
     idx = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -51,8 +66,9 @@ def test_round_trip_and_hugging_face_opens_it(tmp_path):
 
 def test_resuming_into_another_model_is_refused():
     with pytest.raises(checkpoint.CheckpointError, match="n_layer: saved 2, asked 4"):
-        checkpoint.check_compatible(CONFIG, GPTConfig(vocab_size=300, n_positions=16, n_embd=32,
-                                                      n_layer=4, n_head=4))
+        checkpoint.check_compatible(
+            CONFIG, GPTConfig(vocab_size=300, n_positions=16, n_embd=32, n_layer=4, n_head=4)
+        )
 
 
 def test_missing_checkpoint_is_one_clear_error(tmp_path):
@@ -90,8 +106,12 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, stage):
     first = save_version(directory, 1)
     script = tmp_path / "killed_save.py"
     script.write_text(KILLED_SAVE.format(tests=str(ROOT / "tests")))
-    proc = subprocess.Popen([sys.executable, str(script), str(directory), stage],
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(directory), stage],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -40,14 +40,20 @@ def reference(dtype=torch.float32):
 
 def attention_worker():
     """Every style and split on this rank's tokens; returns its shards and the ring's bytes."""
-    from hplab.comm import CommLedger, Communicator
     import torch.distributed as dist
+
+    from hplab.comm import CommLedger, Communicator
 
     ledger = CommLedger()
     comm = Communicator(None if dist.get_world_size() == 1 else dist.group.WORLD, "cp", ledger)
     results = {}
-    for key in (("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag"),
-                ("ulysses", "contiguous"), ("ring", "zigzag", "bf16")):
+    for key in (
+        ("ring", "contiguous"),
+        ("ring", "zigzag"),
+        ("ulysses", "zigzag"),
+        ("ulysses", "contiguous"),
+        ("ring", "zigzag", "bf16"),
+    ):
         ledger.reset()
         style, split, dtype = *key[:2], torch.bfloat16 if "bf16" in key else torch.float32
         attend = cp.ring_attention if style == "ring" else cp.ulysses_attention
@@ -57,31 +63,44 @@ def attention_worker():
         forward_sends = dict(ledger.by_group_dict()).get("cp", {})
         y.backward(mine[3])
         results[key] = {
-            "out": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "forward": forward_sends, "all": ledger.by_group_dict().get("cp", {})}
+            "out": y.detach(),
+            "dq": q.grad,
+            "dk": k.grad,
+            "dv": v.grad,
+            "forward": forward_sends,
+            "all": ledger.by_group_dict().get("cp", {}),
+        }
     return results
 
 
 CONFIG = dict(vocab_size=101, n_positions=16, n_embd=32, n_layer=2, n_head=4)
 BATCH, STEPS, TRAINING = 4, 3, dict(lr=1e-3, weight_decay=0.1, grad_clip=0.5)
-LAYOUTS = {2: {"cp2 ring zigzag": dict(cp=2), "cp2 ring contiguous": dict(cp=2,
-                                                                          cp_split="contiguous"),
-               "cp2 ulysses": dict(cp=2, cp_style="ulysses"),
-               "cp2 recompute": dict(cp=2, recompute=True)},
-           4: {"cp4 ring zigzag": dict(cp=4), "cp4 ring contiguous": dict(cp=4,
-                                                                          cp_split="contiguous"),
-               "cp4 ulysses": dict(cp=4, cp_style="ulysses"),
-               "cp2 tp2": dict(cp=2, tp=2), "cp2 tp2 ulysses": dict(cp=2, tp=2,
-                                                                     cp_style="ulysses"),
-               "cp2 dp2 zero2": dict(cp=2, dp=2, zero=2), "cp2 dp2": dict(cp=2, dp=2),
-               "cp2 dp2 zero3": dict(cp=2, dp=2, zero=3),
-               "cp2 pp2": dict(cp=2, pp=2, microbatches=2)}}
+LAYOUTS = {
+    2: {
+        "cp2 ring zigzag": dict(cp=2),
+        "cp2 ring contiguous": dict(cp=2, cp_split="contiguous"),
+        "cp2 ulysses": dict(cp=2, cp_style="ulysses"),
+        "cp2 recompute": dict(cp=2, recompute=True),
+    },
+    4: {
+        "cp4 ring zigzag": dict(cp=4),
+        "cp4 ring contiguous": dict(cp=4, cp_split="contiguous"),
+        "cp4 ulysses": dict(cp=4, cp_style="ulysses"),
+        "cp2 tp2": dict(cp=2, tp=2),
+        "cp2 tp2 ulysses": dict(cp=2, tp=2, cp_style="ulysses"),
+        "cp2 dp2 zero2": dict(cp=2, dp=2, zero=2),
+        "cp2 dp2": dict(cp=2, dp=2),
+        "cp2 dp2 zero3": dict(cp=2, dp=2, zero=3),
+        "cp2 pp2": dict(cp=2, pp=2, microbatches=2),
+    },
+}
 
 
 def batches():
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, CONFIG["vocab_size"], (STEPS, BATCH, CONFIG["n_positions"] + 1),
-                           generator=g)
+    tokens = torch.randint(
+        0, CONFIG["vocab_size"], (STEPS, BATCH, CONFIG["n_positions"] + 1), generator=g
+    )
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
@@ -95,10 +114,12 @@ def train(layout: dict) -> dict:
     from hplab.dist import Mesh
     from hplab.models.gpt import GPTConfig, build_model
 
-    mesh = Mesh.create(layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1),
-                       cp=layout.get("cp", 1))
-    par = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh,
-                      ParallelConfig(**TRAINING, **layout))
+    mesh = Mesh.create(
+        layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1), cp=layout.get("cp", 1)
+    )
+    par = parallelize(
+        build_model(GPTConfig(**CONFIG), 0), mesh, ParallelConfig(**TRAINING, **layout)
+    )
     share = BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
     c = par.config
@@ -115,8 +136,10 @@ def train(layout: dict) -> dict:
 
 
 def worker():
-    return {"attention": attention_worker(),
-            "losses": {name: train(layout) for name, layout in LAYOUTS[dist_size()].items()}}
+    return {
+        "attention": attention_worker(),
+        "losses": {name: train(layout) for name, layout in LAYOUTS[dist_size()].items()},
+    }
 
 
 def dist_size() -> int:
@@ -143,14 +166,21 @@ def test_every_layout_trains_the_model_one_process_trains(world):
         torch.testing.assert_close(losses, reference, rtol=RTOL, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("key", [("ring", "contiguous"), ("ring", "zigzag"),
-                                 ("ulysses", "zigzag"), ("ulysses", "contiguous")])
+@pytest.mark.parametrize(
+    "key",
+    [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "zigzag"), ("ulysses", "contiguous")],
+)
 def test_attention_equals_sdpa_on_the_whole_sequence(world, key):
     _, results, *_ = world
     ref = reference()
     for name in ("out", "dq", "dk", "dv"):
-        torch.testing.assert_close(gathered(results, key, name), ref[name], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{key} {name}: {m}")
+        torch.testing.assert_close(
+            gathered(results, key, name),
+            ref[name],
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m: f"{key} {name}: {m}",
+        )
 
 
 def test_ring_bytes_per_step_match_the_formula(world):
@@ -175,13 +205,15 @@ def test_the_ring_sends_in_the_inputs_dtype(world):
     for r in results:
         sent = r["ring", "zigzag", "bf16"]["all"]["send"]["bytes"]
         assert sent == want["forward"] + want["backward"]
-        assert {r["ring", "zigzag", "bf16"][t].dtype for t in ("out", "dq", "dk", "dv")} \
-            == {torch.bfloat16}
+        assert {r["ring", "zigzag", "bf16"][t].dtype for t in ("out", "dq", "dk", "dv")} == {
+            torch.bfloat16
+        }
     ref = reference(torch.bfloat16)
     for name in ("out", "dq", "dk", "dv"):  # a few bf16 roundings (2^-8 each) of O(1) values
         got = gathered(results, ("ring", "zigzag", "bf16"), name).float()
-        torch.testing.assert_close(got, ref[name], rtol=2 ** -6, atol=2 ** -6,
-                                   msg=lambda m: f"bf16 {name}: {m}")
+        torch.testing.assert_close(
+            got, ref[name], rtol=2**-6, atol=2**-6, msg=lambda m: f"bf16 {name}: {m}"
+        )
 
 
 def test_ulysses_moves_four_all_to_alls(world):
@@ -198,11 +230,16 @@ def test_the_meter_counts_each_ranks_attention_work(world):
     """Per step: b·heads·layers × the pairs each rank attends, seconds ≥ blocked ≥ 0."""
     (n, *_, meters), seq = world, CONFIG["n_positions"]
     per_rank = BATCH * CONFIG["n_head"] * CONFIG["n_layer"]
-    for name, split, style in ((f"cp{n} ring contiguous", "contiguous", "ring"),
-                               (f"cp{n} ring zigzag", "zigzag", "ring"),
-                               (f"cp{n} ulysses", "zigzag", "ulysses")):
-        want = [per_rank * cp.pairs_computed(r, n, split, seq // n) for r in range(n)] \
-            if style == "ring" else [per_rank * seq * (seq + 1) // 2 // n] * n
+    for name, split, style in (
+        (f"cp{n} ring contiguous", "contiguous", "ring"),
+        (f"cp{n} ring zigzag", "zigzag", "ring"),
+        (f"cp{n} ulysses", "zigzag", "ulysses"),
+    ):
+        want = (
+            [per_rank * cp.pairs_computed(r, n, split, seq // n) for r in range(n)]
+            if style == "ring"
+            else [per_rank * seq * (seq + 1) // 2 // n] * n
+        )
         assert [m["attention_pairs"] for m in meters[name]] == [[p] * STEPS for p in want]
         for m in meters[name]:
             assert all(s >= b >= 0 for s, b in zip(m["attention_s"], m["attention_blocked_s"]))
@@ -242,24 +279,65 @@ def test_the_mesh_puts_cp_between_tp_and_dp():
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    with pytest.raises(LayoutError, match=r"dp=1 × tp=2 × pp=1 × cp=3 = 6 processes, but "
-                                          r"there are 4: make --dp × --tp × --pp × --cp"):
+    with pytest.raises(
+        LayoutError,
+        match=r"dp=1 × tp=2 × pp=1 × cp=3 = 6 processes, but "
+        r"there are 4: make --dp × --tp × --pp × --cp",
+    ):
         check_layout(4, 1, 2, 1, 3)
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--nproc", "4", "--cp", "4", "--seq-len", "20"], "cuts the 20-token sequence into 8 "
-     "chunks for 4 context-parallel ranks: make the sequence length a multiple of 8"),
-    (["--nproc", "2", "--cp", "2", "--cp-split", "contiguous", "--seq-len", "15"],
-     "multiple of 2"),
-    (["--nproc", "4", "--cp", "4", "--cp-style", "ulysses", "--n-head", "2", "--n-embd", "32"],
-     "(of each tensor-parallel rank: 2) over 4 context"),
-    (["--nproc", "4", "--cp", "2", "--tp", "2", "--cp-style", "ulysses", "--n-head", "2",
-      "--n-embd", "32"], "(of each tensor-parallel rank: 1) over 2 context"),
-    (["--nproc", "4", "--cp", "3"], "cannot be split into tp=1 × pp=1 × cp=3"),
-    (["--nproc", "4", "--cp", "2", "--tp", "2", "--sequence-parallel"],
-     "--cp 2 --sequence-parallel: not supported: context parallel already splits"),
-])
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (
+            ["--nproc", "4", "--cp", "4", "--seq-len", "20"],
+            "cuts the 20-token sequence into 8 "
+            "chunks for 4 context-parallel ranks: make the sequence length a multiple of 8",
+        ),
+        (
+            ["--nproc", "2", "--cp", "2", "--cp-split", "contiguous", "--seq-len", "15"],
+            "multiple of 2",
+        ),
+        (
+            [
+                "--nproc",
+                "4",
+                "--cp",
+                "4",
+                "--cp-style",
+                "ulysses",
+                "--n-head",
+                "2",
+                "--n-embd",
+                "32",
+            ],
+            "(of each tensor-parallel rank: 2) over 4 context",
+        ),
+        (
+            [
+                "--nproc",
+                "4",
+                "--cp",
+                "2",
+                "--tp",
+                "2",
+                "--cp-style",
+                "ulysses",
+                "--n-head",
+                "2",
+                "--n-embd",
+                "32",
+            ],
+            "(of each tensor-parallel rank: 1) over 2 context",
+        ),
+        (["--nproc", "4", "--cp", "3"], "cannot be split into tp=1 × pp=1 × cp=3"),
+        (
+            ["--nproc", "4", "--cp", "2", "--tp", "2", "--sequence-parallel"],
+            "--cp 2 --sequence-parallel: not supported: context parallel already splits",
+        ),
+    ],
+)
 def test_bad_context_parallel_command_lines_fail_in_one_line(capsys, monkeypatch, flags, says):
     """Refused by train.py's checks, before any process starts."""
     from hplab.train import main

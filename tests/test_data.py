@@ -9,13 +9,23 @@ import numpy as np
 import pytest
 import torch
 
-from hplab.data import (DATA_DIR, END_OF_TEXT, TokenDataset, get_batch, global_batch_indices,
-                        load_tokenizer, main, read_documents, shard_for_rank)
+from hplab.data import (
+    DATA_DIR,
+    END_OF_TEXT,
+    TokenDataset,
+    get_batch,
+    global_batch_indices,
+    load_tokenizer,
+    main,
+    read_documents,
+    shard_for_rank,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 # --- tokenizers ------------------------------------------------------------------
+
 
 def test_gpt2_tokenizer_is_the_real_one():
     tokenizer = load_tokenizer("gpt2")
@@ -41,6 +51,7 @@ def test_unknown_tokenizer_name_is_a_clear_error():
 
 # --- shipped files -----------------------------------------------------------------
 
+
 def test_shipped_corpus_size_and_documents():
     corpus = DATA_DIR / "shakespeare.txt"
     assert 900_000 <= corpus.stat().st_size <= 1_200_000
@@ -49,8 +60,9 @@ def test_shipped_corpus_size_and_documents():
     assert len(read_documents(corpus)) >= 5
 
 
-@pytest.mark.parametrize("name, vocab_size, num_documents", [("hplab-bpe", 2048, None),
-                                                             ("gpt2", 50257, 1)])
+@pytest.mark.parametrize(
+    ("name", "vocab_size", "num_documents"), [("hplab-bpe", 2048, None), ("gpt2", 50257, 1)]
+)
 def test_shipped_bin_equals_retokenized_corpus(name, vocab_size, num_documents):
     sidecar = json.loads((DATA_DIR / f"shakespeare.{name}.json").read_text())
     tokens = np.fromfile(DATA_DIR / f"shakespeare.{name}.bin", dtype="<u2")
@@ -68,6 +80,7 @@ def test_shipped_bin_equals_retokenized_corpus(name, vocab_size, num_documents):
 
 
 # --- dataset -----------------------------------------------------------------------
+
 
 def test_dataset_samples_are_shifted_by_one():
     dataset = TokenDataset("shakespeare", tokenizer="hplab-bpe", seq_len=16)
@@ -105,6 +118,7 @@ def test_get_batch_stacks_samples():
 
 # --- sampler -----------------------------------------------------------------------
 
+
 def test_global_batch_does_not_depend_on_dp_layout():
     for step in range(5):
         batch = global_batch_indices(num_samples=100, step=step, global_batch=8, seed=1)
@@ -135,11 +149,20 @@ def test_shard_for_rank_rejects_uneven_split():
 
 # --- prepare (command line) ----------------------------------------------------------
 
+
 def test_prepare_round_trips_a_jsonl_corpus(tmp_path):
     texts = ["Hello world.", "Zweites Dokument: Ünïcode ✓\nmit zwei Zeilen.", "third"]
     source = tmp_path / "corpus.jsonl"
     source.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
-    arguments = ["prepare", "--input", source, "--output-prefix", tmp_path / "mine", "--tokenizer", "gpt2"]
+    arguments = [
+        "prepare",
+        "--input",
+        source,
+        "--output-prefix",
+        tmp_path / "mine",
+        "--tokenizer",
+        "gpt2",
+    ]
     assert main([str(argument) for argument in arguments]) == 0  # in-process: saves a 3 s start
 
     sidecar = json.loads((tmp_path / "mine.json").read_text())
@@ -169,10 +192,22 @@ def bad_input_runs(tmp_path_factory):
         folder = tmp_path_factory.mktemp(case.replace(" ", "_"))
         if content is not None:
             (folder / "corpus.jsonl").write_text(content)
-        command = [sys.executable, "-m", "hplab.data", "prepare",
-                   "--input", str(folder / "corpus.jsonl"), "--output-prefix", str(folder / "out")]
-        processes[case] = (folder, subprocess.Popen(command, cwd=REPO, text=True,
-                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        command = [
+            sys.executable,
+            "-m",
+            "hplab.data",
+            "prepare",
+            "--input",
+            str(folder / "corpus.jsonl"),
+            "--output-prefix",
+            str(folder / "out"),
+        ]
+        processes[case] = (
+            folder,
+            subprocess.Popen(
+                command, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            ),
+        )
     results = {}
     for case, (folder, process) in processes.items():
         _, stderr = process.communicate(timeout=120)

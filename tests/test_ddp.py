@@ -58,8 +58,13 @@ def toy(seed=0) -> Toy:
 
 def toy_batches():
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=g),
-             torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=g),
+            torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def gpt_batches(steps=STEPS):
@@ -67,8 +72,9 @@ def gpt_batches(steps=STEPS):
     from hplab.data import TokenDataset, get_batch, global_batch_indices
 
     ds = TokenDataset("shakespeare", seq_len=64)
-    return [get_batch(ds, global_batch_indices(len(ds), s, GLOBAL_BATCH, seed=0))
-            for s in range(steps)]
+    return [
+        get_batch(ds, global_batch_indices(len(ds), s, GLOBAL_BATCH, seed=0)) for s in range(steps)
+    ]
 
 
 def toy_loss(model, x, y):
@@ -85,7 +91,7 @@ def hf_loss(model, x, y):
 
 def my_slice(x, rank, n):
     b = x.shape[0] // n
-    return x[rank * b:(rank + 1) * b]
+    return x[rank * b : (rank + 1) * b]
 
 
 def state(model) -> dict:
@@ -151,8 +157,9 @@ def accumulate_loop(ddp, data, how, ledger):
                 (toy_loss(ddp, x[half:], y[half:]) / 2).backward()
         if how == "by_hand":
             params = [p for p in ddp.parameters() if p.requires_grad]
-            grads = torch.autograd.grad(toy_loss(ddp, x[half:], y[half:]) / 2, params,
-                                        allow_unused=True)
+            grads = torch.autograd.grad(
+                toy_loss(ddp, x[half:], y[half:]) / 2, params, allow_unused=True
+            )
             with torch.no_grad():
                 for p, g in zip(params, grads):
                     if g is not None:
@@ -177,44 +184,60 @@ def _toy_checks(out):
     data, world = toy_batches(), dist.group.WORLD
     for set_to_none in (True, False):
         ref = toy()
-        out[f"toy_ref_{set_to_none}"] = (tutorial_loop(ref, data, toy_loss, set_to_none)[0],
-                                         state(ref), ref.unused.weight.grad is None)
+        out[f"toy_ref_{set_to_none}"] = (
+            tutorial_loop(ref, data, toy_loss, set_to_none)[0],
+            state(ref),
+            ref.unused.weight.grad is None,
+        )
         theirs = TorchDDP(toy(), find_unused_parameters=True)
-        out[f"toy_torch_{set_to_none}"] = (tutorial_loop(theirs, data, toy_loss, set_to_none)[0],
-                                           state(theirs.module))
+        out[f"toy_torch_{set_to_none}"] = (
+            tutorial_loop(theirs, data, toy_loss, set_to_none)[0],
+            state(theirs.module),
+        )
     for set_to_none, mb in TOY_RUNS:
         ledger = CommLedger()
         ours = DDP(toy(), Communicator(world, "dp", ledger), bucket_mb=mb)
         losses, per_step = tutorial_loop(ours, data, toy_loss, set_to_none, ledger)
         out[f"toy_{set_to_none}_{mb}"] = dict(
-            losses=losses, state=state(ours.module), per_step=per_step,
-            buckets=len(ours.buckets), unused_grad_none=ours.module.unused.weight.grad is None,
+            losses=losses,
+            state=state(ours.module),
+            per_step=per_step,
+            buckets=len(ours.buckets),
+            unused_grad_none=ours.module.unused.weight.grad is None,
             grad_bytes=sum(p.numel() * p.element_size() for p in ours.params),
-            memory={k: sum(t.numel() for t in v) for k, v in ours.memory_tensors().items()})
+            memory={k: sum(t.numel() for t in v) for k, v in ours.memory_tensors().items()},
+        )
 
     # bug (c): the sync finishes by itself; calling finish_gradient_sync() again is harmless
     ledger = CommLedger()
     ours = DDP(toy(), Communicator(world, "dp", ledger), bucket_mb=SMALL_MB)
     losses, per_step = tutorial_loop(ours, data, toy_loss, True, ledger, [0, 2, 1, 0])
-    out["finish_by_itself"] = dict(losses=losses, state=state(ours.module), per_step=per_step,
-                                   buckets=len(ours.buckets))
+    out["finish_by_itself"] = dict(
+        losses=losses, state=state(ours.module), per_step=per_step, buckets=len(ours.buckets)
+    )
 
     # bug (b): every parameter (frozen too) and buffer is broadcast from rank 0 at wrap time
     different = toy(seed=dist.get_rank())
     different.scale.fill_(dist.get_rank() + 1.0)
     wrapped = DDP(different)
-    out["broadcast"] = dict(state=state(wrapped.module), rank0=state(toy(seed=0)),
-                            is_module=wrapped.module is different,
-                            keys=sorted(wrapped.state_dict())[:2])
+    out["broadcast"] = dict(
+        state=state(wrapped.module),
+        rank0=state(toy(seed=0)),
+        is_module=wrapped.module is different,
+        keys=sorted(wrapped.state_dict())[:2],
+    )
 
     # no_sync accumulation: 2 microbatches equal the larger batch
     for how in ("sync", "explicit", "by_hand"):
         ledger = CommLedger()
         ours = DDP(toy(), Communicator(world, "dp", ledger), bucket_mb=SMALL_MB)
         calls_inside = accumulate_loop(ours, data, how, ledger)
-        out[f"accumulate_{how}"] = dict(state=state(ours.module), calls_inside=calls_inside,
-                                             calls=all_reduce_so_far(ledger)[0],
-                                             buckets=len(ours.buckets))
+        out[f"accumulate_{how}"] = dict(
+            state=state(ours.module),
+            calls_inside=calls_inside,
+            calls=all_reduce_so_far(ledger)[0],
+            buckets=len(ours.buckets),
+        )
 
 
 def _gpt_checks(out):
@@ -232,9 +255,13 @@ def _gpt_checks(out):
     for mb in (25, 1 / 16):
         ours = DDP(build_model(config, 0), bucket_mb=mb)  # the world, counted in DEFAULT_LEDGER
         losses, per_step = tutorial_loop(ours, data, gpt_loss, ledger=DEFAULT_LEDGER)
-        out[f"gpt_{mb}"] = dict(losses=losses, state=state(ours.module), per_step=per_step,
-                                buckets=len(ours.buckets),
-                                grad_bytes=sum(p.numel() * 4 for p in ours.params))
+        out[f"gpt_{mb}"] = dict(
+            losses=losses,
+            state=state(ours.module),
+            per_step=per_step,
+            buckets=len(ours.buckets),
+            grad_bytes=sum(p.numel() * 4 for p in ours.params),
+        )
 
 
 def _hf_checks(out):
@@ -251,8 +278,12 @@ def _hf_checks(out):
     ref_losses = tutorial_loop(ref, data, hf_loss)[0]
     losses = tutorial_loop(ours, data, hf_loss)[0]
     m = ours.module
-    out["hf"] = dict(losses=losses, ref_losses=ref_losses, param_rel=rel(state(m), state(ref)),
-                     tied=m.lm_head.weight is m.transformer.wte.weight)
+    out["hf"] = dict(
+        losses=losses,
+        ref_losses=ref_losses,
+        param_rel=rel(state(m), state(ref)),
+        tied=m.lm_head.weight is m.transformer.wte.weight,
+    )
 
 
 def convert(obj, fn):
@@ -288,23 +319,28 @@ def close(a, b, msg=""):
 
 # --- 1. the tutorial loop on a toy model with frozen, tied and unused parameters ----------
 
-@pytest.mark.parametrize("set_to_none,mb", TOY_RUNS)
+
+@pytest.mark.parametrize(("set_to_none", "mb"), TOY_RUNS)
 def test_tutorial_loop_equals_one_process(results, set_to_none, mb):
     n, per_rank = results
     for out in per_rank:
-        ours, (ref_losses, ref_state, ref_unused_none) = (out[f"toy_{set_to_none}_{mb}"],
-                                                          out[f"toy_ref_{set_to_none}"])
+        ours, (ref_losses, ref_state, ref_unused_none) = (
+            out[f"toy_{set_to_none}_{mb}"],
+            out[f"toy_ref_{set_to_none}"],
+        )
         close(torch.tensor(ours["losses"]), torch.tensor(ref_losses), f"losses, {n} ranks")
         close(ours["state"], ref_state, f"parameters, {n} ranks")
         assert ours["unused_grad_none"] and ref_unused_none  # unused: no gradient, like 1 process
 
 
-@pytest.mark.parametrize("set_to_none,mb", TOY_RUNS)
+@pytest.mark.parametrize(("set_to_none", "mb"), TOY_RUNS)
 def test_tutorial_loop_equals_pytorch_ddp(results, set_to_none, mb):
     n, per_rank = results
     for out in per_rank:
-        ours, (torch_losses, torch_state) = out[f"toy_{set_to_none}_{mb}"], out[
-            f"toy_torch_{set_to_none}"]
+        ours, (torch_losses, torch_state) = (
+            out[f"toy_{set_to_none}_{mb}"],
+            out[f"toy_torch_{set_to_none}"],
+        )
         close(torch.tensor(ours["losses"]), torch.tensor(torch_losses), f"losses, {n} ranks")
         close(ours["state"], torch_state, f"parameters, {n} ranks")
 
@@ -321,18 +357,22 @@ def test_buckets_and_memory_of_the_toy(results):
 
 # --- 2. hplab's GPT -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mb", [25, 1 / 16])
 def test_gpt_equals_one_process_and_pytorch_ddp(results, mb):
     n, per_rank = results
     for out in per_rank:
         ours = out[f"gpt_{mb}"]
-        for name, (losses, other) in (("one process", out["gpt_ref"]),
-                                      ("torch DDP", out["gpt_torch"])):
+        for name, (losses, other) in (
+            ("one process", out["gpt_ref"]),
+            ("torch DDP", out["gpt_torch"]),
+        ):
             close(torch.tensor(ours["losses"]), torch.tensor(losses), f"{name}, {n} ranks")
             assert rel(ours["state"], other) < RTOL, (name, n, rel(ours["state"], other))
 
 
 # --- 3. the three old bugs, each caught -----------------------------------------------------
+
 
 def test_zero_grad_set_to_none_keeps_replicas_identical(results):
     """Old bug (a): zero_grad() (set_to_none=True) made fresh gradients outside the buckets;
@@ -367,6 +407,7 @@ def test_sync_finishes_by_itself_and_finishing_again_is_harmless(results):
 
 # --- 4. accumulation and what goes over the wire --------------------------------------------
 
+
 @pytest.mark.parametrize("how", ["sync", "explicit", "by_hand"])
 def test_no_sync_accumulation_equals_the_larger_batch(results, how):
     n, per_rank = results
@@ -389,6 +430,7 @@ def test_allreduce_bytes_per_step_equal_gradient_bytes(results):
 
 # --- 5. a Hugging Face model ----------------------------------------------------------------
 
+
 def test_ddp_of_hugging_face_gpt2_equals_one_process(results):
     n, per_rank = results
     if n != 2:
@@ -400,6 +442,7 @@ def test_ddp_of_hugging_face_gpt2_equals_one_process(results):
 
 
 # --- without processes ------------------------------------------------------------------------
+
 
 def test_make_buckets_order_and_sizes():
     from hplab.ddp import make_buckets

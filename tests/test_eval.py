@@ -28,23 +28,32 @@ STEPS, LR = 3, 1e-2
 CONFIG = dict(vocab_size=101, n_positions=16, n_embd=32, n_layer=4, n_head=4)
 GLOBAL_BATCH = 8
 MOE = dict(n_experts=4, moe_top_k=2)  # the model of the layouts named "moe"
-LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2 1f1b": dict(pp=2, microbatches=2),
-           "pp2 interleaved": dict(pp=2, microbatches=2, schedule="interleaved",
-                                   virtual_stages=2),
-           "dp2 zero3": dict(dp=2, zero=3), "dp2 zero1": dict(dp=2, zero=1, microbatches=2),
-           "cp2 ring": dict(cp=2), "cp2 ulysses": dict(cp=2, cp_style="ulysses"),
-           "dp2 ep2 moe": dict(dp=2, ep=2),  # (the MoE's balance loss is training's, not val's)
-           "dp2 bf16": dict(dp=2, precision="bf16"), "pp2 bf16": dict(pp=2, precision="bf16"),
-           "dp2 zero3 bf16": dict(dp=2, zero=3, precision="bf16"),
-           "pp2 fp16": dict(pp=2, precision="fp16")}
+LAYOUTS = {
+    "dp2": dict(dp=2),
+    "tp2": dict(tp=2),
+    "pp2 1f1b": dict(pp=2, microbatches=2),
+    "pp2 interleaved": dict(pp=2, microbatches=2, schedule="interleaved", virtual_stages=2),
+    "dp2 zero3": dict(dp=2, zero=3),
+    "dp2 zero1": dict(dp=2, zero=1, microbatches=2),
+    "cp2 ring": dict(cp=2),
+    "cp2 ulysses": dict(cp=2, cp_style="ulysses"),
+    "dp2 ep2 moe": dict(dp=2, ep=2),  # (the MoE's balance loss is training's, not val's)
+    "dp2 bf16": dict(dp=2, precision="bf16"),
+    "pp2 bf16": dict(pp=2, precision="bf16"),
+    "dp2 zero3 bf16": dict(dp=2, zero=3, precision="bf16"),
+    "pp2 fp16": dict(pp=2, precision="fp16"),
+}
 HALF_RTOL = 2**-8  # bf16's unit roundoff (fp16's is 2**-11): half precision computes each
 # layer in its own rounding order, so its layouts agree with fp32 to that, not to 1e-5
 # train.py runs (n_layer 2 of the tiny preset, the shipped corpus); A and C log validation
 COMMON = ["--no-progress", "--n-layer", "2", "--batch-size", "4", "--steps", str(STEPS)]
 EVAL = ["--eval-every", "2", "--eval-batches", "3"]
-RUNS = {"A dp2 eval": ["--dp", "2", *EVAL], "B dp2": ["--dp", "2"],
-        "C pp2 eval": ["--pp", "2", "--microbatches", "2", *EVAL],
-        "D pp2": ["--pp", "2", "--microbatches", "2"]}
+RUNS = {
+    "A dp2 eval": ["--dp", "2", *EVAL],
+    "B dp2": ["--dp", "2"],
+    "C pp2 eval": ["--pp", "2", "--microbatches", "2", *EVAL],
+    "D pp2": ["--pp", "2", "--microbatches", "2"],
+}
 
 
 def batches(count: int, seed: int) -> list:
@@ -52,8 +61,10 @@ def batches(count: int, seed: int) -> list:
     so every step moves the validation loss far beyond the tolerance."""
     generator, out = torch.Generator().manual_seed(seed), []
     for _ in range(count):
-        start, stride = (torch.randint(low, high, (GLOBAL_BATCH, 1), generator=generator)
-                         for low, high in ((0, CONFIG["vocab_size"]), (1, 4)))
+        start, stride = (
+            torch.randint(low, high, (GLOBAL_BATCH, 1), generator=generator)
+            for low, high in ((0, CONFIG["vocab_size"]), (1, 4))
+        )
         tokens = (start + stride * torch.arange(CONFIG["n_positions"] + 1)) % CONFIG["vocab_size"]
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
@@ -64,32 +75,43 @@ TRAIN, VAL = batches(STEPS, 1000), batches(2, 2000)
 
 # --- the split and its batches, without processes -------------------------------------------------
 
+
 def test_the_validation_split_is_never_read_by_training_and_its_batches_are_fixed():
     seq = 64
     train_set = TokenDataset("shakespeare", seq_len=seq)
     val_set = TokenDataset("shakespeare", seq_len=seq, split="val")
     first_val_token = len(train_set.tokens)  # train: tokens [0, this); val: [this, end)
-    drawn = {i for step in range(0, 400, 37) for seed in (0, 7)  # samples training draws
-             for i in global_batch_indices(len(train_set), step, 16, seed)}
+    drawn = {
+        i
+        for step in range(0, 400, 37)
+        for seed in (0, 7)  # samples training draws
+        for i in global_batch_indices(len(train_set), step, 16, seed)
+    }
     assert max(drawn) < len(train_set)
     every = torch.from_numpy(np.fromfile(train_set.path, dtype=TOKEN_DTYPE).astype(np.int64))
     last = (len(train_set) - 1) * seq  # the last training sample reads tokens last ... last+seq
     x, y = train_set[len(train_set) - 1]
-    assert torch.equal(torch.cat([x, y[-1:]]), every[last:last + seq + 1])
+    assert torch.equal(torch.cat([x, y[-1:]]), every[last : last + seq + 1])
     assert last + seq < first_val_token
     assert len(every) == first_val_token + len(val_set.tokens)
     assert torch.equal(every[first_val_token:], torch.from_numpy(val_set.tokens.astype(np.int64)))
     x, y = get_batch(val_set, range(4, 8))  # validation batch 1 of 4 sequences (train.py's)
     start = first_val_token + 4 * seq
-    assert torch.equal(torch.cat([x.flatten(), y[-1, -1:]]), every[start:start + 4 * seq + 1])
+    assert torch.equal(torch.cat([x.flatten(), y[-1, -1:]]), every[start : start + 4 * seq + 1])
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--eval-every", "-1"], "--eval-every: must be at least 0, got -1"),
-    (["--eval-every", "5", "--eval-batches", "0"], "--eval-batches: must be at least 1, got 0"),
-    (["--eval-every", "5", "--eval-batches", "19"],  # 19 × 16 > 299 sequences of 64 tokens
-     "--eval-batches 19 × --batch-size 16 exceeds the validation split: 299 sequences (last 5%)"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--eval-every", "-1"], "--eval-every: must be at least 0, got -1"),
+        (["--eval-every", "5", "--eval-batches", "0"], "--eval-batches: must be at least 1, got 0"),
+        (
+            ["--eval-every", "5", "--eval-batches", "19"],  # 19 × 16 > 299 sequences of 64 tokens
+            "--eval-batches 19 × --batch-size 16 exceeds the validation split: "
+            "299 sequences (last 5%)",
+        ),
+    ],
+)
 def test_bad_eval_flags_are_one_line_before_any_process(flags, message, capsys):
     assert train.main(["--nproc", "2", *flags]) == 2
     err = capsys.readouterr().err
@@ -103,6 +125,7 @@ def test_eighteen_batches_fit_the_split():  # the limit above is the split's rea
 
 # --- one 2-process launch -------------------------------------------------------------------------
 
+
 def _in_two_processes(directory: str) -> dict:
     from hplab.compose import ParallelConfig, evaluate, parallelize, train_step
     from hplab.dist import Mesh
@@ -112,8 +135,11 @@ def _in_two_processes(directory: str) -> dict:
     for name, layout in LAYOUTS.items():
         out[name] = {}
         for evaluating in (True, False):  # evaluate after every step, or only after the last
-            mesh = Mesh.create(*(layout.get(k, 1) for k in ("dp", "tp", "pp")),
-                               cp=layout.get("cp", 1), ep=layout.get("ep", 1))
+            mesh = Mesh.create(
+                *(layout.get(k, 1) for k in ("dp", "tp", "pp")),
+                cp=layout.get("cp", 1),
+                ep=layout.get("ep", 1),
+            )
             model = build_model(GPTConfig(**CONFIG, **(MOE if "moe" in name else {})), 0)
             par = parallelize(model, mesh, ParallelConfig(lr=LR, **layout))
             share = GLOBAL_BATCH // mesh.dp_size
@@ -136,15 +162,16 @@ def world2(tmp_path_factory):
     return run_distributed(_in_two_processes, 2, str(directory), timeout_s=300)[0], directory
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(moe: bool = False) -> tuple[list, list, torch.nn.Module]:
     """One process, torch's own AdamW: the training losses, after each step the mean
     validation loss (the cross-entropy) over VAL, and the trained model."""
     from hplab.models.gpt import GPTConfig, build_model
 
     model = build_model(GPTConfig(**CONFIG, **(MOE if moe else {})), 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0,
-                            foreach=False)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, foreach=False
+    )
     losses, val = [], []
     for x, y in TRAIN:
         loss = model(x, y)[1]
@@ -194,8 +221,10 @@ def test_train_py_logs_validation_without_changing_training_or_its_traffic(world
     assert worst([e["loss"] for e in c["eval"]], [e["loss"] for e in a["eval"]]) < RTOL
     summary = train.summary_table(a)
     first, last = a["eval"]
-    assert f"validation loss {first['loss']:.4f} after 2 steps → {last['loss']:.4f} after 3 " \
-           "steps" in summary.splitlines()[1]
+    assert (
+        f"validation loss {first['loss']:.4f} after 2 steps → {last['loss']:.4f} after 3 "
+        "steps" in summary.splitlines()[1]
+    )
 
 
 def test_the_logged_validation_loss_is_the_saved_models_loss_on_the_held_out_batches(world2):

@@ -18,8 +18,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "finetune_classi
 
 def gpt2_directory(path: Path, config: GPTConfig) -> Path:
     """A GPT-2 directory (config.json + model.safetensors, what `train.py --save` writes)."""
-    return checkpoint.save(path, config, build_model(config, seed=0).state_dict(), {},
-                           {"step": 0})
+    return checkpoint.save(path, config, build_model(config, seed=0).state_dict(), {}, {"step": 0})
 
 
 def test_fine_tuning_on_two_processes_beats_chance(tmp_path):
@@ -31,8 +30,12 @@ def test_fine_tuning_on_two_processes_beats_chance(tmp_path):
     and of the last 5 steps 0.16-0.23."""
     init = gpt2_directory(tmp_path / "init", config_from_preset("tiny"))
     out = tmp_path / "result.json"
-    run = subprocess.run([sys.executable, str(EXAMPLE), "--init", str(init), "--wrap", "fsdp",
-                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--init", str(init), "--wrap", "fsdp", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())
     assert result["processes"] == 2 and result["steps"] == 100
@@ -46,8 +49,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("finetune_classification", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    init = gpt2_directory(tmp_path / "init", GPTConfig(n_positions=16, n_embd=16, n_layer=1,
-                                                        n_head=1))
+    init = gpt2_directory(
+        tmp_path / "init", GPTConfig(n_positions=16, n_embd=16, n_layer=1, n_head=1)
+    )
     not_gpt2 = tmp_path / "bert"
     not_gpt2.mkdir()
     (not_gpt2 / "config.json").write_text(json.dumps({"model_type": "bert"}))
@@ -56,11 +60,13 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     odd_vocab.mkdir()
     (odd_vocab / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 999}))
     (odd_vocab / "model.safetensors").write_bytes(b"")
-    for argv, expected in (([str(tmp_path / "missing")], "not a GPT-2 directory"),
-                           ([str(not_gpt2)], "does not describe a GPT-2 model"),
-                           ([str(odd_vocab)], "vocab_size 999 matches no shipped tokenizer"),
-                           ([str(init), "--batch-size", "3"], "processes share equally"),
-                           ([str(init), "--epochs", "0"], "--epochs >= 1")):
+    for argv, expected in (
+        ([str(tmp_path / "missing")], "not a GPT-2 directory"),
+        ([str(not_gpt2)], "does not describe a GPT-2 model"),
+        ([str(odd_vocab)], "vocab_size 999 matches no shipped tokenizer"),
+        ([str(init), "--batch-size", "3"], "processes share equally"),
+        ([str(init), "--epochs", "0"], "--epochs >= 1"),
+    ):
         assert example.main(["--init", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and expected in err and err.count("\n") == 1, err

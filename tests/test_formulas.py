@@ -18,22 +18,39 @@ def test_old_locations_are_the_same_objects():
     from hplab import comm, lab, plan, pp, viz
     from hplab.models import gpt
 
-    same = [(comm.bus_factor, F.bus_factor), (lab.alpha_beta_terms, F.alpha_beta_terms),
-            (lab.training_flops_per_token, F.training_flops_per_token),
-            (pp.bubble_formula, F.bubble_formula), (pp.SCHEDULES, F.SCHEDULES),
-            (plan.SCHEDULES, F.SCHEDULES), (plan.model_state_bytes, F.model_state_bytes),
-            (plan.activation_bytes_per_layer, F.activation_bytes_per_layer),
-            (plan.flops_per_step, F.flops_per_step), (plan.PRECISION_BYTES, F.PRECISION_BYTES),
-            (plan.in_flight_microbatches, F.in_flight_microbatches),
-            (plan.bubble_ratio, F.bubble_ratio), (viz.model_state_bytes, F.model_state_bytes)]
+    same = [
+        (comm.bus_factor, F.bus_factor),
+        (lab.alpha_beta_terms, F.alpha_beta_terms),
+        (lab.training_flops_per_token, F.training_flops_per_token),
+        (pp.bubble_formula, F.bubble_formula),
+        (pp.SCHEDULES, F.SCHEDULES),
+        (plan.SCHEDULES, F.SCHEDULES),
+        (plan.model_state_bytes, F.model_state_bytes),
+        (plan.activation_bytes_per_layer, F.activation_bytes_per_layer),
+        (plan.flops_per_step, F.flops_per_step),
+        (plan.PRECISION_BYTES, F.PRECISION_BYTES),
+        (plan.in_flight_microbatches, F.in_flight_microbatches),
+        (plan.bubble_ratio, F.bubble_ratio),
+        (viz.model_state_bytes, F.model_state_bytes),
+    ]
     for old, new in same:
         assert old is new
     for name, config in gpt.PRESETS.items():
         shape = plan.model_presets()[name]
-        assert config.num_params() == shape.num_params() == F.gpt_num_params(
-            config.n_layer, config.n_embd, config.vocab_size, config.n_positions)
+        assert (
+            config.num_params()
+            == shape.num_params()
+            == F.gpt_num_params(
+                config.n_layer, config.n_embd, config.vocab_size, config.n_positions
+            )
+        )
         assert (shape.n_layer, shape.n_embd, shape.n_head, shape.seq_len, shape.vocab_size) == (
-            config.n_layer, config.n_embd, config.n_head, config.n_positions, config.vocab_size)
+            config.n_layer,
+            config.n_embd,
+            config.n_head,
+            config.n_positions,
+            config.vocab_size,
+        )
     assert gpt.PRESETS["gpt2"].num_params() == 124_439_808  # GPT-2 small, tied head
 
 
@@ -76,5 +93,6 @@ def test_moe_parameter_count_matches_the_module():
 
 def test_collective_time_of_several_calls():
     # 5 all-to-alls among 4 ranks moving 8 GB in all: 5·3 latency steps, (4-1)/4 of 8 GB over β
-    assert F.collective_time_s("all_to_all", 8e9, 4, 1e9, 1e-6, calls=5) == \
-        pytest.approx(3 / 4 * 8 + 5 * 3 * 1e-6)
+    assert F.collective_time_s("all_to_all", 8e9, 4, 1e9, 1e-6, calls=5) == pytest.approx(
+        3 / 4 * 8 + 5 * 3 * 1e-6
+    )

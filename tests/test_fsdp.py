@@ -60,13 +60,18 @@ class Toy(nn.Module):
 
 def data(vocab):
     g = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g),
-             torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g),
+            torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def mine(t, rank, n):
     b = t.shape[0] // n
-    return t[rank * b:(rank + 1) * b]
+    return t[rank * b : (rank + 1) * b]
 
 
 def blocks_of(model):
@@ -74,8 +79,13 @@ def blocks_of(model):
 
 
 def rel(params: dict, reference: dict) -> float:
-    diff = sum(float((params[k].detach().float() - v.detach().float()).pow(2).sum())
-               for k, v in reference.items()) ** 0.5
+    diff = (
+        sum(
+            float((params[k].detach().float() - v.detach().float()).pow(2).sum())
+            for k, v in reference.items()
+        )
+        ** 0.5
+    )
     return diff / sum(float(v.detach().float().pow(2).sum()) for v in reference.values()) ** 0.5
 
 
@@ -89,8 +99,11 @@ def reference_run(model, batches, mixed=False):
         loss = compute(x, y)[1]
         loss.backward()
         if not first_grads:
-            first_grads = {k: p.grad.float().clone() for k, p in compute.named_parameters()
-                           if p.grad is not None}
+            first_grads = {
+                k: p.grad.float().clone()
+                for k, p in compute.named_parameters()
+                if p.grad is not None
+            }
         if mixed:
             for name, p in compute.named_parameters():
                 masters[name].grad = None if p.grad is None else p.grad.float()
@@ -174,7 +187,8 @@ def _worker(n):
         def probe(model):  # after the first backward, before the step
             grads = [(p.grad, p) for p in model.parameters() if p.requires_grad]
             seen["grads_fp32_shard_shaped"] = all(
-                g is None or (g.dtype == torch.float32 and g.shape == p.shape) for g, p in grads)
+                g is None or (g.dtype == torch.float32 and g.shape == p.shape) for g, p in grads
+            )
             seen["unused_grad_none"] = name != "toy" or model.blocks[1].unused.grad is None
             seen["all_shards"] = all(is_shard(p) for p in model.parameters())
             mem = memory_tensors(model)
@@ -184,14 +198,17 @@ def _worker(n):
             ledger.reset()  # count the steps after this one: forward, backward and nothing else
 
         def grad_probe(model, key="fp16_grads"):  # the first step's whole averaged gradient
-            seen[key] = {k: gather_full(p, p.grad) for k, p in model.named_parameters()
-                         if p.grad is not None}
+            seen[key] = {
+                k: gather_full(p, p.grad) for k, p in model.named_parameters() if p.grad is not None
+            }
 
         ledger = CommLedger()
         model = shard_model(make(), Communicator(dist.group.WORLD, "dp", ledger))
         out[f"{name}_losses"], opt = plain_loop(model, batches, rank, n, probe=probe)
-        out[f"{name}_ledger"] = {op: (s.calls / (STEPS - 1), s.bus_bytes / (STEPS - 1))
-                                 for op, s in ledger.totals().items()}
+        out[f"{name}_ledger"] = {
+            op: (s.calls / (STEPS - 1), s.bus_bytes / (STEPS - 1))
+            for op, s in ledger.totals().items()
+        }
         full = full_parameters(model)
         out[f"{name}_names"] = sorted(full) == sorted(ref)
         out[f"{name}_rel"] = rel(full, ref)
@@ -200,21 +217,32 @@ def _worker(n):
 
         # checkpoint helpers: the shard round-trips, AdamW's state is the one-process state
         by_name = dict(model.named_parameters())
-        out[f"{name}_roundtrip"] = all(torch.equal(local_shard(p, gather_full(p, p)), p.detach())
-                                       for p in by_name.values())
+        out[f"{name}_roundtrip"] = all(
+            torch.equal(local_shard(p, gather_full(p, p)), p.detach()) for p in by_name.values()
+        )
         out[f"{name}_exp_avg_rel"] = rel(
-            {k: gather_full(p, opt.state[p]["exp_avg"]) for k, p in by_name.items()
-             if p in opt.state},
-            {k: ref_opt.state[p]["exp_avg"] for k, p in ref.items() if p in ref_opt.state})
+            {
+                k: gather_full(p, opt.state[p]["exp_avg"])
+                for k, p in by_name.items()
+                if p in opt.state
+            },
+            {k: ref_opt.state[p]["exp_avg"] for k, p in ref.items() if p in ref_opt.state},
+        )
         out[f"{name}_exp_avg_sq_rel"] = rel(
-            {k: gather_full(p, opt.state[p]["exp_avg_sq"]) for k, p in by_name.items()
-             if p in opt.state},
-            {k: ref_opt.state[p]["exp_avg_sq"] for k, p in ref.items() if p in ref_opt.state})
+            {
+                k: gather_full(p, opt.state[p]["exp_avg_sq"])
+                for k, p in by_name.items()
+                if p in opt.state
+            },
+            {k: ref_opt.state[p]["exp_avg_sq"] for k, p in ref.items() if p in ref_opt.state},
+        )
 
         # the same loop with other options: each must reproduce the reference
-        variants = {"set_to_none_false": ({}, dict(set_to_none=False)),
-                    "accumulate": ({}, dict(accumulate=2)),
-                    "offload": (dict(offload=True), {})}
+        variants = {
+            "set_to_none_false": ({}, dict(set_to_none=False)),
+            "accumulate": ({}, dict(accumulate=2)),
+            "offload": (dict(offload=True), {}),
+        }
         if name == "gpt":
             variants["recompute"] = ({}, {})
         for variant, (shard_kwargs, loop_kwargs) in variants.items():
@@ -227,7 +255,8 @@ def _worker(n):
 
         # fp16 compute, fp32 masters, against the single-process mixed-precision run
         out[f"{name}_mixed_ref_losses"], _, mixed_grads = reference_run(
-            mixed_ref := make(), batches, mixed=True)
+            mixed_ref := make(), batches, mixed=True
+        )
         model = shard_model(make(), param_dtype=torch.float16)
         out[f"{name}_fp16_losses"], _ = plain_loop(model, batches, rank, n, probe=grad_probe)
         fp16_full = full_parameters(model)
@@ -238,7 +267,8 @@ def _worker(n):
         out[f"{name}_probe"] = seen
         policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
         out[f"{name}_fp16_torch_losses"], torch_params = torch_fsdp_run(
-            make, batches, rank, n, mp_policy=policy)
+            make, batches, rank, n, mp_policy=policy
+        )
         out[f"{name}_fp16_torch_rel"] = rel(fp16_full, torch_params)
         out[f"{name}_fp16_master_dtype"] = {p.dtype for p in model.parameters()} == {torch.float32}
     out["psi"] = config.num_params()
@@ -270,12 +300,20 @@ def test_grads_are_fp32_shards_and_unused_stay_none(results, name):
     _, per_rank = results
     for out in per_rank:
         probe = out[f"{name}_probe"]
-        assert probe["all_shards"] and probe["grads_fp32_shard_shaped"] and probe["unused_grad_none"]
+        assert (
+            probe["all_shards"] and probe["grads_fp32_shard_shaped"] and probe["unused_grad_none"]
+        )
 
 
-@pytest.mark.parametrize("name,variant", [
-    (name, variant) for name in ("gpt", "toy")
-    for variant in ("set_to_none_false", "accumulate", "offload")] + [("gpt", "recompute")])
+@pytest.mark.parametrize(
+    ("name", "variant"),
+    [
+        (name, variant)
+        for name in ("gpt", "toy")
+        for variant in ("set_to_none_false", "accumulate", "offload")
+    ]
+    + [("gpt", "recompute")],
+)
 def test_loop_variants_equal_one_process(results, name, variant):
     _, per_rank = results
     for out in per_rank:

@@ -36,9 +36,21 @@ TRAINING = dict(lr=1e-3, weight_decay=0.1, grad_clip=0.5)
 
 
 def make_args(**layout):
-    base = dict(dp=1, tp=1, pp=1, zero=0, schedule="1f1b", virtual_stages=1, microbatches=2,
-                sequence_parallel=False, bucket_mb=0.01, precision="fp32", recompute=False,
-                offload=False, **TRAINING)
+    base = dict(
+        dp=1,
+        tp=1,
+        pp=1,
+        zero=0,
+        schedule="1f1b",
+        virtual_stages=1,
+        microbatches=2,
+        sequence_parallel=False,
+        bucket_mb=0.01,
+        precision="fp32",
+        recompute=False,
+        offload=False,
+        **TRAINING,
+    )
     return SimpleNamespace(**{**base, **layout})
 
 
@@ -47,16 +59,17 @@ def batches(n_steps: int, start: int = 0):
     out = []
     for step in range(start, start + n_steps):
         g = torch.Generator().manual_seed(1000 + step)
-        tokens = torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, CONFIG["n_positions"] + 1),
-                               generator=g)
+        tokens = torch.randint(
+            0, CONFIG["vocab_size"], (GLOBAL_BATCH, CONFIG["n_positions"] + 1), generator=g
+        )
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
 
 
 def reference(n_steps: int) -> tuple[list[float], list[dict]]:
     """One process, the whole global batch: losses and the parameters after every step."""
-    from hplab.models.gpt import GPTConfig, build_model
     from hplab.compose import make_optimizer
+    from hplab.models.gpt import GPTConfig, build_model
 
     model = build_model(GPTConfig(**CONFIG), 0)
     optimizer = make_optimizer(model.parameters(), TRAINING["lr"], TRAINING["weight_decay"])
@@ -75,12 +88,13 @@ def reference(n_steps: int) -> tuple[list[float], list[dict]]:
 def train(mesh, args, steps: int = STEPS, start: int = 0, state=None):
     """Build the engine for `args` on `mesh`, optionally load a full state, train `steps`
     steps on this rank's share; return the losses and the engine."""
-    from hplab.models.gpt import GPTConfig, build_model
     from hplab.checkpoint import load_full_state
     from hplab.compose import ParallelConfig, parallelize, train_step
+    from hplab.models.gpt import GPTConfig, build_model
 
-    engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh,
-                         ParallelConfig.from_namespace(args))
+    engine = parallelize(
+        build_model(GPTConfig(**CONFIG), 0), mesh, ParallelConfig.from_namespace(args)
+    )
     if state is not None:
         load_full_state(engine, *state)
     share = GLOBAL_BATCH // mesh.dp_size
@@ -114,8 +128,9 @@ HALF_LAYOUTS_4 = {
     "tp2 pp2 bf16 recompute": dict(tp=2, pp=2, precision="bf16", recompute=True),
     "dp2 tp2 zero2 bf16": dict(dp=2, tp=2, zero=2, precision="bf16"),
     "dp2 pp2 zero1 fp16": dict(dp=2, pp=2, zero=1, precision="fp16"),
-    "tp2 pp2 fp16 interleaved": dict(tp=2, pp=2, precision="fp16", schedule="interleaved",
-                                     virtual_stages=2),
+    "tp2 pp2 fp16 interleaved": dict(
+        tp=2, pp=2, precision="fp16", schedule="interleaved", virtual_stages=2
+    ),
 }
 INF_AT_STEP = 1
 
@@ -130,11 +145,12 @@ def train_half(mesh, args, inject_inf: bool) -> dict:
     rank 0 also how much the full model moved at that step."""
     import math
 
-    from hplab.models.gpt import GPTConfig, build_model
     from hplab.compose import ParallelConfig, parallelize, train_step
+    from hplab.models.gpt import GPTConfig, build_model
 
-    engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh,
-                         ParallelConfig.from_namespace(args))
+    engine = parallelize(
+        build_model(GPTConfig(**CONFIG), 0), mesh, ParallelConfig.from_namespace(args)
+    )
     share = GLOBAL_BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
     losses, scales, moved = [], [], None
@@ -144,7 +160,8 @@ def train_half(mesh, args, inject_inf: bool) -> dict:
             before = gather_full_state(engine)[0]
             if mesh.rank == mesh.world_size - 1:
                 hook = local_parameters(engine)[0].register_hook(
-                    lambda g: torch.full_like(g, math.inf))
+                    lambda g: torch.full_like(g, math.inf)
+                )
         scales.append(engine.precision.loss_scale)
         losses.append(train_step(engine, x[mine], y[mine]))
         if hook is not None:
@@ -155,8 +172,13 @@ def train_half(mesh, args, inject_inf: bool) -> dict:
                 moved = max(float((after[n] - before[n]).abs().max()) for n in after)
     scales.append(engine.precision.loss_scale)
     final = {n: t.numpy().copy() for n, t in gather_full_state(engine)[0].items()}
-    return {"losses": losses, "params": final, "scales": scales, "moved_at_inf": moved,
-            "skipped": engine.precision.scaler.skipped_steps if engine.precision.scaler else 0}
+    return {
+        "losses": losses,
+        "params": final,
+        "scales": scales,
+        "moved_at_inf": moved,
+        "skipped": engine.precision.scaler.skipped_steps if engine.precision.scaler else 0,
+    }
 
 
 def run_half_layouts(layouts: dict[str, dict]) -> dict:
@@ -183,8 +205,9 @@ def run_half_layouts(layouts: dict[str, dict]) -> dict:
 LAYOUTS_8 = {
     "dp2 tp2 pp2 zero0": dict(dp=2, tp=2, pp=2, zero=0),
     "dp2 tp2 pp2 zero1 recompute": dict(dp=2, tp=2, pp=2, zero=1, recompute=True),
-    "dp2 tp2 pp2 zero2 interleaved": dict(dp=2, tp=2, pp=2, zero=2, schedule="interleaved",
-                                          virtual_stages=2),
+    "dp2 tp2 pp2 zero2 interleaved": dict(
+        dp=2, tp=2, pp=2, zero=2, schedule="interleaved", virtual_stages=2
+    ),
 }
 LAYOUTS_4 = {
     "tp2 pp2": dict(tp=2, pp=2),
@@ -218,8 +241,9 @@ def _world4(directory: str) -> dict:
     _, engine = train(Mesh.create(tp=2, pp=2), make_args(tp=2, pp=2))
     model_state, optimizer_state = gather_full_state(engine)
     if dist.get_rank() == 0:
-        checkpoint.save(directory, GPTConfig(**CONFIG), model_state, optimizer_state,
-                        {"step": STEPS})
+        checkpoint.save(
+            directory, GPTConfig(**CONFIG), model_state, optimizer_state, {"step": STEPS}
+        )
     dist.barrier()
     saved = checkpoint.load(directory)
     state = (saved["model"], saved["optimizer"])
@@ -236,8 +260,9 @@ def _world1(directory: str) -> list[float]:
     from hplab.dist import Mesh
 
     saved = checkpoint.load(directory)
-    losses, _ = train(Mesh.create(), make_args(), start=STEPS,
-                      state=(saved["model"], saved["optimizer"]))
+    losses, _ = train(
+        Mesh.create(), make_args(), start=STEPS, state=(saved["model"], saved["optimizer"])
+    )
     return losses
 
 
@@ -308,9 +333,14 @@ def _one_process_half() -> dict:
     from hplab.dist import Mesh
 
     mesh = Mesh.create()
-    return {name: train_half(mesh, make_args(precision=layout["precision"],
-                                             recompute=layout.get("recompute", False)), False)
-            for name, layout in HALF_LAYOUTS_4.items()}
+    return {
+        name: train_half(
+            mesh,
+            make_args(precision=layout["precision"], recompute=layout.get("recompute", False)),
+            False,
+        )
+        for name, layout in HALF_LAYOUTS_4.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -327,15 +357,15 @@ def update_rel_err(ours: dict, ref: dict) -> float:
     from hplab.models.gpt import GPTConfig, build_model
 
     init = dict(build_model(GPTConfig(**CONFIG), 0).named_parameters())
-    diff = sum(float((torch.as_tensor(ours[n]) - torch.as_tensor(ref[n])).square().sum())
-               for n in ref)
+    diff = sum(
+        float((torch.as_tensor(ours[n]) - torch.as_tensor(ref[n])).square().sum()) for n in ref
+    )
     moved = sum(float((torch.as_tensor(ref[n]) - init[n].detach()).square().sum()) for n in ref)
     return (diff / moved) ** 0.5
 
 
 @pytest.mark.parametrize("name", list(HALF_LAYOUTS_4))
-def test_mixed_precision_hybrids_equal_one_process_in_that_precision(world4, ref, half_ref,
-                                                                     name):
+def test_mixed_precision_hybrids_equal_one_process_in_that_precision(world4, ref, half_ref, name):
     """Against one process in the same precision: the losses within one bf16 rounding (2⁻⁸),
     and the updates no further apart than precision itself moves them — the one-process run
     in that precision against fp32. Adam turns the rounding noise of near-zero gradients into
@@ -350,8 +380,9 @@ def test_mixed_precision_hybrids_equal_one_process_in_that_precision(world4, ref
     assert update_rel_err(ours["params"], one["params"]) < 2 * precision_noise
 
 
-@pytest.mark.parametrize("name", [n for n, lay in HALF_LAYOUTS_4.items()
-                                  if lay["precision"] == "fp16"])
+@pytest.mark.parametrize(
+    "name", [n for n, lay in HALF_LAYOUTS_4.items() if lay["precision"] == "fp16"]
+)
 def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank(world4, name):
     result = world4["half"][name]
     for rank, seen in enumerate(result["ranks"]):
@@ -366,8 +397,7 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank(world4, name):
 def test_saved_under_tp2_pp2_resumes_under_another_layout(world4, ref, name):
     resumed = world4[f"resumed under {name}"]
     uninterrupted = ref[0][STEPS:]
-    assert max(rel(a, b) for a, b in zip(resumed, uninterrupted)) < RTOL, (resumed,
-                                                                           uninterrupted)
+    assert max(rel(a, b) for a, b in zip(resumed, uninterrupted)) < RTOL, (resumed, uninterrupted)
 
 
 def test_saved_under_tp2_pp2_resumes_on_one_process(world4, ref, saved_dir):
@@ -383,8 +413,9 @@ def test_saved_directory_is_a_hugging_face_model(world4, ref, saved_dir):
     from hplab.models.gpt import GPTConfig, build_model
 
     saved = checkpoint.load(saved_dir)
-    assert model_rel_err({n: saved["model"][n] for n in ref[1][STEPS - 1]},
-                         ref[1][STEPS - 1]) < RTOL
+    assert (
+        model_rel_err({n: saved["model"][n] for n in ref[1][STEPS - 1]}, ref[1][STEPS - 1]) < RTOL
+    )
     assert set(saved["optimizer"]) == set(ref[1][0])  # every parameter's AdamW state
     model = build_model(GPTConfig(**CONFIG), 0)
     model.load_state_dict({n: saved["model"][n] for n in model.state_dict()})
@@ -395,16 +426,28 @@ def test_saved_directory_is_a_hugging_face_model(world4, ref, saved_dir):
     assert float((ours - theirs).abs().max() / theirs.abs().max()) < RTOL
 
 
-@pytest.mark.parametrize("flags, reason, command_line", [
-    (dict(pp=2, zero=3), "ZeRO-3 with a pipeline", "--zero 3 --pp 2"),
-    (dict(pp=2, tp=2, sequence_parallel=True), "sequence parallel runs with tensor and data",
-     "--sequence-parallel --pp 2"),
-    (dict(dp=2, tp=2, zero=1, sequence_parallel=True), "no pipeline, no ZeRO",
-     "--sequence-parallel --zero 1"),
-    (dict(pp=2, zero=2, schedule="zb-h1"), "ZB-H1 defers weight gradients",
-     "--zero 2 --schedule zb-h1"),
-    (dict(offload=True), "needs ZeRO 1, 2 or 3", "--offload"),
-])
+@pytest.mark.parametrize(
+    ("flags", "reason", "command_line"),
+    [
+        (dict(pp=2, zero=3), "ZeRO-3 with a pipeline", "--zero 3 --pp 2"),
+        (
+            dict(pp=2, tp=2, sequence_parallel=True),
+            "sequence parallel runs with tensor and data",
+            "--sequence-parallel --pp 2",
+        ),
+        (
+            dict(dp=2, tp=2, zero=1, sequence_parallel=True),
+            "no pipeline, no ZeRO",
+            "--sequence-parallel --zero 1",
+        ),
+        (
+            dict(pp=2, zero=2, schedule="zb-h1"),
+            "ZB-H1 defers weight gradients",
+            "--zero 2 --schedule zb-h1",
+        ),
+        (dict(offload=True), "needs ZeRO 1, 2 or 3", "--offload"),
+    ],
+)
 def test_refused_combinations_say_why(flags, reason, command_line):
     """The library refuses in a plain sentence; train.py names the flags the user gave."""
     from hplab.compose import NotSupported, ParallelConfig, check_config
@@ -413,13 +456,16 @@ def test_refused_combinations_say_why(flags, reason, command_line):
 
     with pytest.raises(NotSupported, match=reason) as refused:
         check_config(ParallelConfig.from_namespace(make_args(**flags)), GPTConfig(**CONFIG))
-    argv = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
-            for k, v in flags.items()]
+    argv = [
+        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
+        for k, v in flags.items()
+    ]
     shown = str(with_flags(refused.value, argv))
     assert shown.startswith(command_line + ": not supported: "), shown
 
 
 # --- train.py: --save / --save-every / --resume -------------------------------------------------
+
 
 def _train_runs(directory: str) -> dict:
     """train.py's own run() (flags parsed as on the command line) three times in one 2-rank
@@ -429,11 +475,27 @@ def _train_runs(directory: str) -> dict:
 
     common = ["--no-progress", "--n-layer", "2", "--batch-size", "4", "--lr", "3e-3"]
     runs = {
-        "uninterrupted": ["--dp", "2", "--steps", "4", "--save", f"{directory}/a",
-                          "--save-every", "2"],
+        "uninterrupted": [
+            "--dp",
+            "2",
+            "--steps",
+            "4",
+            "--save",
+            f"{directory}/a",
+            "--save-every",
+            "2",
+        ],
         "first half": ["--pp", "2", "--steps", "2", "--save", f"{directory}/b"],
-        "resumed": ["--tp", "2", "--steps", "4", "--resume", f"{directory}/b",
-                    "--save", f"{directory}/c"],
+        "resumed": [
+            "--tp",
+            "2",
+            "--steps",
+            "4",
+            "--resume",
+            f"{directory}/b",
+            "--save",
+            f"{directory}/c",
+        ],
     }
     out = {name: train.run(train.parse_args(common + flags)) for name, flags in runs.items()}
     out["configs"] = _run_configs(configs_of_size(2), directory + "-configs")
@@ -494,8 +556,11 @@ def _launch(nproc: int, script: str, *flags: str, **popen) -> subprocess.Popen:
     from hplab.dist import torchrun_command
 
     flags = ("--no-progress", "--n-layer", "2", "--batch-size", "4", *flags)
-    command = [sys.executable, script, "--nproc", str(nproc), *flags] if script.endswith(
-        "hplab/train.py") else torchrun_command(nproc, script, *flags)
+    command = (
+        [sys.executable, script, "--nproc", str(nproc), *flags]
+        if script.endswith("hplab/train.py")
+        else torchrun_command(nproc, script, *flags)
+    )
     return subprocess.Popen(command, cwd=REPO, text=True, **popen)
 
 
@@ -510,11 +575,31 @@ def test_train_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_pat
     script = tmp_path / "stalled_save.py"
     script.write_text(STALLED_SAVE.format(repo=str(REPO)))
     ckpt = tmp_path / "ckpt"
-    killed = _launch(2, str(script), "--dp", "2", "--steps", "4", "--save", str(ckpt),
-                     "--save-every", "1", stdout=subprocess.PIPE, start_new_session=True)
-    uninterrupted = _launch(2, str(REPO / "hplab/train.py"), "--dp", "2", "--steps", "4",
-                            "--metrics", str(tmp_path / "uninterrupted.json"),
-                            stdout=subprocess.DEVNULL)
+    killed = _launch(
+        2,
+        str(script),
+        "--dp",
+        "2",
+        "--steps",
+        "4",
+        "--save",
+        str(ckpt),
+        "--save-every",
+        "1",
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    uninterrupted = _launch(
+        2,
+        str(REPO / "hplab/train.py"),
+        "--dp",
+        "2",
+        "--steps",
+        "4",
+        "--metrics",
+        str(tmp_path / "uninterrupted.json"),
+        stdout=subprocess.DEVNULL,
+    )
     try:
         seen = []
         for line in killed.stdout:  # until the second save is under way (or the run ends)
@@ -530,9 +615,21 @@ def test_train_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_pat
     # the half-written second save is there, aside; the first (after step 1) is intact
     assert [p.name for p in tmp_path.glob(".ckpt.tmp-*")], "the kill did not land mid-save"
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 1
-    resumed = _launch(2, str(REPO / "hplab/train.py"), "--pp", "2", "--steps", "4",
-                      "--resume", str(ckpt), "--save", str(ckpt),
-                      "--metrics", str(tmp_path / "resumed.json"), stdout=subprocess.DEVNULL)
+    resumed = _launch(
+        2,
+        str(REPO / "hplab/train.py"),
+        "--pp",
+        "2",
+        "--steps",
+        "4",
+        "--resume",
+        str(ckpt),
+        "--save",
+        str(ckpt),
+        "--metrics",
+        str(tmp_path / "resumed.json"),
+        stdout=subprocess.DEVNULL,
+    )
     assert resumed.wait(timeout=300) == 0
     before, after = _losses(tmp_path / "uninterrupted.json"), _losses(tmp_path / "resumed.json")
     assert sorted(after) == [1, 2, 3]
@@ -540,7 +637,11 @@ def test_train_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_pat
     # the resumed run's own save cleaned up what the killed one left behind
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt", "resumed.json", "stalled_save.py", "uninterrupted.json"]
+        "ckpt",
+        "resumed.json",
+        "stalled_save.py",
+        "uninterrupted.json",
+    ]
 
 
 # --- configs/: every recipe runs (2 steps), one launch per world size ---------------------------
@@ -567,9 +668,11 @@ def _run_configs(paths: list[str], directory: str) -> dict:
             flags += ["--save", f"{directory}/{Path(path).stem}"]
         metrics = train.run(train.parse_args(flags))
         if metrics is not None:
-            out[Path(path).name] = {"losses": [s["loss"] for s in metrics["steps"]],
-                                    "world_size": metrics["world_size"],
-                                    "summary": train.summary_table(metrics)}
+            out[Path(path).name] = {
+                "losses": [s["loss"] for s in metrics["steps"]],
+                "world_size": metrics["world_size"],
+                "summary": train.summary_table(metrics),
+            }
     return out
 
 
@@ -585,9 +688,14 @@ def config_runs(world2, world4, world8):
 
 def test_there_is_a_recipe_per_seed_layout():
     names = {p.stem for p in CONFIGS}
-    assert {"colossalai_gpt2_pp2_zero1_fp16", "paddle_gpt3_sharding4_mp2_amp_recompute",
-            "megatron_gpt2_345m_tp2", "megatron_gpt2_345m_pp2", "megatron_gpt2_345m_tp2_pp2",
-            "paddlenlp_trainer_tp2_pp2_sharding2"} <= names
+    assert {
+        "colossalai_gpt2_pp2_zero1_fp16",
+        "paddle_gpt3_sharding4_mp2_amp_recompute",
+        "megatron_gpt2_345m_tp2",
+        "megatron_gpt2_345m_pp2",
+        "megatron_gpt2_345m_tp2_pp2",
+        "paddlenlp_trainer_tp2_pp2_sharding2",
+    } <= names
     for path in CONFIGS:
         assert "original:" in path.read_text(), f"{path.name} must quote the original's numbers"
 

@@ -26,10 +26,15 @@ from hplab.dist import run_distributed
 CONFIG = dict(vocab_size=2048, n_positions=16, n_embd=32, n_layer=2, n_head=4)  # hplab-bpe: 2048
 STEPS, RTOL = 3, 1e-5
 COMMON = ["--no-progress", "--batch-size", "4", "--lr", "3e-3"]
-LAYOUTS = {"dp2": ["--dp", "2"], "tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--microbatches", "2"],
-           "dp2 zero3": ["--dp", "2", "--zero", "3"]}
-IDS = torch.randint(0, CONFIG["vocab_size"], (2, CONFIG["n_positions"]),
-                    generator=torch.Generator().manual_seed(7))
+LAYOUTS = {
+    "dp2": ["--dp", "2"],
+    "tp2": ["--tp", "2"],
+    "pp2": ["--pp", "2", "--microbatches", "2"],
+    "dp2 zero3": ["--dp", "2", "--zero", "3"],
+}
+IDS = torch.randint(
+    0, CONFIG["vocab_size"], (2, CONFIG["n_positions"]), generator=torch.Generator().manual_seed(7)
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +43,9 @@ def hf_dir(tmp_path_factory):
     generation_config.json), the lm_head tied to wte and so not stored."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        **CONFIG, bos_token_id=0, eos_token_id=0))  # transformers 5: ids inside the vocabulary
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(**CONFIG, bos_token_id=0, eos_token_id=0)
+    )  # transformers 5: ids inside the vocabulary
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -57,7 +63,7 @@ def hf_logits(directory) -> torch.Tensor:
         return GPT2LMHeadModel.from_pretrained(directory).eval()(input_ids=IDS).logits
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def one_process(directory: str, steps: int) -> list[float]:
     """The reference: hplab's GPT with the folder's weights, a new torch AdamW (train.py's
     settings), the batches train.py reads at steps 0, 1, ...; the loss of each step."""
@@ -72,8 +78,9 @@ def one_process(directory: str, steps: int) -> list[float]:
     model.load_state_dict(start["model"])
     optimizer, losses = make_optimizer(model.parameters(), args.lr, args.weight_decay), []
     for step in range(steps):
-        x, y = get_batch(dataset, global_batch_indices(len(dataset), step, args.batch_size,
-                                                       args.seed))
+        x, y = get_batch(
+            dataset, global_batch_indices(len(dataset), step, args.batch_size, args.seed)
+        )
         loss = model(x, y)[1]
         loss.backward()
         optimizer.step()
@@ -115,12 +122,23 @@ def _in_two_processes(directory: str, saved: str) -> dict:
     for name, flags in LAYOUTS.items():
         out[name] = {"logits": _logits_after_loading(directory, flags)}
         save = ["--save", saved] if name == "dp2" else []
-        out[name]["metrics"] = train.run(train.parse_args(
-            [*COMMON, *flags, "--steps", str(STEPS), "--init-from", directory, *save]))
-    out["cp2"] = {"metrics": train.run(train.parse_args(  # context parallel: trained, not probed
-        [*COMMON, "--cp", "2", "--steps", str(STEPS), "--init-from", directory]))}
-    out["tp2 from the checkpoint"] = {"metrics": train.run(train.parse_args(
-        [*COMMON, "--tp", "2", "--steps", "2", "--init-from", saved]))}
+        out[name]["metrics"] = train.run(
+            train.parse_args(
+                [*COMMON, *flags, "--steps", str(STEPS), "--init-from", directory, *save]
+            )
+        )
+    out["cp2"] = {
+        "metrics": train.run(
+            train.parse_args(  # context parallel: trained, not probed
+                [*COMMON, "--cp", "2", "--steps", str(STEPS), "--init-from", directory]
+            )
+        )
+    }
+    out["tp2 from the checkpoint"] = {
+        "metrics": train.run(
+            train.parse_args([*COMMON, "--tp", "2", "--steps", "2", "--init-from", saved])
+        )
+    }
     return out
 
 
@@ -176,6 +194,7 @@ def test_a_checkpoint_starts_at_step_0_with_a_new_optimizer(world2):
 
 # --- bad folders and flags: one line, exit code 2, before any process starts ------------------
 
+
 def folder(tmp_path, hf_dir, change: str):
     """A copy of the good folder, broken as `change` says."""
     from safetensors.torch import load_file, save_file
@@ -185,11 +204,15 @@ def folder(tmp_path, hf_dir, change: str):
     if change == "no config":
         (bad / "config.json").unlink()
     elif change == "llama":
-        (bad / "config.json").write_text(json.dumps({**config, "model_type": "llama",
-                                                     "architectures": ["LlamaForCausalLM"]}))
+        (bad / "config.json").write_text(
+            json.dumps({**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+        )
     elif change in ("vocab 1000", "relu", "n_embd 64"):
-        key, value = {"vocab 1000": ("vocab_size", 1000), "relu": ("activation_function", "relu"),
-                      "n_embd 64": ("n_embd", 64)}[change]
+        key, value = {
+            "vocab 1000": ("vocab_size", 1000),
+            "relu": ("activation_function", "relu"),
+            "n_embd 64": ("n_embd", 64),
+        }[change]
         (bad / "config.json").write_text(json.dumps({**config, key: value}))
     elif change == "truncated":
         weights.write_bytes(weights.read_bytes()[:1000])
@@ -202,24 +225,40 @@ def folder(tmp_path, hf_dir, change: str):
     return bad
 
 
-@pytest.mark.parametrize("change, flags, message", [
-    ("no config", [], "config.json: No such file or directory: expected a Hugging Face model"),
-    ("llama", [], "config.json says model_type 'llama': not a GPT-2 model ('gpt2')"),
-    ("vocab 1000", [], "config.json has vocab_size 1000, the vocabulary of no shipped tokenizer "
-                       "(hplab-bpe: 2048, gpt2: 50257 ids)"),
-    ("relu", [], "config.json has activation_function 'relu': hplab's GPT-2 has 'gelu_new'"),
-    ("n_embd 64", [], "holds tensors of other shapes than its config.json says: "
-                      "transformer.wte.weight [2048, 32]"),
-    ("truncated", [], "holds no readable model.safetensors"),
-    ("pickle only", [], "holds no readable model.safetensors (No such file or directory"),
-    ("missing tensor", [], "lacks tensors of its model: transformer.h.1.mlp.c_fc.weight"),
-    ("", ["--n-layer", "4"], "different model (n_layer: saved 2, asked 4): leave those flags out"),
-    ("", ["--model", "gpt2"], "different model (vocab_size: saved 2048, asked 50257; "),
-    ("", ["--moe-experts", "4"], "different model (n_experts: saved 0, asked 4)"),
-    ("", ["--resume", "x"], "--init-from starts a new run, --resume continues one"),
-])
-def test_a_bad_folder_or_flag_is_one_line_before_any_process(hf_dir, tmp_path, capsys, change,
-                                                             flags, message):
+@pytest.mark.parametrize(
+    ("change", "flags", "message"),
+    [
+        ("no config", [], "config.json: No such file or directory: expected a Hugging Face model"),
+        ("llama", [], "config.json says model_type 'llama': not a GPT-2 model ('gpt2')"),
+        (
+            "vocab 1000",
+            [],
+            "config.json has vocab_size 1000, the vocabulary of no shipped tokenizer "
+            "(hplab-bpe: 2048, gpt2: 50257 ids)",
+        ),
+        ("relu", [], "config.json has activation_function 'relu': hplab's GPT-2 has 'gelu_new'"),
+        (
+            "n_embd 64",
+            [],
+            "holds tensors of other shapes than its config.json says: "
+            "transformer.wte.weight [2048, 32]",
+        ),
+        ("truncated", [], "holds no readable model.safetensors"),
+        ("pickle only", [], "holds no readable model.safetensors (No such file or directory"),
+        ("missing tensor", [], "lacks tensors of its model: transformer.h.1.mlp.c_fc.weight"),
+        (
+            "",
+            ["--n-layer", "4"],
+            "different model (n_layer: saved 2, asked 4): leave those flags out",
+        ),
+        ("", ["--model", "gpt2"], "different model (vocab_size: saved 2048, asked 50257; "),
+        ("", ["--moe-experts", "4"], "different model (n_experts: saved 0, asked 4)"),
+        ("", ["--resume", "x"], "--init-from starts a new run, --resume continues one"),
+    ],
+)
+def test_a_bad_folder_or_flag_is_one_line_before_any_process(
+    hf_dir, tmp_path, capsys, change, flags, message
+):
     directory = folder(tmp_path, hf_dir, change) if change else hf_dir
     assert train.main(["--nproc", "2", "--init-from", str(directory), *flags]) == 2
     err = capsys.readouterr().err

@@ -9,7 +9,7 @@ import pytest
 from hplab import lab
 
 
-@pytest.mark.parametrize("op,n", [("all_reduce", 4), ("all_gather", 8), ("send_recv", 2)])
+@pytest.mark.parametrize(("op", "n"), [("all_reduce", 4), ("all_gather", 8), ("send_recv", 2)])
 def test_alpha_beta_fit_recovers_the_model_it_was_given(op, n):
     alpha, beta = 250e-6, 3e9
     steps, factor = lab.alpha_beta_terms(op, n)
@@ -31,13 +31,17 @@ def test_ring_terms_follow_the_bus_factor_convention():
 
 
 def test_flags_translate_python_names_to_the_command_line():
-    assert lab._flags({"bucket_mb": 0.5, "recompute": True, "zero": None, "no_progress": False}) \
-        == ["--bucket-mb", "0.5", "--recompute"]
+    assert lab._flags(
+        {"bucket_mb": 0.5, "recompute": True, "zero": None, "no_progress": False}
+    ) == ["--bucket-mb", "0.5", "--recompute"]
 
 
 def test_mfu_formula():
-    metrics = {"world_size": 2, "tokens_per_s": 1000.0,
-               "model": {"num_params": 100, "n_layer": 2, "n_embd": 4, "n_positions": 8}}
+    metrics = {
+        "world_size": 2,
+        "tokens_per_s": 1000.0,
+        "model": {"num_params": 100, "n_layer": 2, "n_embd": 4, "n_positions": 8},
+    }
     run = lab.Run(metrics)
     per_token = 6 * 100 + 12 * 2 * 4 * 8
     assert lab.mfu(run, peak_flops_per_process=1e6) == pytest.approx(1000 * per_token / 2e6)
@@ -56,22 +60,44 @@ def test_plots_draw_from_a_metrics_dict_without_a_notebook():
     matplotlib.use("Agg")
     from hplab import viz
 
-    kinds = {"params_bytes": 4, "grads_bytes": 4, "optim_bytes": 8, "master_bytes": 0,
-             "activation_bytes": 20, "peak_bytes": 36, "peak_rss_bytes": 1}
-    metrics = {"world_size": 1, "config": {"dp": 1, "tp": 1, "pp": 1, "zero": 0},
-               "steps": [{"step": 0, "loss": 2.0, "time_s": 0.1, "tokens": 10},
-                         {"step": 1, "loss": 1.5, "time_s": 0.1, "tokens": 10}],
-               "tokens_per_s": 100.0, "memory": [kinds], "comm": [{}]}
+    kinds = {
+        "params_bytes": 4,
+        "grads_bytes": 4,
+        "optim_bytes": 8,
+        "master_bytes": 0,
+        "activation_bytes": 20,
+        "peak_bytes": 36,
+        "peak_rss_bytes": 1,
+    }
+    metrics = {
+        "world_size": 1,
+        "config": {"dp": 1, "tp": 1, "pp": 1, "zero": 0},
+        "steps": [
+            {"step": 0, "loss": 2.0, "time_s": 0.1, "tokens": 10},
+            {"step": 1, "loss": 1.5, "time_s": 0.1, "tokens": 10},
+        ],
+        "tokens_per_s": 100.0,
+        "memory": [kinds],
+        "comm": [{}],
+    }
     run = lab.Run(metrics)
     assert run.label() == "dp=1" and run.losses == [2.0, 1.5]
     ax = run.plot_loss()
     assert ax.get_title() and ax.get_ylabel().startswith("loss")
-    ax = viz.plot_memory_breakdown({f"measured ({run.label()})": run.memory_bytes()},
-                                   predicted={"params": 4, "grads": 4, "optim": 8})
+    ax = viz.plot_memory_breakdown(
+        {f"measured ({run.label()})": run.memory_bytes()},
+        predicted={"params": 4, "grads": 4, "optim": 8},
+    )
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["measured (dp=1)", "formula"]
     sizes = [2**k for k in range(10, 16)]
-    data = {"world_size": 4, "backend": "gloo", "repeats": 1, "ledger": {}, "demo": [],
-            "results": {"all_reduce": [{"bytes": s, "time_s": 1e-4 + s / 1e9} for s in sizes]}}
+    data = {
+        "world_size": 4,
+        "backend": "gloo",
+        "repeats": 1,
+        "ledger": {},
+        "demo": [],
+        "results": {"all_reduce": [{"bytes": s, "time_s": 1e-4 + s / 1e9} for s in sizes]},
+    }
     ax = lab.Collectives(data).plot()
     assert "4 processes" in ax.get_title() and ax.get_xscale() == "log"
     viz.plot_bubble_fraction(4, highlight=8)

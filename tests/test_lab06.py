@@ -42,12 +42,15 @@ def groups(dp, tp, pp):
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lab06")
-    paths = {"solution": SOLUTIONS_DIR / "lab06_mesh.py",
-             "skeleton": EXERCISES_DIR / "lab06_mesh.py"}
+    paths = {
+        "solution": SOLUTIONS_DIR / "lab06_mesh.py",
+        "skeleton": EXERCISES_DIR / "lab06_mesh.py",
+    }
     for label, source in (("dp_fastest", MESH_DP_FASTEST), ("swapped", MESH_SWAPPED_TUPLE)):
         paths[label] = tmp / f"mesh_{label}.py"
-        paths[label].write_text(textwrap.dedent(source.replace("{solutions!r}",
-                                                               repr(str(SOLUTIONS_DIR)))))
+        paths[label].write_text(
+            textwrap.dedent(source.replace("{solutions!r}", repr(str(SOLUTIONS_DIR))))
+        )
     return dict(zip(paths, run_check("mesh", list(paths.values()))))
 
 

@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from hplab.models.gpt import (PRESETS, GPTConfig, build_model, config_from_preset,
-                              from_hf_state_dict, to_hf_config, to_hf_state_dict)
+from hplab.models.gpt import (
+    PRESETS,
+    GPTConfig,
+    build_model,
+    config_from_preset,
+    from_hf_state_dict,
+    to_hf_config,
+    to_hf_state_dict,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,8 +27,9 @@ def test_weights_convert_both_ways_and_logits_match_hugging_face():
     hf = transformers.GPT2LMHeadModel(to_hf_config(config)).eval()
     hf.load_state_dict(to_hf_state_dict(ours.state_dict()))
     assert set(hf.state_dict()) >= set(ours.state_dict())  # the very same names
-    idx = torch.randint(0, config.vocab_size, (2, config.n_positions),
-                        generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(
+        0, config.vocab_size, (2, config.n_positions), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         ours_logits, ours_loss = ours(idx, idx)
         out = hf(input_ids=idx)

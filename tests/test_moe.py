@@ -77,8 +77,7 @@ def test_gpt_blocks_are_mixtures_of_experts_and_counted():
 
     config = GPTConfig(n_layer=2, n_experts=3, moe_top_k=1)
     model = build_model(config)
-    assert all(isinstance(b.mlp, moe.MoE) and len(b.mlp.experts) == 3
-               for b in model.transformer.h)
+    assert all(isinstance(b.mlp, moe.MoE) and len(b.mlp.experts) == 3 for b in model.transformer.h)
     assert sum(p.numel() for p in model.parameters()) == config.num_params()
     x = torch.randint(0, config.vocab_size, (2, 8))
     _, loss = model(x, x)
@@ -100,8 +99,14 @@ def test_capacity_drops_the_latest_slots_per_expert():
     for t, e in enumerate(route):
         want = torch.zeros(H) if t in dropped else layer.experts[str(e)](x[t])
         torch.testing.assert_close(out[t], want, atol=1e-6, rtol=1e-6)
-    assert stats.per_step == [dict(tokens_per_expert=[[2, 1, 2, 0]], dropped=[3], slots=[8],
-                                   aux_loss=float(layer.aux_loss.detach()))]
+    assert stats.per_step == [
+        dict(
+            tokens_per_expert=[[2, 1, 2, 0]],
+            dropped=[3],
+            slots=[8],
+            aux_loss=float(layer.aux_loss.detach()),
+        )
+    ]
     layer.top_k, layer.capacity_factor = 2, 0.5  # capacity = ceil(0.5 · 8 · 2 / 4) = 2
     layer(x)
     assert layer.routing["dropped"] == 16 - 2 * E  # 2 per expert kept, 8 of 16 slots dropped
@@ -116,10 +121,11 @@ def _expert_parallel(ep_sizes):
     for ep_size in ep_sizes:
         ledger = CommLedger()
         comms = {}
-        for family, lists in (("ep", [list(range(s, s + ep_size))
-                                      for s in range(0, world, ep_size)]),
-                              ("edp", [list(range(r, world, ep_size)) for r in range(ep_size)]),
-                              ("dp", [list(range(world))])):
+        for family, lists in (
+            ("ep", [list(range(s, s + ep_size)) for s in range(0, world, ep_size)]),
+            ("edp", [list(range(r, world, ep_size)) for r in range(ep_size)]),
+            ("dp", [list(range(world))]),
+        ):
             for ranks in lists:
                 group = new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
@@ -130,21 +136,44 @@ def _expert_parallel(ep_sizes):
         out = layer(xa)
         ((out * w[mine]).sum(-1).mean() + layer.aux_loss).backward()
         moe.sync_gradients(list(layer.parameters()), comms["dp"], comms["edp"])
-        results[ep_size] = dict(out=out.detach(), x_grad=xa.grad, grads=grads(layer),
-                                sent=layer.routing["tokens_per_expert"].tolist(),
-                                a2a=ledger.as_dict()["all_to_all"])
+        results[ep_size] = dict(
+            out=out.detach(),
+            x_grad=xa.grad,
+            grads=grads(layer),
+            sent=layer.routing["tokens_per_expert"].tolist(),
+            a2a=ledger.as_dict()["all_to_all"],
+        )
     return results
 
 
-TRAIN = ["--no-progress", "--n-layer", "2", "--batch-size", "8", "--lr", "3e-3",
-         "--moe-experts", "4", "--moe-top-k", "2", "--moe-aux-coef", "0.05", "--steps", "3",
-         "--grad-clip", "1e9"]  # never clips: the norm checks the gradients (AdamW hides a scale)
-TRAIN_RUNS = {4: {"dp4 ep4, saved at step 2": ["--dp", "4", "--ep", "4", "--steps", "2",
-                                                "--save", "{saved}"],
-                  "dp4 ep2": ["--dp", "4", "--ep", "2"],
-                  "dp2 tp2 ep2": ["--dp", "2", "--tp", "2", "--ep", "2"],
-                  "dp4 ep2 resumed": ["--dp", "4", "--ep", "2", "--resume", "{saved}"]},
-              1: {"one process": [], "one process resumed": ["--resume", "{saved}"]}}
+TRAIN = [
+    "--no-progress",
+    "--n-layer",
+    "2",
+    "--batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--moe-experts",
+    "4",
+    "--moe-top-k",
+    "2",
+    "--moe-aux-coef",
+    "0.05",
+    "--steps",
+    "3",
+    "--grad-clip",
+    "1e9",
+]  # never clips: the norm checks the gradients (AdamW hides a scale)
+TRAIN_RUNS = {
+    4: {
+        "dp4 ep4, saved at step 2": ["--dp", "4", "--ep", "4", "--steps", "2", "--save", "{saved}"],
+        "dp4 ep2": ["--dp", "4", "--ep", "2"],
+        "dp2 tp2 ep2": ["--dp", "2", "--tp", "2", "--ep", "2"],
+        "dp4 ep2 resumed": ["--dp", "4", "--ep", "2", "--resume", "{saved}"],
+    },
+    1: {"one process": [], "one process resumed": ["--resume", "{saved}"]},
+}
 
 
 def _launch(directory: str):
@@ -183,19 +212,26 @@ def test_expert_parallel_layer_equals_one_process(runs):
         for rank, result in enumerate(r[ep] for r in per_rank):
             mine = slice(rank * 8, (rank + 1) * 8)
             torch.testing.assert_close(result["out"], out[mine].detach(), atol=1e-5, rtol=0)
-            torch.testing.assert_close(result["x_grad"] / world, xa.grad[mine], atol=1e-5,
-                                       rtol=1e-5)
+            torch.testing.assert_close(
+                result["x_grad"] / world, xa.grad[mine], atol=1e-5, rtol=1e-5
+            )
             held = {str(e) for e in range(E) if e // local == rank % ep}
             assert {n.split(".")[1] for n in result["grads"] if "experts" in n} == held
             for name, grad in result["grads"].items():
-                torch.testing.assert_close(grad, want[name], atol=1e-5, rtol=1e-5,
-                                           msg=f"ep={ep} rank {rank} {name}")
+                torch.testing.assert_close(
+                    grad, want[name], atol=1e-5, rtol=1e-5, msg=f"ep={ep} rank {rank} {name}"
+                )
             group = range(rank - rank % ep, rank - rank % ep + ep)
-            received = sum(per_rank[r][ep]["sent"][e] for r in group
-                           for e in range(E) if e // local == rank % ep)
+            received = sum(
+                per_rank[r][ep]["sent"][e]
+                for r in group
+                for e in range(E)
+                if e // local == rank % ep
+            )
             assert result["a2a"]["calls"] == 5  # counts, dispatch, combine; the last 2 back
             assert result["a2a"]["bytes"] == moe_all_to_all_bytes(
-                sum(result["sent"]), received, H, E)
+                sum(result["sent"]), received, H, E
+            )
             assert result["a2a"]["bus_bytes"] == result["a2a"]["bytes"] * (ep - 1) / ep
 
 
@@ -207,11 +243,13 @@ def test_train_expert_parallel_and_resharded_resume_equal_one_process(runs):
     four, one = runs[0][0], runs[1]
     reference, norms = losses(one["one process"]), one["one process: gradient norms"]
     assert len(reference) == len(norms) == 3
-    for name, run, steps in (("dp4 ep4, saved at step 2", four, slice(0, 2)),
-                             ("dp4 ep2", four, slice(0, 3)),
-                             ("dp2 tp2 ep2", four, slice(0, 3)),
-                             ("dp4 ep2 resumed", four, slice(2, 3)),
-                             ("one process resumed", one, slice(2, 3))):
+    for name, run, steps in (
+        ("dp4 ep4, saved at step 2", four, slice(0, 2)),
+        ("dp4 ep2", four, slice(0, 3)),
+        ("dp2 tp2 ep2", four, slice(0, 3)),
+        ("dp4 ep2 resumed", four, slice(2, 3)),
+        ("one process resumed", one, slice(2, 3)),
+    ):
         assert losses(run[name]) == pytest.approx(reference[steps], rel=1e-5, abs=0), name
         assert run[f"{name}: gradient norms"] == pytest.approx(norms[steps], rel=1e-5), name
 
@@ -226,25 +264,45 @@ def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
             assert sum(map(sum, sent)) == 8 * seq * 2  # dropless: every token reaches 2 experts
             assert all(experts["dropped"][r][step][layer] == 0 for r in range(4))
     for rank in range(4):  # ep groups {0, 1} and {2, 3}; rank r holds experts 2·(r % 2) + {0, 1}
-        group, mine = range(rank - rank % 2, rank - rank % 2 + 2), (2 * (rank % 2),
-                                                                     2 * (rank % 2) + 1)
-        want = sum(moe_all_to_all_bytes(
-            sum(experts["tokens_per_expert"][rank][step][layer]),
-            sum(experts["tokens_per_expert"][r][step][layer][e] for r in group for e in mine),
-            64, E) for step in range(3) for layer in range(2))
+        group, mine = (
+            range(rank - rank % 2, rank - rank % 2 + 2),
+            (2 * (rank % 2), 2 * (rank % 2) + 1),
+        )
+        want = sum(
+            moe_all_to_all_bytes(
+                sum(experts["tokens_per_expert"][rank][step][layer]),
+                sum(experts["tokens_per_expert"][r][step][layer][e] for r in group for e in mine),
+                64,
+                E,
+            )
+            for step in range(3)
+            for layer in range(2)
+        )
         assert metrics["comm_by_group"][rank]["ep"]["all_to_all"]["bytes"] == want
 
 
-@pytest.mark.parametrize("flags, says", [
-    ("--ep 3 --moe-experts 4", "--ep 3 must divide --moe-experts (4) and --dp (4)"),
-    ("--ep 2", "--ep 2 must divide --moe-experts (0)"),
-    ("--moe-experts 4 --moe-top-k 5", "--moe-top-k 5 must be between 1 and the number of experts"),
-    ("--moe-experts 4 --moe-capacity-factor 0", "--moe-capacity-factor: must be a positive"),
-    ("--moe-experts 4 --ep 2 --zero 1", "ZeRO shards over the whole dp group"),
-    ("--moe-experts 4 --pp 2", "experts run with data, expert and tensor parallel and ZeRO-1/2"),
-    ("--moe-experts 4 --cp 2", "(no pipeline, context or sequence parallel, ZeRO-3 or"),
-    ("--moe-experts 4 --tp 2 --sequence-parallel", "--sequence-parallel: not supported: experts run"),
-])
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ("--ep 3 --moe-experts 4", "--ep 3 must divide --moe-experts (4) and --dp (4)"),
+        ("--ep 2", "--ep 2 must divide --moe-experts (0)"),
+        (
+            "--moe-experts 4 --moe-top-k 5",
+            "--moe-top-k 5 must be between 1 and the number of experts",
+        ),
+        ("--moe-experts 4 --moe-capacity-factor 0", "--moe-capacity-factor: must be a positive"),
+        ("--moe-experts 4 --ep 2 --zero 1", "ZeRO shards over the whole dp group"),
+        (
+            "--moe-experts 4 --pp 2",
+            "experts run with data, expert and tensor parallel and ZeRO-1/2",
+        ),
+        ("--moe-experts 4 --cp 2", "(no pipeline, context or sequence parallel, ZeRO-3 or"),
+        (
+            "--moe-experts 4 --tp 2 --sequence-parallel",
+            "--sequence-parallel: not supported: experts run",
+        ),
+    ],
+)
 def test_bad_expert_layouts_are_one_line_before_any_process(flags, says, capsys):
     from hplab import train
 

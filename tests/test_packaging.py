@@ -1,8 +1,9 @@
 """environment.yml installs what pyproject.toml declares; README gives the commands CI runs."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

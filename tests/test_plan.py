@@ -35,17 +35,25 @@ def test_zero_paper_table1_7_5b(dp):
         got = P.model_state_bytes(7.5e9, dp, stage, "bf16")["total_bytes"] / 1e9
         decimals = 2 if published < 1 else 1
         print(f"  stage {stage}: {published:>7} vs {got:.4f}")
-        assert abs(got - published) <= 10 ** -decimals / 2 + 1e-9  # agrees to the printed digits
+        assert abs(got - published) <= 10**-decimals / 2 + 1e-9  # agrees to the printed digits
 
 
 def test_model_state_kinds_follow_the_contract():
     psi = 1000
     fp32 = P.model_state_bytes(psi, 1, 0, "fp32")
-    assert (fp32["params_bytes"], fp32["grads_bytes"], fp32["optim_bytes"], fp32["master_bytes"]) \
-        == (4000, 4000, 8000, 0)
+    assert (
+        fp32["params_bytes"],
+        fp32["grads_bytes"],
+        fp32["optim_bytes"],
+        fp32["master_bytes"],
+    ) == (4000, 4000, 8000, 0)
     mixed = P.model_state_bytes(psi, 4, 2, "bf16")
-    assert (mixed["params_bytes"], mixed["grads_bytes"], mixed["optim_bytes"],
-            mixed["master_bytes"]) == (2000, 500, 2000, 1000)
+    assert (
+        mixed["params_bytes"],
+        mixed["grads_bytes"],
+        mixed["optim_bytes"],
+        mixed["master_bytes"],
+    ) == (2000, 500, 2000, 1000)
     padded = P.model_state_bytes(1001, 4, 3, "fp32", padded=True)
     assert padded["params_bytes"] == 4 * 251  # ceil(1001 / 4) elements per shard
     off = P.model_state_bytes(psi, 4, 1, "bf16", offload=True)
@@ -67,11 +75,16 @@ def test_gpt2_parameter_count_is_exact():
 # for the published (tp, pp, dp). Its two compute-efficiency defaults were set once against
 # this table; the test checks that one setting fits all ten rows.
 MEGATRON_TABLE_1 = [
-    ("megatron-1.7b", 1.7, 1, 1, 32, 137), ("megatron-3.6b", 3.6, 2, 1, 64, 138),
-    ("megatron-7.5b", 7.5, 4, 1, 128, 142), ("megatron-18b", 18.4, 8, 1, 256, 135),
-    ("megatron-39b", 39.1, 8, 2, 512, 138), ("megatron-76b", 76.1, 8, 4, 1024, 140),
-    ("megatron-146b", 145.6, 8, 8, 1536, 148), ("megatron-310b", 310.1, 8, 16, 1920, 155),
-    ("megatron-530b", 529.6, 8, 35, 2520, 163), ("megatron-1t", 1008.0, 8, 64, 3072, 163),
+    ("megatron-1.7b", 1.7, 1, 1, 32, 137),
+    ("megatron-3.6b", 3.6, 2, 1, 64, 138),
+    ("megatron-7.5b", 7.5, 4, 1, 128, 142),
+    ("megatron-18b", 18.4, 8, 1, 256, 135),
+    ("megatron-39b", 39.1, 8, 2, 512, 138),
+    ("megatron-76b", 76.1, 8, 4, 1024, 140),
+    ("megatron-146b", 145.6, 8, 8, 1536, 148),
+    ("megatron-310b", 310.1, 8, 16, 1920, 155),
+    ("megatron-530b", 529.6, 8, 35, 2520, 163),
+    ("megatron-1t", 1008.0, 8, 64, 3072, 163),
 ]
 TFLOPS_TOLERANCE = 0.10  # every row within ±10 %
 TFLOPS_MEAN_TOLERANCE = 0.04  # and the mean absolute error within 4 %
@@ -84,14 +97,27 @@ def test_megatron_2021_table1_tflops():
     for name, billions, tp, pp, gpus, published in MEGATRON_TABLE_1:
         model = P.MEGATRON_2021_PRESETS[name]
         assert model.num_params() / 1e9 == pytest.approx(billions, rel=0.03)
-        res = P.search(model, gpus, cluster, precision="fp16",
-                       fixed=dict(tp=tp, pp=pp, zero=0, recompute="full",
-                                  sequence_parallel=False, schedule=("1f1b", "interleaved")))
+        res = P.search(
+            model,
+            gpus,
+            cluster,
+            precision="fp16",
+            fixed=dict(
+                tp=tp,
+                pp=pp,
+                zero=0,
+                recompute="full",
+                sequence_parallel=False,
+                schedule=("1f1b", "interleaved"),
+            ),
+        )
         got = res["winner"]["tflops_per_gpu"]
         err = got / published - 1
         errors.append(err)
-        print(f"  {billions:7.1f}B tp{tp} pp{pp:<3} {gpus:5d} GPUs: {published} vs {got:6.1f} "
-              f"({err:+.1%})  {res['winner']['layout']}")
+        print(
+            f"  {billions:7.1f}B tp{tp} pp{pp:<3} {gpus:5d} GPUs: {published} vs {got:6.1f} "
+            f"({err:+.1%})  {res['winner']['layout']}"
+        )
         assert abs(err) <= TFLOPS_TOLERANCE, name
     assert sum(abs(e) for e in errors) / len(errors) <= TFLOPS_MEAN_TOLERANCE
 
@@ -102,21 +128,25 @@ def test_flops_formulas_match_the_paper_closed_forms():
     B, s, h, L, V = 1536, m.seq_len, m.n_embd, m.n_layer, m.vocab_size
     f = P.flops_per_step(m, B, "full")
     assert f["hardware_flops"] == pytest.approx(
-        96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)))
+        96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    )
     f = P.flops_per_step(m, B, "none")
     assert f["model_flops"] == pytest.approx(
-        72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
+        72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    )
     assert f["hardware_flops"] == f["model_flops"]
 
 
 # --- Korthikanti et al. 2022: activation memory per layer, Table 2, for the Table 3 models ---
 KORTHIKANTI_MODELS = [  # (name, heads a, hidden h, layers L, tensor parallel t); s = 2048
-    ("22B", 64, 6144, 48, 8), ("175B", 96, 12288, 96, 8),
-    ("530B", 128, 20480, 105, 8), ("1T", 160, 25600, 128, 8),
+    ("22B", 64, 6144, 48, 8),
+    ("175B", 96, 12288, 96, 8),
+    ("530B", 128, 20480, 105, 8),
+    ("1T", 160, 25600, 128, 8),
 ]
 
 
-@pytest.mark.parametrize("name,a,h,L,t", KORTHIKANTI_MODELS)
+@pytest.mark.parametrize(("name", "a", "h", "L", "t"), KORTHIKANTI_MODELS)
 def test_activation_per_layer_matches_table2(name, a, h, L, t):
     s, b = 2048, 1
     sbh = s * b * h
@@ -141,8 +171,10 @@ def test_activation_worked_numbers_for_gpt3():
     assert 5 * a * s / h == 80
     tp_only = P.activation_bytes_per_layer(s, 1, h, a, t, False, "none")
     sp_selective = P.activation_bytes_per_layer(s, 1, h, a, t, True, "selective")
-    print(f"\nGPT-3 175B, t=8, b=1: {tp_only / 1e6:.0f} MB → {sp_selective / 1e6:.0f} MB per layer "
-          f"({tp_only / sp_selective:.1f}×)")
+    print(
+        f"\nGPT-3 175B, t=8, b=1: {tp_only / 1e6:.0f} MB → {sp_selective / 1e6:.0f} MB per layer "
+        f"({tp_only / sp_selective:.1f}×)"
+    )
     assert 5 <= tp_only / sp_selective <= 5.5
 
 
@@ -150,15 +182,24 @@ def test_pipeline_first_stage_holds_the_whole_model_in_1f1b():
     # [SP] Sec. 4.2.3: with 1F1B the first stage keeps p microbatches of L/p layers = L layers;
     # the interleaved schedule multiplies that by 1 + (p−1)/(p·v).
     m = P.GPT3_PRESETS["gpt3-175b"]
-    base = P.Layout(dp=1, tp=8, pp=8, microbatches=64, batch_size=64, precision="bf16",
-                    sequence_parallel=True, recompute="selective")
+    base = P.Layout(
+        dp=1,
+        tp=8,
+        pp=8,
+        microbatches=64,
+        batch_size=64,
+        precision="bf16",
+        sequence_parallel=True,
+        recompute="selective",
+    )
     per_layer = P.activation_bytes_per_layer(2048, 1, 12288, 96, 8, True, "selective")
     embed = 2048 * 12288 / 8  # embedding dropout mask, one per microbatch in flight
     first = P.activation_memory(m, base)["first_stage_bytes"]
     assert first == pytest.approx(m.n_layer * per_layer + 8 * embed)
     inter = P.activation_memory(m, P.replace(base, schedule="interleaved", virtual_stages=4))
-    assert inter["first_stage_bytes"] == pytest.approx((m.n_layer * per_layer + 8 * embed)
-                                                       * (1 + 7 / (8 * 4)))
+    assert inter["first_stage_bytes"] == pytest.approx(
+        (m.n_layer * per_layer + 8 * embed) * (1 + 7 / (8 * 4))
+    )
 
 
 def test_bubble_and_ring_formulas():
@@ -174,11 +215,17 @@ def test_bubble_and_ring_formulas():
 
 # --- rules of thumb from the seeds, which should fall out of the model ----------------------
 
+
 def _search(model, gpus, **kw):
-    cluster = P.Cluster(P.GPU_PRESETS[kw.pop("gpu", "a100-80g")], 8,
-                        inter_node_gbps=kw.pop("inter_bw", None))
-    return P.search(P.model_presets()[model] if model in ("gpt2",) else P.GPT3_PRESETS[model],
-                    gpus, cluster, **kw)
+    cluster = P.Cluster(
+        P.GPU_PRESETS[kw.pop("gpu", "a100-80g")], 8, inter_node_gbps=kw.pop("inter_bw", None)
+    )
+    return P.search(
+        P.model_presets()[model] if model in ("gpt2",) else P.GPT3_PRESETS[model],
+        gpus,
+        cluster,
+        **kw,
+    )
 
 
 def test_one_node_model_fits_one_gpu_plain_ddp():
@@ -222,15 +269,37 @@ def test_slow_inter_node_links_keep_zero_at_stage_1():
 
 # --- the command line ----------------------------------------------------------------------
 
+
 def test_cli_json_has_the_headline_fields(capsys):
-    P.main(["--model", "gpt3-175b", "--dp", "16", "--tp", "8", "--pp", "8", "--zero", "1",
-            "--recompute", "--json"])
+    P.main(
+        [
+            "--model",
+            "gpt3-175b",
+            "--dp",
+            "16",
+            "--tp",
+            "8",
+            "--pp",
+            "8",
+            "--zero",
+            "1",
+            "--recompute",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
-    for key in ("model_state_bytes_per_gpu", "activation_bytes_per_gpu", "memory_bytes_per_gpu",
-                "step_time_s", "tflops_per_gpu", "mfu"):
+    for key in (
+        "model_state_bytes_per_gpu",
+        "activation_bytes_per_gpu",
+        "memory_bytes_per_gpu",
+        "step_time_s",
+        "tflops_per_gpu",
+        "mfu",
+    ):
         assert out[key] > 0
-    assert out["params_bytes"] + out["grads_bytes"] + out["optim_bytes"] + out["master_bytes"] \
-        == pytest.approx(out["model_state_bytes_per_gpu"])
+    assert out["params_bytes"] + out["grads_bytes"] + out["optim_bytes"] + out[
+        "master_bytes"
+    ] == pytest.approx(out["model_state_bytes_per_gpu"])
 
 
 def test_cli_params_alone(capsys):
@@ -248,21 +317,24 @@ def test_cli_text_report_and_search(capsys):
     assert "winner:" in text and "best of each family" in text
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--model", "tiny", "--tp", "3"], "not divisible by tp=3"),
-    (["--model", "tiny", "--dp", "2", "--gpus", "3"], "dp×cp×tp×pp"),
-    (["--model", "gpt2", "--cp", "5"], "divisible by 2×cp=10"),
-    (["--model", "gpt2", "--cp", "8", "--cp-style", "ulysses"], "12 heads per tensor-parallel"),
-    (["--model", "gpt2", "--moe-experts", "8", "--dp", "8", "--ep", "3"], "must divide"),
-    (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "dp=2"),
-    (["--model", "gpt2", "--dp", "2", "--ep", "2"], "--moe-experts 0"),
-    (["--model", "gpt2", "--moe-experts", "4", "--moe-top-k", "5"], "between 1 and the 4"),
-    (["--model", "gpt2", "--cp", "0"], "positive"),
-    (["--model", "tiny", "--dp", "3", "--batch-size", "8"], "not divisible"),
-    (["--model", "no-such-model"], "unknown model"),
-    (["--model", "gpt2", "--search"], "--gpus"),
-    (["--zero", "5"], "--zero"),
-])
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--model", "tiny", "--tp", "3"], "not divisible by tp=3"),
+        (["--model", "tiny", "--dp", "2", "--gpus", "3"], "dp×cp×tp×pp"),
+        (["--model", "gpt2", "--cp", "5"], "divisible by 2×cp=10"),
+        (["--model", "gpt2", "--cp", "8", "--cp-style", "ulysses"], "12 heads per tensor-parallel"),
+        (["--model", "gpt2", "--moe-experts", "8", "--dp", "8", "--ep", "3"], "must divide"),
+        (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "dp=2"),
+        (["--model", "gpt2", "--dp", "2", "--ep", "2"], "--moe-experts 0"),
+        (["--model", "gpt2", "--moe-experts", "4", "--moe-top-k", "5"], "between 1 and the 4"),
+        (["--model", "gpt2", "--cp", "0"], "positive"),
+        (["--model", "tiny", "--dp", "3", "--batch-size", "8"], "not divisible"),
+        (["--model", "no-such-model"], "unknown model"),
+        (["--model", "gpt2", "--search"], "--gpus"),
+        (["--zero", "5"], "--zero"),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         P.main(argv)
@@ -275,16 +347,20 @@ def test_module_runs_and_imports_no_torch():
     code = "import sys, hplab.plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-    run = subprocess.run([sys.executable, "-m", "hplab.plan", "--model", "gpt3-1.3b", "--tp", "3"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "hplab.plan", "--model", "gpt3-1.3b", "--tp", "3"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 2 and run.stderr.count("\n") == 1
 
 
 # --- context parallel and experts (issue 12): hand-computed cases -----------------------------
 # A toy MoE GPT: L=2, h=8, 2 heads, S=16, V=32, E=4 experts, top-2. Dense GPT-2 would have
 # Ψ = 32·8 + 16·8 + 2·(12·64 + 13·8) + 2·8 = 2144; one MLP is 8·64 + 5·8 = 552 parameters.
-MOE = P.ModelShape("toy-moe", 2, 8, 2, 16, 32, dropout=False, flash_attention=True,
-                   n_experts=4, moe_top_k=2)
+MOE = P.ModelShape(
+    "toy-moe", 2, 8, 2, 16, 32, dropout=False, flash_attention=True, n_experts=4, moe_top_k=2
+)
 
 
 def test_moe_parameters_split_into_dense_and_experts():
@@ -312,19 +388,31 @@ def test_context_parallel_divides_activations_and_compute_by_cp():
     tiny = P.model_presets()["tiny"]  # flash attention: every saved tensor grows with s
     one, four = (P.plan(tiny, P.Layout(cp=cp, batch_size=2)) for cp in (1, 4))
     head_major = 4 * 2 * 64 // 4 * 64 * 4  # hplab's attention output, beside its copy, per layer
-    assert four["activation_bytes_per_gpu"] == pytest.approx(one["activation_bytes_per_gpu"] / 4
-                                                             + head_major)
+    assert four["activation_bytes_per_gpu"] == pytest.approx(
+        one["activation_bytes_per_gpu"] / 4 + head_major
+    )
     assert four["gemm_s"] == pytest.approx(one["gemm_s"] / 4)  # each rank's tokens' FLOPs
     assert four["params_bytes"] == one["params_bytes"]  # every cp rank holds all weights
     gpt3 = P.GPT3_PRESETS["gpt3-1.3b"]  # stores s×s scores, which ring attention never does
     ring = P.activation_memory(gpt3, P.Layout(cp=2, batch_size=8))["per_layer_bytes"]
-    assert ring == P.activation_bytes_per_layer(1024, 8, 2048, 16, act_bytes=4, dropout=True,
-                                                flash_attention=True) + 1024 * 8 * 2048 * 4
+    assert (
+        ring
+        == P.activation_bytes_per_layer(
+            1024, 8, 2048, 16, act_bytes=4, dropout=True, flash_attention=True
+        )
+        + 1024 * 8 * 2048 * 4
+    )
 
 
-@pytest.mark.parametrize("style,recompute,blocks", [
-    ("ring", "none", 3 * 2 - 2), ("ring", "full", 4 * 2 - 3),  # K/V fwd (twice), K/V + dK/dV
-    ("ulysses", "none", 4), ("ulysses", "full", 6)])  # q,k,v + output (3 + 1 = 2 blocks) each way
+@pytest.mark.parametrize(
+    ("style", "recompute", "blocks"),
+    [
+        ("ring", "none", 3 * 2 - 2),
+        ("ring", "full", 4 * 2 - 3),  # K/V fwd (twice), K/V + dK/dV
+        ("ulysses", "none", 4),
+        ("ulysses", "full", 6),
+    ],
+)  # q,k,v + output (3 + 1 = 2 blocks) each way
 def test_context_parallel_traffic_per_step(style, recompute, blocks):
     tiny = P.model_presets()["tiny"]  # L=4, h=64, s=64; b=2 per rank, fp32, cp=2, tp=2
     got = P.plan(tiny, P.Layout(tp=2, cp=2, cp_style=style, batch_size=2, recompute=recompute))
@@ -340,18 +428,27 @@ def test_expert_all_to_all_bytes_per_step():
     per_layer = 8 * 4 + 4 * slots * 8 * 4  # counts (E int64); dispatch + combine, fwd + bwd
     got = P.plan(MOE, lay)
     assert got["ep_all_to_all_bytes_per_step"] == layers * per_layer
-    assert P.plan(MOE, P.replace(lay, recompute="full"))["ep_all_to_all_bytes_per_step"] == \
-        layers * (per_layer + 8 * 4 + 2 * slots * 8 * 4)  # the forward's exchanges again
+    assert P.plan(MOE, P.replace(lay, recompute="full"))[
+        "ep_all_to_all_bytes_per_step"
+    ] == layers * (per_layer + 8 * 4 + 2 * slots * 8 * 4)  # the forward's exchanges again
     # seconds: bus factor (ep-1)/ep of the bytes over β, (ep-1) latency steps per all-to-all
     bw, alpha, _ = P.group_link(P.Cluster(P.GPU_PRESETS["a100-80g"]), 4, 1, P.Efficiency())
-    assert got["ep_comm_s"] == pytest.approx(3 / 4 * layers * per_layer / bw
-                                             + layers * 5 * 3 * alpha)
+    assert got["ep_comm_s"] == pytest.approx(
+        3 / 4 * layers * per_layer / bw + layers * 5 * 3 * alpha
+    )
     assert P.plan(MOE, P.replace(lay, ep=1))["ep_all_to_all_bytes_per_step"] == 0
 
 
 def test_cli_shows_context_and_expert_parallel(capsys):
     P.main(["--model", "gpt2", "--moe-experts", "8", "--dp", "4", "--ep", "4", "--cp", "2"])
     text = capsys.readouterr().out
-    for needle in ("8 experts, top-2", "cp2", "ep4", "context-parallel comm", "expert all-to-all",
-                   "cp group: each GPU sends", "ep group: each GPU sends"):
+    for needle in (
+        "8 experts, top-2",
+        "cp2",
+        "ep4",
+        "context-parallel comm",
+        "expert all-to-all",
+        "cp group: each GPU sends",
+        "ep group: each GPU sends",
+    ):
         assert needle in text, needle

@@ -3,8 +3,8 @@
 Two levels:
   * in this process, on the `tiny` preset: the activations autograd saves in one forward pass,
     and the model states of one real Adam step, against the planner's formulas;
-  * a real 4-rank run of `hplab/train.py --nproc 4` at every ZeRO stage, against the planner's per-kind
-    model-state bytes and per-microbatch activation bytes. It skips itself until train.py
+  * a real 4-rank run of `hplab/train.py --nproc 4` at every ZeRO stage, against the planner's
+    per-kind model-state bytes and per-microbatch activation bytes. It skips itself until train.py
     exists and accepts the ZeRO stage, and then checks automatically;
   * one short 2-rank run each of context parallel (--cp 2: activations, weights, the ring's
     bytes) and expert parallel (--moe-experts 4 --ep 2 --dp 2: weights, all-to-all bytes,
@@ -57,8 +57,10 @@ def test_activation_bytes_of_one_forward_pass(precision, recompute, b):
     lay = P.Layout(batch_size=b, precision=precision, recompute=recompute)
     planned = P.plan(_tiny(), lay)["activation_bytes_per_microbatch"]
     err = planned / ledger.activation_bytes - 1
-    print(f"\ntiny {precision} recompute={recompute} b={b}: measured {ledger.activation_bytes} "
-          f"planned {planned:.0f} ({err:+.2%})")
+    print(
+        f"\ntiny {precision} recompute={recompute} b={b}: measured {ledger.activation_bytes} "
+        f"planned {planned:.0f} ({err:+.2%})"
+    )
     assert abs(err) <= ACTIVATION_TOLERANCE
 
 
@@ -84,16 +86,29 @@ TRAIN = ROOT / "hplab" / "train.py"
 
 def _run_train(zero: int, tmp_path: Path, *flags: str, nproc: int = 4) -> dict:
     metrics = tmp_path / f"zero{zero}.json"
-    cmd = [sys.executable, "hplab/train.py", "--nproc", str(nproc), "--zero", str(zero),
-           "--model", "tiny",
-           "--steps", "1", "--metrics", str(metrics), *(flags or ("--dp", "4"))]
+    cmd = [
+        sys.executable,
+        "hplab/train.py",
+        "--nproc",
+        str(nproc),
+        "--zero",
+        str(zero),
+        "--model",
+        "tiny",
+        "--steps",
+        "1",
+        "--metrics",
+        str(metrics),
+        *(flags or ("--dp", "4")),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if run.returncode != 0:
         if "not available yet" in run.stdout + run.stderr:
             pytest.skip(f"train.py does not offer --zero {zero} yet")
-        raise AssertionError(f"train.py failed (zero={zero} {' '.join(flags)}):\n"
-                             f"{run.stderr[-3000:]}")
+        raise AssertionError(
+            f"train.py failed (zero={zero} {' '.join(flags)}):\n{run.stderr[-3000:]}"
+        )
     return json.loads(metrics.read_text())
 
 
@@ -103,9 +118,16 @@ def test_planner_matches_a_real_run(zero, tmp_path):
     metrics = _run_train(zero, tmp_path)
     cfg = metrics["config"]
     model = P.model_presets()["tiny"]
-    over = {k: cfg.get(f) for k, f in (("n_layer", "n_layer"), ("n_embd", "n_embd"),
-                                       ("n_head", "n_head"), ("seq_len", "seq_len"))
-            if cfg.get(f)}
+    over = {
+        k: cfg.get(f)
+        for k, f in (
+            ("n_layer", "n_layer"),
+            ("n_embd", "n_embd"),
+            ("n_head", "n_head"),
+            ("seq_len", "seq_len"),
+        )
+        if cfg.get(f)
+    }
     model = P.replace(model, **over)
     dp = int(cfg.get("dp", 4))
     batch = int(cfg.get("batch_size") or dp)
@@ -113,8 +135,14 @@ def test_planner_matches_a_real_run(zero, tmp_path):
     if batch % (dp * micro):
         micro = 1
     recompute = "full" if cfg.get("recompute") else "none"
-    lay = P.Layout(dp=dp, zero=zero, batch_size=batch, microbatches=micro,
-                   precision=cfg.get("precision", "fp32"), recompute=recompute)
+    lay = P.Layout(
+        dp=dp,
+        zero=zero,
+        batch_size=batch,
+        microbatches=micro,
+        precision=cfg.get("precision", "fp32"),
+        recompute=recompute,
+    )
     planned = P.plan(model, lay, padded=True)
     n_tensors = 4 * model.n_layer * 3 + 3  # parameter tensors of GPT-2 (≈ 12 per block)
     elem = P.PRECISION_BYTES[lay.precision]
@@ -127,12 +155,15 @@ def test_planner_matches_a_real_run(zero, tmp_path):
         if entry.get("activation_bytes"):
             act = planned["activation_bytes_per_microbatch"]
             err = act / entry["activation_bytes"] - 1
-            print(f"  rank {rank} activations planned {act:.0f} measured "
-                  f"{entry['activation_bytes']} ({err:+.2%})")
+            print(
+                f"  rank {rank} activations planned {act:.0f} measured "
+                f"{entry['activation_bytes']} ({err:+.2%})"
+            )
             assert abs(err) <= RUN_ACTIVATION_TOLERANCE, rank
 
 
 # --- context parallel and experts (issue 12): one short run each --------------------------------
+
 
 def test_planner_matches_a_context_parallel_run(tmp_path):
     """2 ranks share each sequence (ring attention, zig-zag): each holds half the tokens'
@@ -144,9 +175,11 @@ def test_planner_matches_a_context_parallel_run(tmp_path):
     for rank, (memory, comm) in enumerate(zip(metrics["memory"], metrics["comm_by_group"])):
         act = planned["activation_bytes_per_microbatch"]
         err = act / memory["activation_bytes"] - 1
-        print(f"\ncp2 rank {rank}: activations planned {act:.0f} measured "
-              f"{memory['activation_bytes']} ({err:+.2%}); ring sent {comm['cp']['send']['bytes']}"
-              f" planned {planned['cp_bytes_per_step']:.0f}")
+        print(
+            f"\ncp2 rank {rank}: activations planned {act:.0f} measured "
+            f"{memory['activation_bytes']} ({err:+.2%}); ring sent {comm['cp']['send']['bytes']}"
+            f" planned {planned['cp_bytes_per_step']:.0f}"
+        )
         assert abs(err) <= RUN_ACTIVATION_TOLERANCE, rank
         assert memory["params_bytes"] == planned["params_bytes"], rank
         assert comm["cp"]["send"]["bytes"] == planned["cp_bytes_per_step"], rank
@@ -158,22 +191,39 @@ def test_planner_matches_an_expert_parallel_run(tmp_path):
     experts of each layer, exactly the planner's bytes. A rank's all-to-all bytes depend on where
     the router sent the tokens, but every slot one rank sends, another receives: their mean over
     the ep group is the planner's balanced number, exactly. Activations: within 5 % per rank."""
-    metrics = _run_train(0, tmp_path, "--moe-experts", "4", "--moe-top-k", "2", "--ep", "2",
-                         "--dp", "2", "--batch-size", "2", nproc=2)
+    metrics = _run_train(
+        0,
+        tmp_path,
+        "--moe-experts",
+        "4",
+        "--moe-top-k",
+        "2",
+        "--ep",
+        "2",
+        "--dp",
+        "2",
+        "--batch-size",
+        "2",
+        nproc=2,
+    )
     model = P.replace(_tiny(), n_experts=4, moe_top_k=2)
     lay = P.Layout(dp=2, ep=2, batch_size=2, precision=metrics["config"]["precision"])
     planned = P.plan(model, lay)
     sent = [comm["ep"]["all_to_all"]["bytes"] for comm in metrics["comm_by_group"]]
-    print(f"\nep2: all-to-all bytes per rank {sent}, planned (balanced) "
-          f"{planned['ep_all_to_all_bytes_per_step']:.0f}")
+    print(
+        f"\nep2: all-to-all bytes per rank {sent}, planned (balanced) "
+        f"{planned['ep_all_to_all_bytes_per_step']:.0f}"
+    )
     assert sum(sent) / len(sent) == planned["ep_all_to_all_bytes_per_step"]
     for rank, memory in enumerate(metrics["memory"]):
         for kind in ("params", "grads", "optim", "master"):
             assert memory[f"{kind}_bytes"] == planned[f"{kind}_bytes"], (rank, kind)
         act = planned["activation_bytes_per_microbatch"]
         err = act / memory["activation_bytes"] - 1
-        print(f"  rank {rank} activations planned {act:.0f} measured {memory['activation_bytes']}"
-              f" ({err:+.2%})")
+        print(
+            f"  rank {rank} activations planned {act:.0f} measured {memory['activation_bytes']}"
+            f" ({err:+.2%})"
+        )
         assert abs(err) <= RUN_ACTIVATION_TOLERANCE, rank
 
 

@@ -34,6 +34,7 @@ def rel(a, b) -> float:
 # Action lists and the simulator (no processes)
 # =========================================================================================
 
+
 def all_schedules(max_p=8, max_m=16):
     for p in range(2, max_p + 1):
         for m in range(1, max_m + 1):
@@ -49,8 +50,11 @@ def test_every_compute_action_once_and_in_order():
     for name, p, m, v in all_schedules():
         plans = pp.build_schedule(name, p, m, v)
         for r, plan in enumerate(plans):
-            position = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(plan)
-                        if a.kind in pp.COMPUTE}
+            position = {
+                (a.kind, a.microbatch, a.chunk): i
+                for i, a in enumerate(plan)
+                if a.kind in pp.COMPUTE
+            }
             kinds = ("F", "B", "W") if name == "zb-h1" else ("F", "B")
             chunks = range(r, p * v, p)
             assert len(position) == len(kinds) * m * len(chunks), (name, p, m, v, r)
@@ -90,8 +94,10 @@ def test_no_schedule_deadlocks():
 def test_simulator_detects_a_deadlock():
     # rank 1 runs microbatch 1 first; rank 0 sends it only after microbatch 0's backward,
     # which needs rank 1's gradient of microbatch 0: each waits for the other
-    orders = [[("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)],
-              [("F", 1, 1), ("B", 1, 1), ("F", 0, 1), ("B", 0, 1)]]
+    orders = [
+        [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)],
+        [("F", 1, 1), ("B", 1, 1), ("F", 0, 1), ("B", 0, 1)],
+    ]
     with pytest.raises(pp.DeadlockError, match="rank 0 waits at B0.*rank 1 waits at F1"):
         pp.simulate(pp.add_communication(orders, 2, 1))
     bad = [[("F", 0, 0), ("B", 0, 0)], [("B", 0, 1), ("F", 0, 1)]]
@@ -135,20 +141,28 @@ def test_replay_of_a_measured_step_uses_its_stage_costs_and_message_delay():
     def event(kind, start, end, chunk, mb=0):
         return dict(kind=kind, microbatch=mb, chunk=chunk, start_s=start, end_s=end)
 
-    trace = [[event("F", 0, 1, 0), event("send", 1, 1, 0), event("recv", 1, 5, 0),
-              event("B", 5, 6, 0)],
-             [event("recv", 0, 1.5, 1), event("F", 1.5, 3.5, 1), event("B", 3.5, 4.5, 1),
-              event("send", 4.5, 4.5, 1)]]
-    run = {"pipeline": dict(schedule="gpipe", stages=2, microbatches=1, virtual_stages=1,
-                            trace=trace)}
+    trace = [
+        [event("F", 0, 1, 0), event("send", 1, 1, 0), event("recv", 1, 5, 0), event("B", 5, 6, 0)],
+        [
+            event("recv", 0, 1.5, 1),
+            event("F", 1.5, 3.5, 1),
+            event("B", 3.5, 4.5, 1),
+            event("send", 4.5, 4.5, 1),
+        ],
+    ]
+    run = {
+        "pipeline": dict(schedule="gpipe", stages=2, microbatches=1, virtual_stages=1, trace=trace)
+    }
     costs = viz.simulated_costs(run["pipeline"], per_chunk=True)
     assert costs == dict(f=[1, 2], b=[1, 1], w=[0.0, 0.0], latency=0.5)
     measured = [pp.measured_bubble(events, 0.0, 6.0) for events in trace]
     assert viz.replayed_bubbles(run) == pytest.approx(measured) == [2 / 3, 1 / 2]
     assert viz.replayed_bubbles(run, each_action=True) == pytest.approx(measured)
     plans = pp.build_schedule("interleaved", 2, 4, 2)  # a list gives each of the 4 chunks' cost
-    assert pp.simulate(plans, f=[0.5] * 4, b=[1] * 4, w=[0] * 4).makespan == \
-        pp.simulate(plans, f=1, b=2, w=0).makespan  # a number: a whole stage's, v chunks share it
+    assert (
+        pp.simulate(plans, f=[0.5] * 4, b=[1] * 4, w=[0] * 4).makespan
+        == pp.simulate(plans, f=1, b=2, w=0).makespan
+    )  # a number: a whole stage's, v chunks share it
 
 
 def test_idle_between_actions_is_what_no_replay_sees():
@@ -160,14 +174,23 @@ def test_idle_between_actions_is_what_no_replay_sees():
     def event(kind, start, end, chunk=0):
         return dict(kind=kind, microbatch=0, chunk=chunk, start_s=start, end_s=end)
 
-    late = [event("F", 0.5, 1.5), event("send", 1.5, 1.5), event("recv", 2, 5),
-            event("B", 5.5, 6.5)]
-    steady = [event("F", 0, 1.5, 1), event("recv", 2, 2 + 1e-5, 1), event("B", 2, 4, 1),
-              event("send", 3.9, 4.5, 1)]
+    late = [
+        event("F", 0.5, 1.5),
+        event("send", 1.5, 1.5),
+        event("recv", 2, 5),
+        event("B", 5.5, 6.5),
+    ]
+    steady = [
+        event("F", 0, 1.5, 1),
+        event("recv", 2, 2 + 1e-5, 1),
+        event("B", 2, 4, 1),
+        event("send", 3.9, 4.5, 1),
+    ]
     assert pp.idle_between_actions(late, 0.0, 6.5) == pytest.approx(1 / 6.5)
     assert pp.idle_between_actions(steady) == pytest.approx(0.5 / 4)  # ends at its last B
     assert viz.idle_shares({"pipeline": dict(trace=[late, steady])}) == pytest.approx(
-        [1 / 6.5, 0.5 / 6.5])
+        [1 / 6.5, 0.5 / 6.5]
+    )
 
 
 def test_replaying_each_action_gives_back_a_run_whose_microbatches_differ():
@@ -178,9 +201,13 @@ def test_replaying_each_action_gives_back_a_run_whose_microbatches_differ():
     from hplab.schedule import input_message
 
     plans = pp.build_schedule("1f1b", 2, 4)
-    own = {a: 1.0 + 0.5 * a.microbatch ** 2 for plan in plans for a in plan if a.kind in "FB"}
-    own |= {pp.message_key(a): 0.2 * (1 + a.microbatch) for plan in plans for a in plan
-            if a.kind.startswith("send")}
+    own = {a: 1.0 + 0.5 * a.microbatch**2 for plan in plans for a in plan if a.kind in "FB"}
+    own |= {
+        pp.message_key(a): 0.2 * (1 + a.microbatch)
+        for plan in plans
+        for a in plan
+        if a.kind.startswith("send")
+    }
     sim = pp.simulate(plans, own=own)
     trace = []
     for lane in sim.timeline:
@@ -189,14 +216,29 @@ def test_replaying_each_action_gives_back_a_run_whose_microbatches_differ():
             if a.kind.startswith("recv"):
                 continue
             if a.kind in "FB" and input_message(a, 2) is not None:
-                events.append(dict(kind="recv", microbatch=a.microbatch, chunk=a.chunk,
-                                   start_s=clock, end_s=start))
-            events.append(dict(kind="send" if a.kind.startswith("send") else a.kind,
-                               microbatch=a.microbatch, chunk=a.chunk, start_s=start, end_s=end))
+                events.append(
+                    dict(
+                        kind="recv",
+                        microbatch=a.microbatch,
+                        chunk=a.chunk,
+                        start_s=clock,
+                        end_s=start,
+                    )
+                )
+            events.append(
+                dict(
+                    kind="send" if a.kind.startswith("send") else a.kind,
+                    microbatch=a.microbatch,
+                    chunk=a.chunk,
+                    start_s=start,
+                    end_s=end,
+                )
+            )
             clock = end
         trace.append(events)
-    run = {"pipeline": dict(schedule="1f1b", stages=2, microbatches=4, virtual_stages=1,
-                            trace=trace)}
+    run = {
+        "pipeline": dict(schedule="1f1b", stages=2, microbatches=4, virtual_stages=1, trace=trace)
+    }
     bubbles = [sim.bubble_fraction(r) for r in range(2)]
     assert viz.replayed_bubbles(run, each_action=True) == pytest.approx(bubbles)
     assert viz.replayed_bubbles(run) != pytest.approx(bubbles, abs=0.02)
@@ -263,8 +305,11 @@ def exec_model(layers):
         for name, module in list(model.transformer.h.named_modules()):
             if isinstance(module, torch.nn.Linear):
                 parent, _, child = name.rpartition(".")
-                setattr(model.transformer.h.get_submodule(parent), child,
-                        _NotALinear(module, "function" if how == "function" else "F.linear"))
+                setattr(
+                    model.transformer.h.get_submodule(parent),
+                    child,
+                    _NotALinear(module, "function" if how == "function" else "F.linear"),
+                )
     model.recompute = layers.endswith("+recompute")
     return model
 
@@ -274,7 +319,7 @@ def exec_batch():
     return list(x.chunk(EXEC_M)), list(y.chunk(EXEC_M))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def exec_reference(layers):
     """One process: the same microbatches, loss / m each, gradients accumulated."""
     model = exec_model(layers)
@@ -304,16 +349,22 @@ def exec_run(mesh, schedule, layers, tp_plan=False):
     def now():  # the compute action running: the next one the trace has not finished
         return compute[sum(e["kind"] in pp.COMPUTE for e in executor.trace)]
 
-    hooks = [p.register_post_accumulate_grad_hook(
-        lambda p, n=n: during.setdefault(n, set()).add(now())) for n, p in params.items()]
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p, n=n: during.setdefault(n, set()).add(now()))
+        for n, p in params.items()
+    ]
     executor.run(*exec_batch())
     for h in hooks:
         h.remove()
     once = {n: p.grad.clone() for n, p in params.items()}
     executor.run(*exec_batch())
     twice = max(rel(p.grad, 2 * once[n]) for n, p in params.items())
-    return {"grads": {n: g.numpy() for n, g in once.items()}, "during": during,
-            "twice": twice, "first": mesh.pp_rank == 0}
+    return {
+        "grads": {n: g.numpy() for n, g in once.items()},
+        "during": during,
+        "twice": twice,
+        "first": mesh.pp_rank == 0,
+    }
 
 
 def _executor_worker():
@@ -351,8 +402,11 @@ def test_zb_h1_defers_every_weight_gradient_to_w(executor_runs):
     for layers in EXEC_LAYER_KINDS:
         for r, res in enumerate(executor_runs):
             zb, f1b = res[("zb-h1", layers)], res[("1f1b", layers)]
-            assert zb["during"] and all(k == {"W"} for k in zb["during"].values()), \
-                (layers, r, zb["during"])
+            assert zb["during"] and all(k == {"W"} for k in zb["during"].values()), (
+                layers,
+                r,
+                zb["during"],
+            )
             assert all(k == {"B"} for k in f1b["during"].values()), (layers, r)
             assert zb["during"].keys() == f1b["during"].keys()
 
@@ -375,9 +429,11 @@ def test_executor_gradients_equal_one_process(executor_runs):
                 first = executor_runs[stage0][(schedule, layers)]["grads"]
                 last = executor_runs[stage1][(schedule, layers)]["grads"]
                 for n, g in ref.items():
-                    got = (torch.as_tensor(first[n]) + torch.as_tensor(last[n])
-                           if n in first and n in last
-                           else torch.as_tensor(first[n] if n in first else last[n]))
+                    got = (
+                        torch.as_tensor(first[n]) + torch.as_tensor(last[n])
+                        if n in first and n in last
+                        else torch.as_tensor(first[n] if n in first else last[n])
+                    )
                     assert rel(got, g) < TOL, (schedule, layers, n)
 
 
@@ -390,6 +446,7 @@ def test_executor_accumulates_into_existing_gradients(executor_runs):
 # =========================================================================================
 # Real runs on 2 and 4 processes
 # =========================================================================================
+
 
 def make_args(*flags):
     from hplab.train import build_parser
@@ -409,13 +466,13 @@ def global_batches(batch):
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-@functools.lru_cache(maxsize=None)  # the same for every schedule: compute it once
+@functools.cache  # the same for every schedule: compute it once
 def reference_run(n_layer, batch, microbatches=1, clip=0.0):
     """One process, the whole global batch, cut into the same microbatches as the pipeline
     (gradient accumulation of loss / microbatches); also checked against one backward on the
     whole batch (`whole_batch_loss`)."""
-    from hplab.models.gpt import build_model
     from hplab.compose import make_optimizer
+    from hplab.models.gpt import build_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: threads only fight the busy machine
@@ -437,7 +494,7 @@ def reference_run(n_layer, batch, microbatches=1, clip=0.0):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def whole_batch_loss(n_layer, batch):
     """The first step's loss as one forward over the whole batch."""
     from hplab.models.gpt import build_model
@@ -464,7 +521,7 @@ def worst_param_error(got: dict, ref: dict) -> float:
         diff, norm = diff + float((g - r).pow(2).sum()), norm + float(r.pow(2).sum())
         if name.endswith("attn.c_attn.bias"):
             keep = torch.ones_like(r, dtype=torch.bool)
-            keep[n_embd:2 * n_embd] = False
+            keep[n_embd : 2 * n_embd] = False
             g, r = g[keep], r[keep]
         worst = max(worst, rel(g, r))
     return max(worst, (diff / norm) ** 0.5)
@@ -477,13 +534,24 @@ def own_params(model):
 
 
 def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
+    from hplab.compose import ParallelConfig, parallelize, pipeline_report, train_step
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.compose import ParallelConfig, parallelize, pipeline_report, train_step
 
     mesh = Mesh.create(dp=dp, pp=pp_size)
-    args = make_args("--pp", str(pp_size), "--dp", str(dp), "--schedule", schedule,
-                     "--microbatches", str(m), "--virtual-stages", str(v), *extra)
+    args = make_args(
+        "--pp",
+        str(pp_size),
+        "--dp",
+        str(dp),
+        "--schedule",
+        schedule,
+        "--microbatches",
+        str(m),
+        "--virtual-stages",
+        str(v),
+        *extra,
+    )
     model = build_model(config(n_layer), seed=0)
     engine = parallelize(model, mesh, ParallelConfig.from_namespace(args))
     losses = []
@@ -492,8 +560,12 @@ def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
         sl = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         losses.append(train_step(engine, x[sl], y[sl]))
     report = pipeline_report(engine)
-    return {"losses": losses, "params": own_params(model), "report": report,
-            "memory": engine.memory.as_dict()}
+    return {
+        "losses": losses,
+        "params": own_params(model),
+        "report": report,
+        "memory": engine.memory.as_dict(),
+    }
 
 
 def run_torch_pipelining(n_layer, p, schedule, m):
@@ -501,9 +573,9 @@ def run_torch_pipelining(n_layer, p, schedule, m):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from hplab.compose import make_optimizer
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.compose import make_optimizer
 
     mesh = Mesh.create(pp=p)
     model = build_model(config(n_layer), seed=0)
@@ -551,11 +623,13 @@ def _worker(world_size):
     if world_size == 4:  # pp × dp: 2 stages × 2 data-parallel replicas, with clipping
         for schedule in ("1f1b", "zb-h1"):
             out["hplab"][("dp2", schedule, 4)] = run_hplab(
-                n_layer, 2, 2, schedule, 4, extra=("--grad-clip", "0.05"))
+                n_layer, 2, 2, schedule, 4, extra=("--grad-clip", "0.05")
+            )
     # clear errors, raised the same on every rank before any communication
-    for name, call in (("layers", lambda: run_hplab(p - 1, p, 1, "1f1b", p)),
-                       ("interleaved_m",
-                        lambda: run_hplab(n_layer, p, 1, "interleaved", p + 1, 2))):
+    for name, call in (
+        ("layers", lambda: run_hplab(p - 1, p, 1, "1f1b", p)),
+        ("interleaved_m", lambda: run_hplab(n_layer, p, 1, "interleaved", p + 1, 2)),
+    ):
         try:
             call()
         except ValueError as err:
@@ -585,14 +659,18 @@ def merged_params(results, key, kind="hplab"):
 
 def test_every_schedule_equals_one_process(runs):
     world, results = runs
-    for (schedule, m, v) in cases(world):
+    for schedule, m, v in cases(world):
         ref_losses, ref_params = reference_run(2 * world, PER_MICROBATCH * m, m)
         whole = whole_batch_loss(2 * world, PER_MICROBATCH * m)
         assert abs(ref_losses[0] - whole) / whole < TOL
         for r in results:
             got = r["hplab"][(schedule, m, v)]["losses"]
-            assert max(abs(a - b) / abs(b) for a, b in zip(got, ref_losses)) < TOL, \
-                (schedule, m, got, ref_losses)
+            assert max(abs(a - b) / abs(b) for a, b in zip(got, ref_losses)) < TOL, (
+                schedule,
+                m,
+                got,
+                ref_losses,
+            )
         params = merged_params(results, (schedule, m, v))
         assert params.keys() == ref_params.keys()
         worst = worst_param_error(params, ref_params)
@@ -627,8 +705,10 @@ def test_equals_torch_pipelining(runs):
         worst = max(rel(ours[n], theirs[n]) for n in theirs)  # every tensor, all of it
         assert worst < TOL, (schedule, worst)
         last = results[-1]
-        ours_loss, theirs_loss = last["hplab"][(schedule, world, 1)]["losses"], \
-            last["torch"][schedule]["losses"]
+        ours_loss, theirs_loss = (
+            last["hplab"][(schedule, world, 1)]["losses"],
+            last["torch"][schedule]["losses"],
+        )
         assert max(abs(a - b) / abs(b) for a, b in zip(ours_loss, theirs_loss)) < TOL
 
 
@@ -654,14 +734,17 @@ def test_trace_has_every_action(runs):
         for schedule, m, v in cases(p):
             trace = res["hplab"][(schedule, m, v)]["report"]["trace"]
             plan = pp.build_schedule(schedule, p, m, v)[r]
-            compute = [(e["kind"], e["microbatch"], e["chunk"]) for e in trace
-                       if e["kind"] in pp.COMPUTE]
-            assert compute == [(a.kind, a.microbatch, a.chunk) for a in plan
-                               if a.kind in pp.COMPUTE]
+            compute = [
+                (e["kind"], e["microbatch"], e["chunk"]) for e in trace if e["kind"] in pp.COMPUTE
+            ]
+            assert compute == [
+                (a.kind, a.microbatch, a.chunk) for a in plan if a.kind in pp.COMPUTE
+            ]
             sends = sum(a.kind.startswith("send") for a in plan)
             assert sum(e["kind"] == "send" for e in trace) == sends
             assert sum(e["kind"] == "recv" for e in trace) == sum(
-                a.kind.startswith("recv") for a in plan)
+                a.kind.startswith("recv") for a in plan
+            )
             assert all(0 <= e["start_s"] <= e["end_s"] for e in trace)
             bubble = res["hplab"][(schedule, m, v)]["report"]["bubble_fraction"]
             assert 0 < bubble < 1
@@ -678,6 +761,7 @@ def test_clear_errors(runs):
 # The command line: torchrun hplab/train.py --pp ... writes the trace into the metrics file
 # =========================================================================================
 
+
 def test_train_py_writes_the_pipeline_trace(tmp_path):
     import json
     import subprocess
@@ -686,10 +770,33 @@ def test_train_py_writes_the_pipeline_trace(tmp_path):
 
     repo = Path(__file__).resolve().parent.parent
     metrics = tmp_path / "pp.json"
-    command = [sys.executable, str(repo / "hplab" / "train.py"), "--nproc", "4", "--pp", "2",
-               "--dp", "2", "--schedule", "zb-h1", "--microbatches", "4", "--batch-size", "8",
-               "--steps", "2", "--n-layer", "2", "--n-embd", "32", "--seq-len", "16",
-               "--no-progress", "--metrics", str(metrics)]
+    command = [
+        sys.executable,
+        str(repo / "hplab" / "train.py"),
+        "--nproc",
+        "4",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--schedule",
+        "zb-h1",
+        "--microbatches",
+        "4",
+        "--batch-size",
+        "8",
+        "--steps",
+        "2",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "32",
+        "--seq-len",
+        "16",
+        "--no-progress",
+        "--metrics",
+        str(metrics),
+    ]
     done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     pipeline = json.loads(metrics.read_text())["pipeline"]

@@ -26,19 +26,32 @@ RTOL = 1e-5
 STEPS = 4
 CONFIG = dict(vocab_size=101, n_positions=16, n_embd=32, n_layer=2, n_head=4)
 GLOBAL_BATCH = 8
-RECIPE = dict(lr=3e-3, weight_decay=0.5, warmup_steps=2, lr_decay="cosine", decay_steps=STEPS,
-              min_lr=3e-4)
-LAYOUTS = {"dp2 zero1": dict(dp=2, zero=1), "dp2 zero2": dict(dp=2, zero=2),
-           "dp2 zero3": dict(dp=2, zero=3), "tp2": dict(tp=2), "pp2": dict(pp=2, microbatches=2),
-           "dp2 bf16": dict(dp=2, precision="bf16")}  # bf16: only its lr and groups are checked
+RECIPE = dict(
+    lr=3e-3, weight_decay=0.5, warmup_steps=2, lr_decay="cosine", decay_steps=STEPS, min_lr=3e-4
+)
+LAYOUTS = {
+    "dp2 zero1": dict(dp=2, zero=1),
+    "dp2 zero2": dict(dp=2, zero=2),
+    "dp2 zero3": dict(dp=2, zero=3),
+    "tp2": dict(tp=2),
+    "pp2": dict(pp=2, microbatches=2),
+    "dp2 bf16": dict(dp=2, precision="bf16"),
+}  # bf16: only its lr and groups are checked
 
 
 def schedule(step: int) -> float:
-    return learning_rate(step, RECIPE["lr"], RECIPE["warmup_steps"], RECIPE["lr_decay"],
-                         RECIPE["decay_steps"], RECIPE["min_lr"])
+    return learning_rate(
+        step,
+        RECIPE["lr"],
+        RECIPE["warmup_steps"],
+        RECIPE["lr_decay"],
+        RECIPE["decay_steps"],
+        RECIPE["min_lr"],
+    )
 
 
 # --- the closed form ----------------------------------------------------------------------------
+
 
 def test_learning_rate_warms_up_then_decays_to_min_lr():
     lr, low = 1.0, 0.1
@@ -76,8 +89,9 @@ def test_parameter_groups_decay_only_the_matrices_of_linear_layers():
 
     model = build_model(GPTConfig(**CONFIG), 0)
     names = {p: n for n, p in model.named_parameters()}
-    assert [g["weight_decay"] for g in parameter_groups(model.parameters(), weight_decay=0.1)] \
-        == [0.1]  # unmarked: one group, as before
+    assert [g["weight_decay"] for g in parameter_groups(model.parameters(), weight_decay=0.1)] == [
+        0.1
+    ]  # unmarked: one group, as before
     mark_no_decay(model)
     groups = parameter_groups(model.parameters(), weight_decay=0.1)
     decayed = {names[p] for g in groups if g["weight_decay"] for p in g["params"]}
@@ -91,28 +105,46 @@ def is_decayed(name: str) -> bool:
 
 # --- bad inputs: one line each, before any process starts -----------------------------------------
 
-@pytest.mark.parametrize("flags, message", [
-    (["--warmup-steps", "200"], "the warm-up (200 steps) is longer than the run (--steps 100)"),
-    (["--warmup-fraction", "1.5", "--steps", "10"], "the warm-up (15 steps) is longer"),
-    (["--min-lr", "0.01"], "--min-lr 0.01 is above --lr 0.001"),
-    (["--warmup-steps", "-1"], "--warmup-steps: must be at least 0, got -1"),
-    (["--min-lr=-1e-5"], "--min-lr: must be at least 0, got -1e-5"),
-    (["--warmup-fraction", "-0.1"], "--warmup-fraction: must be at least 0"),
-    (["--decay-steps", "0"], "--decay-steps: must be at least 1"),
-    (["--warmup-steps", "2", "--warmup-fraction", "0.1"], "--warmup-steps or --warmup-fraction"),
-    (["--lr-decay", "linear", "--warmup-steps", "5", "--decay-steps", "5"],
-     "--decay-steps 5 must be larger than the warm-up (5 steps)"),
-    (["--no-decay-bias-norm", "--decay-bias-norm"], "--no-decay-bias-norm or --decay-bias-norm"),
-])
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--warmup-steps", "200"], "the warm-up (200 steps) is longer than the run (--steps 100)"),
+        (["--warmup-fraction", "1.5", "--steps", "10"], "the warm-up (15 steps) is longer"),
+        (["--min-lr", "0.01"], "--min-lr 0.01 is above --lr 0.001"),
+        (["--warmup-steps", "-1"], "--warmup-steps: must be at least 0, got -1"),
+        (["--min-lr=-1e-5"], "--min-lr: must be at least 0, got -1e-5"),
+        (["--warmup-fraction", "-0.1"], "--warmup-fraction: must be at least 0"),
+        (["--decay-steps", "0"], "--decay-steps: must be at least 1"),
+        (
+            ["--warmup-steps", "2", "--warmup-fraction", "0.1"],
+            "--warmup-steps or --warmup-fraction",
+        ),
+        (
+            ["--lr-decay", "linear", "--warmup-steps", "5", "--decay-steps", "5"],
+            "--decay-steps 5 must be larger than the warm-up (5 steps)",
+        ),
+        (
+            ["--no-decay-bias-norm", "--decay-bias-norm"],
+            "--no-decay-bias-norm or --decay-bias-norm",
+        ),
+    ],
+)
 def test_a_bad_schedule_is_one_line_before_any_process(flags, message, capsys):
     assert train.main(["--nproc", "2", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("flags, excluded", [
-    ([], False), (["--weight-decay", "0.1"], True),  # the seeds' recipe: on with weight decay
-    (["--weight-decay", "0.1", "--decay-bias-norm"], False), (["--no-decay-bias-norm"], False)])
+@pytest.mark.parametrize(
+    ("flags", "excluded"),
+    [
+        ([], False),
+        (["--weight-decay", "0.1"], True),  # the seeds' recipe: on with weight decay
+        (["--weight-decay", "0.1", "--decay-bias-norm"], False),
+        (["--no-decay-bias-norm"], False),
+    ],
+)
 def test_biases_and_norms_skip_weight_decay_by_default(flags, excluded):
     args = train.parse_args(["--n-layer", "1", *flags])
     train.preflight(args, 1)
@@ -121,16 +153,21 @@ def test_biases_and_norms_skip_weight_decay_by_default(flags, excluded):
 
 # --- one 2-process launch: every layout against one process; a resume mid-warm-up --------------
 
+
 def batches():
     out = []
     for step in range(STEPS):
-        tokens = torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, CONFIG["n_positions"] + 1),
-                               generator=torch.Generator().manual_seed(1000 + step))
+        tokens = torch.randint(
+            0,
+            CONFIG["vocab_size"],
+            (GLOBAL_BATCH, CONFIG["n_positions"] + 1),
+            generator=torch.Generator().manual_seed(1000 + step),
+        )
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(weight_decay: float, by_name: bool = True) -> dict:
     """One process: torch's AdamW with the decayed matrices in their own group (`by_name`) or
     every parameter decayed, and torch's LambdaLR; the parameters after STEPS steps."""
@@ -138,11 +175,13 @@ def reference(weight_decay: float, by_name: bool = True) -> dict:
 
     model = build_model(GPTConfig(**CONFIG), 0)
     named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if is_decayed(n) or not by_name]},
-              {"params": [p for n, p in named if not is_decayed(n) and by_name],
-               "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=RECIPE["lr"], weight_decay=weight_decay,
-                            betas=(0.9, 0.95), foreach=False)
+    groups = [
+        {"params": [p for n, p in named if is_decayed(n) or not by_name]},
+        {"params": [p for n, p in named if not is_decayed(n) and by_name], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(
+        groups, lr=RECIPE["lr"], weight_decay=weight_decay, betas=(0.9, 0.95), foreach=False
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: schedule(i) / RECIPE["lr"])
     for x, y in batches():
         model(x, y)[1].backward()
@@ -167,18 +206,41 @@ def _in_two_processes(directory: str) -> dict:
         mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         stepped = []  # per step: (lr, weight decay) of each group the stepping optimizer has
         getattr(par.optimizer, "inner", par.optimizer).register_step_pre_hook(
-            lambda opt, *_: stepped.append([(g["lr"], g["weight_decay"])
-                                            for g in opt.param_groups]))
+            lambda opt, *_: stepped.append([(g["lr"], g["weight_decay"]) for g in opt.param_groups])
+        )
         for x, y in batches():
             train_step(par, x[mine], y[mine])
         state, _ = gather_full_state(par)
         out[name] = {"stepped": stepped, "state": {n: t.numpy().copy() for n, t in state.items()}}
-    common = ["--no-progress", "--n-layer", "2", "--batch-size", "4", "--lr", "3e-3",
-              "--warmup-steps", "4", "--lr-decay", "linear", "--min-lr", "1e-4"]
-    runs = {"uninterrupted": ["--dp", "2", "--zero", "1", "--steps", "6"],
-            "saved mid-warm-up": ["--dp", "2", "--steps", "2", "--decay-steps", "6",
-                                  "--save", f"{directory}/b"],
-            "resumed": ["--tp", "2", "--steps", "6", "--resume", f"{directory}/b"]}
+    common = [
+        "--no-progress",
+        "--n-layer",
+        "2",
+        "--batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "4",
+        "--lr-decay",
+        "linear",
+        "--min-lr",
+        "1e-4",
+    ]
+    runs = {
+        "uninterrupted": ["--dp", "2", "--zero", "1", "--steps", "6"],
+        "saved mid-warm-up": [
+            "--dp",
+            "2",
+            "--steps",
+            "2",
+            "--decay-steps",
+            "6",
+            "--save",
+            f"{directory}/b",
+        ],
+        "resumed": ["--tp", "2", "--steps", "6", "--resume", f"{directory}/b"],
+    }
     for name, flags in runs.items():
         out[name] = train.run(train.parse_args(common + flags))
     return out
@@ -200,16 +262,20 @@ def without_key_bias(name: str, t: torch.Tensor) -> torch.Tensor:
     random sign that no two summation orders agree on (as in tests/test_pp.py)."""
     if not name.endswith("attn.c_attn.bias"):
         return t
-    return torch.cat([t[:CONFIG["n_embd"]], 0 * t[CONFIG["n_embd"]:2 * CONFIG["n_embd"]],
-                      t[2 * CONFIG["n_embd"]:]])
+    return torch.cat(
+        [
+            t[: CONFIG["n_embd"]],
+            0 * t[CONFIG["n_embd"] : 2 * CONFIG["n_embd"]],
+            t[2 * CONFIG["n_embd"] :],
+        ]
+    )
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if "bf16" not in name])
 def test_no_decay_groups_and_schedule_equal_one_process(world2, layout):
     ours = {n: torch.from_numpy(t) for n, t in world2[0][layout]["state"].items()}
     want, uniform, none = reference(0.5), reference(0.5, by_name=False), reference(0.0)
-    assert max(rel(without_key_bias(n, ours[n]), without_key_bias(n, want[n]))
-               for n in want) < RTOL
+    assert max(rel(without_key_bias(n, ours[n]), without_key_bias(n, want[n])) for n in want) < RTOL
     # the decay and the exclusion both changed the result far beyond the tolerance:
     assert max(rel(ours[n], none[n]) for n in want if is_decayed(n)) > 100 * RTOL
     assert max(rel(ours[n], uniform[n]) for n in want if not is_decayed(n)) > 100 * RTOL
@@ -228,23 +294,50 @@ def test_a_run_resumed_mid_warm_up_continues_lr_and_losses(world2):
     metrics, _ = world2
     whole, resumed = metrics["uninterrupted"]["steps"], metrics["resumed"]["steps"]
     assert [s["lr"] for s in whole] == pytest.approx(
-        [learning_rate(s, 3e-3, 4, "linear", 6, 1e-4) for s in range(6)], rel=1e-12)
+        [learning_rate(s, 3e-3, 4, "linear", 6, 1e-4) for s in range(6)], rel=1e-12
+    )
     assert [s["step"] for s in resumed] == [2, 3, 4, 5]
     assert [s["lr"] for s in resumed] == pytest.approx([s["lr"] for s in whole[2:]], rel=1e-12)
     assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(resumed, whole[2:])) < RTOL
 
 
 def test_resuming_with_another_schedule_shape_is_refused_unless_the_checkpoint_has_none(
-        world2, tmp_path, capsys):
+    world2, tmp_path, capsys
+):
     saved = world2[1] / "b"
-    flags = ["--nproc", "2", "--n-layer", "2", "--batch-size", "4", "--steps", "6",
-             "--lr", "3e-3", "--resume"]
+    flags = [
+        "--nproc",
+        "2",
+        "--n-layer",
+        "2",
+        "--batch-size",
+        "4",
+        "--steps",
+        "6",
+        "--lr",
+        "3e-3",
+        "--resume",
+    ]
     assert train.main(flags + [str(saved)]) == 2  # default: constant, no warm-up
     err = capsys.readouterr().err
-    assert "b continues its lr schedule: resume with --warmup-steps 4 --lr-decay linear " \
-           "--decay-steps 6 --min-lr 0.0001\n" in err and err.count("\n") == 1, err
-    same_shape = ["--warmup-steps", "4", "--lr-decay", "linear", "--decay-steps", "6",
-                  "--min-lr", "1e-4", "--lr", "2e-3"]  # a new peak lr scales the schedule
+    assert (
+        "b continues its lr schedule: resume with --warmup-steps 4 --lr-decay linear "
+        "--decay-steps 6 --min-lr 0.0001\n"
+        in err
+        and err.count("\n") == 1
+    ), err
+    same_shape = [
+        "--warmup-steps",
+        "4",
+        "--lr-decay",
+        "linear",
+        "--decay-steps",
+        "6",
+        "--min-lr",
+        "1e-4",
+        "--lr",
+        "2e-3",
+    ]  # a new peak lr scales the schedule
     assert train.preflight(train.parse_args(flags[2:] + [str(saved)] + same_shape), 2)[2]
     old = shutil.copytree(saved, tmp_path / "old")  # as saved before schedules existed
     state = json.loads((old / "trainer_state.json").read_text())

@@ -28,8 +28,11 @@ LINUX = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs L
 
 
 def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+    }
     return {**env, **extra}
 
 
@@ -38,13 +41,15 @@ def hplab_lines(text: str) -> list[str]:
 
 
 def no_hplab_traceback(text: str) -> bool:
-    return not any("hplab/" in line and line.strip().startswith("File ")
-                   for line in text.splitlines())
+    return not any(
+        "hplab/" in line and line.strip().startswith("File ") for line in text.splitlines()
+    )
 
 
 def tagged_processes(tag: str) -> list[int]:
     """Pids of the training workers carrying `tag` in their environment: the tagged processes
     whose parent (the launcher: torchrun or train.py --nproc, which forks them) is tagged too."""
+
     def tagged(pid) -> bool:
         try:
             return f"HPLAB_FAULT_TAG={tag}".encode() in Path(f"/proc/{pid}/environ").read_bytes()
@@ -57,20 +62,32 @@ def tagged_processes(tag: str) -> list[int]:
         except (OSError, IndexError):
             return "0"
 
-    return [int(e.name) for e in Path("/proc").iterdir()
-            if e.name.isdigit() and tagged(e.name) and tagged(parent(e.name))]
+    return [
+        int(e.name)
+        for e in Path("/proc").iterdir()
+        if e.name.isdigit() and tagged(e.name) and tagged(parent(e.name))
+    ]
 
 
-def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int = 8,
-                   settle_s: float = 1):
+def start_training(
+    tag: str, *flags: str, torchrun: bool = False, timeout_s: int = 8, settle_s: float = 1
+):
     """A 2-process training run that would take minutes; returns (launcher, worker pids)."""
     args = ["--steps", "100000", "--no-progress", *flags]
-    cmd = torchrun_command(2, TRAIN, *args) if torchrun else [
-        sys.executable, TRAIN, "--nproc", "2", *args]
-    launcher = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=clean_env(HPLAB_FAULT_TAG=tag,
-                                              HPLAB_TIMEOUT_S=str(timeout_s)))
+    cmd = (
+        torchrun_command(2, TRAIN, *args)
+        if torchrun
+        else [sys.executable, TRAIN, "--nproc", "2", *args]
+    )
+    launcher = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        start_new_session=True,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_env(HPLAB_FAULT_TAG=tag, HPLAB_TIMEOUT_S=str(timeout_s)),
+    )
     deadline = time.monotonic() + 90
     while len(workers := tagged_processes(tag)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -87,8 +104,12 @@ def start_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int
 def wait_gone(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        alive = [p for p in pids if Path(f"/proc/{p}").exists()
-                 and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[-1][:3]]
+        alive = [
+            p
+            for p in pids
+            if Path(f"/proc/{p}").exists()
+            and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[-1][:3]
+        ]
         if not alive:
             return []
         time.sleep(0.2)
@@ -97,10 +118,14 @@ def wait_gone(pids: list[int], seconds: float) -> list[int]:
 
 # --- exit: gloo's threads ----------------------------------------------------------------
 
+
 def gloo_threads(pid: int | str = "self") -> list[str]:
     try:
-        return [name for t in Path(f"/proc/{pid}/task").iterdir()
-                if "gloo" in (name := (t / "comm").read_text().strip())]
+        return [
+            name
+            for t in Path(f"/proc/{pid}/task").iterdir()
+            if "gloo" in (name := (t / "comm").read_text().strip())
+        ]
     except OSError:  # the process or a thread has just ended
         return []
 
@@ -130,6 +155,7 @@ def test_shutdown_joins_gloo_threads_while_python_is_alive():
 
 
 # --- hangs and launchers -------------------------------------------------------------------
+
 
 @LINUX
 def test_a_frozen_rank_ends_the_job_within_the_timeout_with_one_line():
@@ -196,6 +222,7 @@ def with_suppressed(fn, *args):
 
 # --- files: nothing of the user's is lost, damage is named ---------------------------------
 
+
 def run_main(capsys, monkeypatch, *args):
     from hplab.train import main
 
@@ -206,8 +233,11 @@ def run_main(capsys, monkeypatch, *args):
 
 
 def fingerprint(folder: Path) -> dict:
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_save_never_replaces_someone_elses_files(tmp_path, capsys, monkeypatch):
@@ -235,9 +265,14 @@ def test_save_never_replaces_someone_elses_files(tmp_path, capsys, monkeypatch):
 @pytest.fixture(scope="module")
 def saved_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ckpt") / "run"
-    done = subprocess.run([sys.executable, TRAIN, "--steps", "2", "--no-progress",
-                           "--save", str(folder)], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, TRAIN, "--steps", "2", "--no-progress", "--save", str(folder)],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return folder
 
@@ -266,33 +301,48 @@ def _nan_weights_checksum_updated(folder: Path):
     (folder / "trainer_state.json").write_text(json.dumps(state))
 
 
-@pytest.mark.parametrize("damage, says", [
-    (_truncate, "is damaged"),
-    (_nan_weights, "is damaged"),  # the checksum catches it
-    (_nan_weights_checksum_updated, "non-finite weights"),
-    (lambda f: (f / "optimizer.safetensors").unlink(), "optimizer.safetensors is missing"),
-    (lambda f: (f / "config.json").unlink(), "config.json is missing"),
-    (lambda f: (f / "trainer_state.json").write_text("{"), "damaged"),
-], ids=["truncated", "nan", "nan-checksum-forged", "no-optimizer", "no-config", "bad-json"])
-def test_a_damaged_checkpoint_is_refused_with_one_line(saved_checkpoint, damage, says, tmp_path,
-                                                       capsys, monkeypatch):
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (_truncate, "is damaged"),
+        (_nan_weights, "is damaged"),  # the checksum catches it
+        (_nan_weights_checksum_updated, "non-finite weights"),
+        (lambda f: (f / "optimizer.safetensors").unlink(), "optimizer.safetensors is missing"),
+        (lambda f: (f / "config.json").unlink(), "config.json is missing"),
+        (lambda f: (f / "trainer_state.json").write_text("{"), "damaged"),
+    ],
+    ids=["truncated", "nan", "nan-checksum-forged", "no-optimizer", "no-config", "bad-json"],
+)
+def test_a_damaged_checkpoint_is_refused_with_one_line(
+    saved_checkpoint, damage, says, tmp_path, capsys, monkeypatch
+):
     import shutil
 
     copy = tmp_path / "run"
     shutil.copytree(saved_checkpoint, copy)
     damage(copy)
     before = fingerprint(copy)
-    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--steps", "4",
-                         "--resume", str(copy))
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--steps", "4", "--resume", str(copy))
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and says in err, err
     assert fingerprint(copy) == before  # refused, not "repaired"
 
 
-def test_resuming_another_model_shape_is_refused_before_launch(saved_checkpoint, capsys,
-                                                                monkeypatch):
-    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--steps", "4", "--n-layer", "2",
-                         "--resume", str(saved_checkpoint))
+def test_resuming_another_model_shape_is_refused_before_launch(
+    saved_checkpoint, capsys, monkeypatch
+):
+    code, err = run_main(
+        capsys,
+        monkeypatch,
+        "--nproc",
+        "2",
+        "--steps",
+        "4",
+        "--n-layer",
+        "2",
+        "--resume",
+        str(saved_checkpoint),
+    )
     assert code == 2 and "different model" in err and "n_layer" in err, err
 
 
@@ -313,7 +363,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("flags, says", BAD, ids=[" ".join(f) for f, _ in BAD])
+@pytest.mark.parametrize(("flags", "says"), BAD, ids=[" ".join(f) for f, _ in BAD])
 def test_bad_flags_fail_before_launch_with_one_line(flags, says, capsys, monkeypatch):
     if flags[:2] == ["--backend", "nccl"] and torch.cuda.device_count() >= 2:
         pytest.skip("this machine can run NCCL")
@@ -323,9 +373,13 @@ def test_bad_flags_fail_before_launch_with_one_line(flags, says, capsys, monkeyp
 
 def test_config_values_meet_the_same_checks(tmp_path, capsys, monkeypatch):
     recipe = tmp_path / "r.toml"
-    for text, says in (("zero = 5", "invalid choice: 5"), ('precision = "fp8"', "fp8"),
-                       ("steps = 2.5", "invalid int value"), ("recompute = 3", "true or "),
-                       ('\ufeffsteps = 2\nlr = -1', "--lr: must be a positive number")):
+    for text, says in (
+        ("zero = 5", "invalid choice: 5"),
+        ('precision = "fp8"', "fp8"),
+        ("steps = 2.5", "invalid int value"),
+        ("recompute = 3", "true or "),
+        ("\ufeffsteps = 2\nlr = -1", "--lr: must be a positive number"),
+    ):
         recipe.write_text(text, encoding="utf-8")
         code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--config", str(recipe))
         assert code == 2 and err.count("\n") == 1 and says in err, (text, err)
@@ -335,11 +389,21 @@ def run_all(commands: list[list[str]], at_once: int = 6) -> list[subprocess.Comp
     """Run the commands, `at_once` at a time (they fail fast: before training)."""
     done = []
     for i in range(0, len(commands), at_once):
-        procs = [subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for cmd in commands[i:i + at_once]]
-        done += [subprocess.CompletedProcess(p.args, p.returncode, *p.communicate(timeout=180))
-                 for p in procs]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=clean_env(),
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for cmd in commands[i : i + at_once]
+        ]
+        done += [
+            subprocess.CompletedProcess(p.args, p.returncode, *p.communicate(timeout=180))
+            for p in procs
+        ]
     return done
 
 
@@ -354,6 +418,8 @@ def test_every_bad_flag_through_torchrun_says_its_line():
     done = run_all([torchrun_command(2, TRAIN, "--steps", "1", *flags) for flags, _ in cases])
     for (flags, says), result in zip(cases, done):
         assert result.returncode != 0, flags
-        assert any(says in line for line in hplab_lines(result.stderr)), \
-            (flags, result.stderr[-2000:])
+        assert any(says in line for line in hplab_lines(result.stderr)), (
+            flags,
+            result.stderr[-2000:],
+        )
         assert no_hplab_traceback(result.stderr), (flags, result.stderr[-2000:])

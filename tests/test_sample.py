@@ -37,8 +37,9 @@ def saved(tmp_path_factory):
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(25.0 if p.dim() == 2 else 1.0)
-    return checkpoint.save(tmp_path_factory.mktemp("sample") / "ckpt", CONFIG,
-                           model.state_dict(), {}, {"step": 0})
+    return checkpoint.save(
+        tmp_path_factory.mktemp("sample") / "ckpt", CONFIG, model.state_dict(), {}, {"step": 0}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def models(saved):
 def hf_last_logits(hf, ids):
     """Hugging Face's logits at the last position, for the last n_positions tokens."""
     with torch.no_grad():
-        return hf(input_ids=torch.tensor([ids[-CONFIG.n_positions:]])).logits[0, -1]
+        return hf(input_ids=torch.tensor([ids[-CONFIG.n_positions :]])).logits[0, -1]
 
 
 def test_greedy_is_argmax_decoding_with_a_cropped_context(models):
@@ -64,8 +65,9 @@ def test_greedy_is_argmax_decoding_with_a_cropped_context(models):
     assert ids == expected
     assert len(set(ids[5:])) >= 10  # a real test: the choices vary from token to token
     # and within the window transformers' own greedy generate agrees
-    hf_ids = hf.generate(torch.tensor([PROMPT_IDS]), max_new_tokens=8, do_sample=False,
-                         pad_token_id=0)[0].tolist()
+    hf_ids = hf.generate(
+        torch.tensor([PROMPT_IDS]), max_new_tokens=8, do_sample=False, pad_token_id=0
+    )[0].tolist()
     assert ids[:13] == hf_ids
 
 
@@ -78,14 +80,18 @@ def test_top_k_sampling_is_seeded_and_draws_only_from_the_top_k(models):
     assert draw(top_k=1, temperature=0.7, seed=5) == draw()  # k = 1 is greedy
     ids = draw(top_k=3, temperature=2.0, seed=0)
     logits = [hf_last_logits(hf, ids[:i]) for i in range(len(PROMPT_IDS), len(ids))]
-    ranks = [int((z > z[i]).sum()) for z, i in zip(logits, ids[len(PROMPT_IDS):])]
+    ranks = [int((z > z[i]).sum()) for z, i in zip(logits, ids[len(PROMPT_IDS) :])]
     assert max(ranks) <= 2 and len(set(ranks)) == 3  # only ranks 0, 1, 2, and all of them
 
     # one step drawn 400 times: frequencies follow softmax(top-3 logits / T), T = 2
     n, temperature = 400, 2.0
     top = hf_last_logits(hf, PROMPT_IDS).topk(3)
-    drawn = torch.tensor([sample.generate(ours, tok, prompt, 1, top_k=3, temperature=temperature,
-                                          seed=s)[-1] for s in range(n)])
+    drawn = torch.tensor(
+        [
+            sample.generate(ours, tok, prompt, 1, top_k=3, temperature=temperature, seed=s)[-1]
+            for s in range(n)
+        ]
+    )
     assert set(drawn.tolist()) <= set(top.indices.tolist())
     freq = torch.stack([(drawn == i).float().mean() for i in top.indices])
     for t, tolerance in ((temperature, 1.0), (1.0, None), (1 / temperature, None)):
@@ -101,8 +107,9 @@ def test_a_hugging_face_folder_samples_like_the_checkpoint(saved, models, tmp_pa
     """What `save_pretrained` writes (no trainer_state.json, no hplab config) loads too."""
     models[1].save_pretrained(tmp_path / "hf")
     from_hf, tokenizer = sample.load_model(tmp_path / "hf")
-    assert sample.generate(from_hf, tokenizer, "HAMLET:", 20, top_k=5) == \
-        sample.generate(*sample.load_model(saved), "HAMLET:", 20, top_k=5)
+    assert sample.generate(from_hf, tokenizer, "HAMLET:", 20, top_k=5) == sample.generate(
+        *sample.load_model(saved), "HAMLET:", 20, top_k=5
+    )
 
 
 def one_error_line(capsys, argv):
@@ -120,12 +127,14 @@ def test_bad_input_is_one_line(saved, tmp_path, capsys):
     assert "positive, got 0" in one_error_line(capsys, good + ["--max-new-tokens", "0"])
     assert "empty" in one_error_line(capsys, ["--checkpoint", str(saved), "--prompt", ""])
     assert "expected a Hugging Face model folder" in one_error_line(
-        capsys, ["--checkpoint", str(tmp_path / "no")] + good[2:])
+        capsys, ["--checkpoint", str(tmp_path / "no")] + good[2:]
+    )
     config_only = tmp_path / "config_only"
     config_only.mkdir()
     shutil.copy(saved / "config.json", config_only)
     assert "no readable model.safetensors" in one_error_line(
-        capsys, ["--checkpoint", str(config_only)] + good[2:])
+        capsys, ["--checkpoint", str(config_only)] + good[2:]
+    )
     for name in ("model.safetensors", "trainer_state.json"):
         damaged = shutil.copytree(saved, tmp_path / f"damaged_{name}")
         data = bytearray((damaged / name).read_bytes())
@@ -142,8 +151,24 @@ def test_bad_input_is_one_line(saved, tmp_path, capsys):
 
 
 def test_command_line_prints_prompt_and_continuation(saved):
-    run = subprocess.run([sys.executable, "-m", "hplab.sample", "--checkpoint", str(saved),
-                          "--prompt", "HAMLET:", "--max-new-tokens", "5", "--top-k", "5"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hplab.sample",
+            "--checkpoint",
+            str(saved),
+            "--prompt",
+            "HAMLET:",
+            "--max-new-tokens",
+            "5",
+            "--top-k",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert run.returncode == 0 and run.stdout.startswith("HAMLET:"), run.stderr
     assert len(run.stdout.strip()) > len("HAMLET:")

@@ -61,55 +61,71 @@ def model_rel_err(ours: dict, ref: dict) -> float:
 
 def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW as train.py builds it; foreach=False keeps the update element-wise identical."""
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
-                             foreach=False)
+    return torch.optim.AdamW(
+        params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, foreach=False
+    )
 
 
 def sum_partial_grads(model, comm) -> None:
     """What the composition does after backward under sequence parallel: parameters marked
     `sequence_parallel_partial` hold partial sums; add them over the tp group (one message)."""
-    grads = [p.grad for p in model.parameters()
-             if getattr(p, "sequence_parallel_partial", False) and p.grad is not None]
+    grads = [
+        p.grad
+        for p in model.parameters()
+        if getattr(p, "sequence_parallel_partial", False) and p.grad is not None
+    ]
     flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat)
-    torch._foreach_copy_(grads, [t.view_as(g) for t, g in
-                                 zip(flat.split([g.numel() for g in grads]), grads)])
+    torch._foreach_copy_(
+        grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)]
+    )
 
 
 @torch.no_grad()
 def full_grads(model, comm) -> dict:
     """Every parameter's full gradient, by name (tp pieces glued back)."""
     from hplab import tp
-    return {name: tp.unshard(p.grad, p.tp_split, comm) if tp.is_split(p) else p.grad.clone()
-            for name, p in model.named_parameters() if p.grad is not None}
+
+    return {
+        name: tp.unshard(p.grad, p.tp_split, comm) if tp.is_split(p) else p.grad.clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 @torch.no_grad()
 def full_state_dict(model, comm) -> dict:
     """The single-device state dict (same names, full shapes), rebuilt on every rank."""
     from hplab import tp
-    return {name: tp.unshard(p, p.tp_split, comm) if tp.is_split(p) else p.detach().clone()
-            for name, p in model.named_parameters(remove_duplicate=False)}
+
+    return {
+        name: tp.unshard(p, p.tp_split, comm) if tp.is_split(p) else p.detach().clone()
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
 
 
 @torch.no_grad()
 def load_full_state_dict(model, state_dict: dict, comm) -> None:
     """A single-device checkpoint into a tensor-parallel model: each rank keeps its pieces."""
     from hplab import tp
+
     for name, p in model.named_parameters():
-        p.copy_(tp.shard(state_dict[name], p.tp_split, comm) if tp.is_split(p)
-                else state_dict[name])
+        p.copy_(
+            tp.shard(state_dict[name], p.tp_split, comm) if tp.is_split(p) else state_dict[name]
+        )
 
 
 def gather_vocab(logits, comm, vocab_size: int):
     """All the logits [..., V] from every rank's slice, padding removed."""
     from hplab import tp
+
     return tp._all_gather(logits.detach(), comm, -1)[..., :vocab_size]
 
 
 def fake_comm(size: int, rank: int = 0):
     """A Communicator that only knows its size and rank: cutting a model needs no messages."""
     from hplab.comm import Communicator
+
     comm = object.__new__(Communicator)
     comm.size, comm.rank = size, rank
     return comm
@@ -117,11 +133,14 @@ def fake_comm(size: int, rank: int = 0):
 
 def _batch(vocab: int, batch: int = BATCH, seq: int = CONFIG["n_positions"], seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, vocab, (batch, seq), generator=g),
-            torch.randint(0, vocab, (batch, seq), generator=g))
+    return (
+        torch.randint(0, vocab, (batch, seq), generator=g),
+        torch.randint(0, vocab, (batch, seq), generator=g),
+    )
 
 
 # --- checks that run inside the processes --------------------------------------------------
+
 
 def _operator_checks(comm) -> dict:
     """Each conjugate operator's forward and backward against what it should compute."""
@@ -145,16 +164,16 @@ def _operator_checks(comm) -> dict:
     x = xs[r].clone().requires_grad_()  # all-gather along the sequence; backward reduce-scatter
     y = tp.GatherSequence.apply(x, comm)
     (y * ws[r].repeat(1, T, 1)).sum().backward()
-    out["gather_sequence"] = max(rel_err(y, torch.cat(xs, 1)),
-                                 rel_err(x.grad, sum(w.repeat(1, T, 1) for w in ws)
-                                         .chunk(T, 1)[r]))
+    out["gather_sequence"] = max(
+        rel_err(y, torch.cat(xs, 1)),
+        rel_err(x.grad, sum(w.repeat(1, T, 1) for w in ws).chunk(T, 1)[r]),
+    )
 
     x = xs[r].clone().requires_grad_()  # reduce-scatter along the sequence; backward all-gather
     y = tp.ReduceScatterSequence.apply(x, comm)
     w_slice = ws[0].chunk(T, 1)[r]
     (y * w_slice).sum().backward()
-    out["reduce_scatter_sequence"] = max(rel_err(y, sum(xs).chunk(T, 1)[r]),
-                                         rel_err(x.grad, ws[0]))
+    out["reduce_scatter_sequence"] = max(rel_err(y, sum(xs).chunk(T, 1)[r]), rel_err(x.grad, ws[0]))
     return out
 
 
@@ -179,8 +198,11 @@ def _cross_entropy_checks(comm) -> dict:
         loss.backward()
         grad = gather_vocab(mine.grad, comm, vocab)
         pad_grad = tp._all_gather(mine.grad, comm, -1)[..., vocab:]
-        out[vocab] = {"loss": rel_err(loss, ref), "grad": rel_err(grad, ref_logits.grad),
-                      "padding_grad": float(pad_grad.abs().max()) if pad_grad.numel() else 0.0}
+        out[vocab] = {
+            "loss": rel_err(loss, ref),
+            "grad": rel_err(grad, ref_logits.grad),
+            "padding_grad": float(pad_grad.abs().max()) if pad_grad.numel() else 0.0,
+        }
     return out
 
 
@@ -201,7 +223,6 @@ def _train_reference(model, steps, batches, forward):
 
 
 def _train_tensor_parallel(model, comm, steps, batches, forward, sequence_parallel):
-    from hplab import tp
 
     optimizer = make_optimizer(model.parameters(), lr=LR, weight_decay=0.1)
     losses, logits, grads = [], None, None
@@ -227,10 +248,12 @@ def _equivalence(ref_out, tp_out) -> dict:
     (ref_losses, ref_logits, ref_grads, ref_params) = ref_out
     (losses, logits, grads, params) = tp_out
     params = {n: params[n] for n in ref_params}  # (params also names the tied lm_head.weight)
-    return {"losses": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-            "logits": rel_err(logits, ref_logits),
-            "grads": max_rel_err(grads, ref_grads),
-            "params": model_rel_err(params, ref_params)}
+    return {
+        "losses": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "logits": rel_err(logits, ref_logits),
+        "grads": max_rel_err(grads, ref_grads),
+        "params": model_rel_err(params, ref_params),
+    }
 
 
 def _gpt_checks(comm, sequence_parallel: bool) -> dict:
@@ -244,14 +267,15 @@ def _gpt_checks(comm, sequence_parallel: bool) -> dict:
     reference = _train_reference(build_model(config, 0), STEPS, batches, _hplab_forward)
     model = tp.parallelize(build_model(config, 0), comm, tp.GPT_PLAN, sequence_parallel)
     start = full_state_dict(model, comm)
-    out = _equivalence(reference,
-                       _train_tensor_parallel(model, comm, STEPS, batches, _hplab_forward,
-                                              sequence_parallel))
+    out = _equivalence(
+        reference,
+        _train_tensor_parallel(model, comm, STEPS, batches, _hplab_forward, sequence_parallel),
+    )
     initial = build_model(config, 0).state_dict()
     out["start_is_single_device"] = max(rel_err(start[n], initial[n]) for n in initial)
     out["tied"] = model.lm_head.weight is model.transformer.wte.weight
     rows = model.transformer.wte.weight.shape[0]
-    padding = model.transformer.wte.weight[max(0, config.vocab_size - comm.rank * rows):]
+    padding = model.transformer.wte.weight[max(0, config.vocab_size - comm.rank * rows) :]
     out["padding_max"] = float(padding.abs().max()) if padding.numel() else 0.0
     # and back: load a single-device checkpoint into the TP model
     load_full_state_dict(model, initial, comm)
@@ -264,12 +288,15 @@ def _hf_forward(model, x, y):
     Under sequence parallel the model is given only this rank's s/T ids."""
     if getattr(model, "sequence_parallel", False):
         from hplab import tp
+
         x = tp.sequence_slice(x, model.tp_comm)
     logits = model(input_ids=x).logits
     if hasattr(model, "tp_comm"):
         from hplab import tp
-        return logits, tp.vocab_parallel_cross_entropy(logits, y, model.tp_comm,
-                                                       model.config.vocab_size)
+
+        return logits, tp.vocab_parallel_cross_entropy(
+            logits, y, model.tp_comm, model.config.vocab_size
+        )
     return logits, F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
@@ -288,8 +315,9 @@ def _hf_checks(comm, sequence_parallel: bool) -> dict:
     reference = _train_reference(reference_model, STEPS, batches, _hf_forward)
     tp.parallelize(hf, comm, tp.HF_GPT2_PLAN, sequence_parallel)
     hf.tp_comm, hf.sequence_parallel = comm, sequence_parallel
-    out = _equivalence(reference, _train_tensor_parallel(hf, comm, STEPS, batches, _hf_forward,
-                                                         sequence_parallel))
+    out = _equivalence(
+        reference, _train_tensor_parallel(hf, comm, STEPS, batches, _hf_forward, sequence_parallel)
+    )
     out["conv1d_weight_shape"] = list(hf.transformer.h[0].attn.c_attn.weight.shape)
     return out
 
@@ -305,8 +333,10 @@ def _ledger_checks(comm, ledger, sequence_parallel: bool) -> dict:
     x, y = _batch(config.vocab_size)
     s = x.shape[1] // comm.size if sequence_parallel else x.shape[1]
     hidden = torch.randn(BATCH, s, config.n_embd, requires_grad=True)
-    read = lambda: {op: [d["calls"], d["bytes"]] for op, d in  # noqa: E731
-                    ledger.by_group_dict().get("tp", {}).items()}
+    read = lambda: {
+        op: [d["calls"], d["bytes"]]
+        for op, d in ledger.by_group_dict().get("tp", {}).items()  # noqa: E731
+    }
     ledger.reset()
     out_block = model.transformer.h[0](hidden)
     block_forward = read()
@@ -318,8 +348,7 @@ def _ledger_checks(comm, ledger, sequence_parallel: bool) -> dict:
     loss.backward()
     if sequence_parallel:
         sum_partial_grads(model, comm)
-    return {"block_forward": block_forward, "block_backward": block_backward,
-            "model": read()}
+    return {"block_forward": block_forward, "block_backward": block_backward, "model": read()}
 
 
 def _activation_checks(comm) -> dict:
@@ -348,8 +377,11 @@ def _dtensor_checks(comm) -> dict:
     """hplab's column → row MLP against PyTorch's DTensor tensor parallel (ColwiseParallel /
     RowwiseParallel on nn.Linear) and against one process: outputs and gradients."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from hplab import tp
 
@@ -357,8 +389,11 @@ def _dtensor_checks(comm) -> dict:
     h = 16
     reference = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU("tanh"), nn.Linear(4 * h, h))
     theirs, ours = copy.deepcopy(reference), copy.deepcopy(reference)
-    parallelize_module(theirs, init_device_mesh("cpu", (comm.size,)),
-                       {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    parallelize_module(
+        theirs,
+        init_device_mesh("cpu", (comm.size,)),
+        {"0": ColwiseParallel(), "2": RowwiseParallel()},
+    )
     ours[0] = tp.ColumnParallelLinear(ours[0], comm)
     ours[2] = tp.RowParallelLinear(ours[2], comm)
     x = torch.randn(4, 8, h, generator=torch.Generator().manual_seed(4))
@@ -367,19 +402,23 @@ def _dtensor_checks(comm) -> dict:
         xi = x.clone().requires_grad_()
         y = model(xi)
         (y * torch.arange(h)).sum().backward()
-        grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-                 for n, p in model.named_parameters()}
+        grads = {
+            n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+            for n, p in model.named_parameters()
+        }
         results[name] = (y.detach(), xi.grad, grads)
     ref_y, ref_dx, ref_g = results["reference"]
     dt_y, dt_dx, dt_g = results["dtensor"]
     y, dx, g = results["hplab"]
     split = {"0.weight": 0, "0.bias": 0, "2.weight": 1}
-    ref_local = {n: (t.chunk(comm.size, split[n])[comm.rank] if n in split else t)
-                 for n, t in ref_g.items()}
-    return {"vs_dtensor": max(rel_err(y, dt_y), rel_err(dx, dt_dx), max_rel_err(g, dt_g)[0]),
-            "vs_reference": max(rel_err(y, ref_y), rel_err(dx, ref_dx),
-                                max_rel_err(g, ref_local)[0]),
-            "dtensor_vs_reference": max(rel_err(dt_y, ref_y), rel_err(dt_dx, ref_dx))}
+    ref_local = {
+        n: (t.chunk(comm.size, split[n])[comm.rank] if n in split else t) for n, t in ref_g.items()
+    }
+    return {
+        "vs_dtensor": max(rel_err(y, dt_y), rel_err(dx, dt_dx), max_rel_err(g, dt_g)[0]),
+        "vs_reference": max(rel_err(y, ref_y), rel_err(dx, ref_dx), max_rel_err(g, ref_local)[0]),
+        "dtensor_vs_reference": max(rel_err(dt_y, ref_y), rel_err(dt_dx, ref_dx)),
+    }
 
 
 def _layout_checks(mesh, sequence_parallel: bool, recompute: bool = False) -> dict:
@@ -430,9 +469,11 @@ def _layout_checks(mesh, sequence_parallel: bool, recompute: bool = False) -> di
         losses.append(mesh.dp.all_reduce_scalar(step_loss) / mesh.dp_size)
     params = full_state_dict(model, mesh.tp)
     ref_params = {n: p.detach() for n, p in reference.named_parameters()}
-    return {"losses": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-            "params": model_rel_err({n: params[n] for n in ref_params}, ref_params),
-            "clipped": min(ref_norms) > clip}
+    return {
+        "losses": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "params": model_rel_err({n: params[n] for n in ref_params}, ref_params),
+        "clipped": min(ref_norms) > clip,
+    }
 
 
 def _checks_world2() -> dict:
@@ -440,14 +481,18 @@ def _checks_world2() -> dict:
 
     mesh = Mesh.create(dp=1, tp=2, pp=1)
     comm = mesh.tp
-    return {"operators": _operator_checks(comm),
-            "cross_entropy": _cross_entropy_checks(comm),
-            "gpt": _gpt_checks(comm, False), "gpt_sp": _gpt_checks(comm, True),
-            "ledger": _ledger_checks(comm, mesh.ledger, False),
-            "ledger_sp": _ledger_checks(comm, mesh.ledger, True),
-            "activations": _activation_checks(comm),
-            "dtensor": _dtensor_checks(comm),
-            "hf": _hf_checks(comm, False), "hf_sp": _hf_checks(comm, True)}
+    return {
+        "operators": _operator_checks(comm),
+        "cross_entropy": _cross_entropy_checks(comm),
+        "gpt": _gpt_checks(comm, False),
+        "gpt_sp": _gpt_checks(comm, True),
+        "ledger": _ledger_checks(comm, mesh.ledger, False),
+        "ledger_sp": _ledger_checks(comm, mesh.ledger, True),
+        "activations": _activation_checks(comm),
+        "dtensor": _dtensor_checks(comm),
+        "hf": _hf_checks(comm, False),
+        "hf_sp": _hf_checks(comm, True),
+    }
 
 
 def _checks_world4() -> dict:
@@ -455,16 +500,21 @@ def _checks_world4() -> dict:
 
     mesh = Mesh.create(dp=1, tp=4, pp=1)
     tp_by_dp = Mesh.create(dp=2, tp=2, pp=1)
-    return {"operators": _operator_checks(mesh.tp),
-            "cross_entropy": _cross_entropy_checks(mesh.tp),
-            "gpt": _gpt_checks(mesh.tp, False), "gpt_sp": _gpt_checks(mesh.tp, True),
-            "hf": _hf_checks(mesh.tp, False), "hf_sp": _hf_checks(mesh.tp, True),
-            "layout_tp4": _layout_checks(mesh, False),
-            "layout_tp2_dp2": _layout_checks(tp_by_dp, False),
-            "layout_tp2_dp2_sp_recompute": _layout_checks(tp_by_dp, True, recompute=True)}
+    return {
+        "operators": _operator_checks(mesh.tp),
+        "cross_entropy": _cross_entropy_checks(mesh.tp),
+        "gpt": _gpt_checks(mesh.tp, False),
+        "gpt_sp": _gpt_checks(mesh.tp, True),
+        "hf": _hf_checks(mesh.tp, False),
+        "hf_sp": _hf_checks(mesh.tp, True),
+        "layout_tp4": _layout_checks(mesh, False),
+        "layout_tp2_dp2": _layout_checks(tp_by_dp, False),
+        "layout_tp2_dp2_sp_recompute": _layout_checks(tp_by_dp, True, recompute=True),
+    }
 
 
 # --- the tests ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def world2():
@@ -512,8 +562,7 @@ def test_hf_gpt2_trains_like_one_process(world, variant):
         assert r["losses"] <= RTOL and r["logits"] <= RTOL, r
         assert r["grads"][0] <= RTOL and r["params"] <= RTOL, r
     T = len(world)
-    assert world[0][variant]["conv1d_weight_shape"] == [CONFIG["n_embd"],
-                                                        3 * CONFIG["n_embd"] // T]
+    assert world[0][variant]["conv1d_weight_shape"] == [CONFIG["n_embd"], 3 * CONFIG["n_embd"] // T]
 
 
 def _bsh_bytes(s=CONFIG["n_positions"]):
@@ -533,26 +582,32 @@ def test_ledger_sequence_parallel_block(world2):
     backward mirrors them and gathers each column layer's tokens once more."""
     for rank in world2:
         led = rank["ledger_sp"]
-        assert led["block_forward"] == {"all_gather": [2, 2 * _bsh_bytes()],
-                                        "reduce_scatter": [2, 2 * _bsh_bytes()]}
-        assert led["block_backward"] == {"all_gather": [4, 4 * _bsh_bytes()],
-                                         "reduce_scatter": [2, 2 * _bsh_bytes()]}
+        assert led["block_forward"] == {
+            "all_gather": [2, 2 * _bsh_bytes()],
+            "reduce_scatter": [2, 2 * _bsh_bytes()],
+        }
+        assert led["block_backward"] == {
+            "all_gather": [4, 4 * _bsh_bytes()],
+            "reduce_scatter": [2, 2 * _bsh_bytes()],
+        }
 
 
 def test_ledger_whole_model(world2):
     """Forward + backward of the whole model: 4 all-reduces per block, 1 for the embedding,
     1 for the LM head's input gradient, 3 of b·s floats for the cross-entropy."""
-    L, T = CONFIG["n_layer"], 2
+    L = CONFIG["n_layer"]
     bs_floats = BATCH * CONFIG["n_positions"] * 4
     for rank in world2:
         assert rank["ledger"]["model"] == {
-            "all_reduce": [4 * L + 2 + 3, (4 * L + 2) * _bsh_bytes() + 3 * bs_floats]}
+            "all_reduce": [4 * L + 2 + 3, (4 * L + 2) * _bsh_bytes() + 3 * bs_floats]
+        }
         h, S = CONFIG["n_embd"], CONFIG["n_positions"]
         replicated = L * (4 * h + 2 * h) + 2 * h + S * h  # layer norms, row biases, ln_f, wpe
         assert rank["ledger_sp"]["model"] == {
             "all_gather": [6 * L + 3, (6 * L + 3) * _bsh_bytes()],
             "reduce_scatter": [4 * L + 2, (4 * L + 2) * _bsh_bytes()],
-            "all_reduce": [3 + 1, 3 * bs_floats + replicated * 4]}
+            "all_reduce": [3 + 1, 3 * bs_floats + replicated * 4],
+        }
 
 
 def test_sequence_parallel_divides_block_activations(world2):
@@ -581,15 +636,21 @@ def test_clear_errors_for_impossible_splits():
     from hplab import tp
     from hplab.models.gpt import GPTConfig, build_model
 
-    with pytest.raises(ValueError, match="^4 attention heads do not split over 8 tensor-parallel "
-                                         "ranks: use a tensor-parallel size that divides 4$"):
+    with pytest.raises(
+        ValueError,
+        match="^4 attention heads do not split over 8 tensor-parallel "
+        "ranks: use a tensor-parallel size that divides 4$",
+    ):
         tp.check_divisible(n_head=4, n_embd=64, tp=8)
     with pytest.raises(ValueError, match="12 attention heads do not split over 8 tensor-par"):
         tp.check_divisible(n_head=12, n_embd=96, tp=8)
     with pytest.raises(ValueError, match="hidden size of 30 does not split over 4 tensor-par"):
         tp.check_divisible(n_head=4, n_embd=30, tp=4)
-    with pytest.raises(ValueError, match="30-token sequence over 4 tensor-parallel ranks: make "
-                                         "the sequence length a multiple of 4"):
+    with pytest.raises(
+        ValueError,
+        match="30-token sequence over 4 tensor-parallel ranks: make "
+        "the sequence length a multiple of 4",
+    ):
         tp.check_divisible(n_head=4, n_embd=64, tp=4, seq_len=30)
     # the check runs before any communication
     with pytest.raises(tp.TensorParallelError, match="4 attention heads do not split over 3"):
@@ -597,8 +658,10 @@ def test_clear_errors_for_impossible_splits():
     from transformers import AutoModelForCausalLM
 
     from hplab.models.gpt import to_hf_config
-    eager = AutoModelForCausalLM.from_config(to_hf_config(GPTConfig(**CONFIG)),
-                                             attn_implementation="eager")
+
+    eager = AutoModelForCausalLM.from_config(
+        to_hf_config(GPTConfig(**CONFIG)), attn_implementation="eager"
+    )
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         tp.parallelize(eager, fake_comm(2), tp.HF_GPT2_PLAN, sequence_parallel=True)
 
@@ -608,9 +671,11 @@ def test_plan_naming_a_missing_module_is_an_error():
     from hplab.models.gpt import GPTConfig, build_model
 
     plan = {**tp.GPT_PLAN, "transformer.h.*.attn.q_proj": tp.ColumnParallelLinear}
-    with pytest.raises(tp.TensorParallelError,
-                       match=r"the plan names 'transformer\.h\.\*\.attn\.q_proj', but GPT has "
-                             "no module matching it"):
+    with pytest.raises(
+        tp.TensorParallelError,
+        match=r"the plan names 'transformer\.h\.\*\.attn\.q_proj', but GPT has "
+        "no module matching it",
+    ):
         tp.parallelize(build_model(GPTConfig(**CONFIG)), fake_comm(2), plan)
 
 
@@ -618,6 +683,7 @@ def _hf_gpt2():
     from transformers import GPT2LMHeadModel
 
     from hplab.models.gpt import GPTConfig, to_hf_config
+
     return GPT2LMHeadModel(to_hf_config(GPTConfig(**CONFIG)))
 
 
@@ -631,12 +697,18 @@ def test_plans_cut_every_layer(model_plan, sequence_parallel):
     from hplab import tp
     from hplab.models.gpt import GPTConfig, build_model
 
-    model, plan = ((build_model(GPTConfig(**CONFIG)), tp.GPT_PLAN) if model_plan == "gpt"
-                   else (_hf_gpt2(), tp.HF_GPT2_PLAN))
+    model, plan = (
+        (build_model(GPTConfig(**CONFIG)), tp.GPT_PLAN)
+        if model_plan == "gpt"
+        else (_hf_gpt2(), tp.HF_GPT2_PLAN)
+    )
     full = {n: p.shape for n, p in model.named_parameters()}
     tp.parallelize(model, fake_comm(2), plan, sequence_parallel)
-    left = [n for n, m in model.named_modules()
-            if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == "Conv1D"]
+    left = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == "Conv1D"
+    ]
     assert left == [], left
     params = dict(model.named_parameters())
     assert set(params) == set(full)  # names unchanged
@@ -654,13 +726,38 @@ def test_command_line_tp_with_sequence_parallel_matches_one_process(tmp_path):
     to the metrics."""
     common = ["--steps", "2", "--batch-size", "4", "--n-layer", "2", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    single = subprocess.run([sys.executable, str(REPO / "hplab/train.py"), *common,
-                             "--metrics", str(tmp_path / "one.json")],
-                            capture_output=True, text=True, env=env, timeout=300)
+    single = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "hplab/train.py"),
+            *common,
+            "--metrics",
+            str(tmp_path / "one.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stderr
-    run = subprocess.run([sys.executable, str(REPO / "hplab/train.py"), "--nproc", "2", *common,
-                          "--tp", "2", "--sequence-parallel", "--metrics", str(tmp_path / "tp.json")],
-                         capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "hplab/train.py"),
+            "--nproc",
+            "2",
+            *common,
+            "--tp",
+            "2",
+            "--sequence-parallel",
+            "--metrics",
+            str(tmp_path / "tp.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     one = json.loads((tmp_path / "one.json").read_text())
     two = json.loads((tmp_path / "tp.json").read_text())
@@ -672,8 +769,19 @@ def test_command_line_tp_with_sequence_parallel_matches_one_process(tmp_path):
 
 def test_command_line_sequence_parallel_needs_tp():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, str(REPO / "hplab/train.py"), "--steps", "1",
-                          "--sequence-parallel", "--no-progress"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "hplab/train.py"),
+            "--steps",
+            "1",
+            "--sequence-parallel",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].startswith("hplab: error: --sequence-parallel")

@@ -36,8 +36,15 @@ def test_a_chrome_trace_per_rank_with_hplab_and_gloo_events(traced):
     for rank in (0, 1):
         trace = json.loads((traced / "one" / f"rank{rank}.json").read_text())
         names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
-        assert {"step 1", "step 2", "forward model", "forward block 0", "forward head",
-                "gloo:all_reduce", "wait all_reduce dp"} <= names  # step 0 is not traced
+        assert {
+            "step 1",
+            "step 2",
+            "forward model",
+            "forward block 0",
+            "forward head",
+            "gloo:all_reduce",
+            "wait all_reduce dp",
+        } <= names  # step 0 is not traced
         assert "step 0" not in names and "step 3" not in names
         assert any(n.startswith("autograd::engine::evaluate_function:") for n in names)
         assert any(n.startswith("all_reduce dp ") and n.endswith(" B") for n in names)
@@ -77,16 +84,29 @@ def test_plot_timeline_draws_each_rank_and_its_hidden_fraction(traced):
 
     ax = viz.plot_timeline(traced / "many")
     assert [t.get_text() for t in ax.get_yticklabels()] == [
-        "rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"]
+        "rank 0 compute",
+        "rank 0 comm",
+        "rank 1 compute",
+        "rank 1 comm",
+    ]
     assert ax.get_title().startswith("hidden behind backward, per rank: ")
     assert ax.get_title().count("%") == 2
 
 
 def test_hidden_fraction_on_hand_made_spans():
-    span = lambda kind, a, b, name="all_reduce dp 4 B #1": dict(kind=kind, name=name,  # noqa
-                                                               start_s=a, end_s=b)
-    spans = [span("backward", 0, 10), span("wait", 8, 10), span("comm", 6, 12),
-             span("comm", 7, 9), span("comm", 20, 22, "all_gather dp 4 B #1")]
+    span = lambda kind, a, b, name="all_reduce dp 4 B #1": dict(
+        kind=kind,
+        name=name,  # noqa
+        start_s=a,
+        end_s=b,
+    )
+    spans = [
+        span("backward", 0, 10),
+        span("wait", 8, 10),
+        span("comm", 6, 12),
+        span("comm", 7, 9),
+        span("comm", 20, 22, "all_gather dp 4 B #1"),
+    ]
     # all_reduce ran 6..12 (6 s); backward without waiting covers 6..8 (2 s)
     assert hidden_fraction(spans, ops=("all_reduce",)) == pytest.approx(2 / 6)
     assert hidden_fraction(spans) == pytest.approx(2 / 8)
@@ -100,11 +120,15 @@ def test_waits_of_a_real_run_on_one_clock(traced):
     core wait is recorded."""
     for name in ("one", "many"):
         timeline = read_timeline(traced / name)
-        comm = [[s for s in spans if s["kind"] == "comm" and " B #" in s["name"]]
-                for spans in timeline]
-        early = [(c["name"], c["end_s"], max(o[i]["start_s"] for o in comm))
-                 for calls in comm for i, c in enumerate(calls)
-                 if c["end_s"] < max(o[i]["start_s"] for o in comm) - CLOCKS_AGREE_S]
+        comm = [
+            [s for s in spans if s["kind"] == "comm" and " B #" in s["name"]] for spans in timeline
+        ]
+        early = [
+            (c["name"], c["end_s"], max(o[i]["start_s"] for o in comm))
+            for calls in comm
+            for i, c in enumerate(calls)
+            if c["end_s"] < max(o[i]["start_s"] for o in comm) - CLOCKS_AGREE_S
+        ]
         assert not early, f"{name}: (call, its end, the last rank's start) {early}"
         for rank, w in enumerate(waits(traced / name, ops=("all_reduce",))):
             parts = ("launching_s", "other_rank_s", "running_s", "waking_s")
@@ -119,31 +143,65 @@ def test_waits_on_hand_made_traces(tmp_path):
     caller returns 0.5 µs after the call is done. Rank 0 launches at 0 and waits at once: 0.5
     launching, 6 for rank 1 (whose gloo begins at 6.5), 3.5 running, 0.5 waking up. Rank 1
     launches at 6 and computes from 7 to 8 before it waits: that 1 µs of the call is hidden."""
+
     def trace(start, waited, queued, op="all_reduce"):
-        x = lambda name, a, b, cat="cpu_op": dict(ph="X", name=name, ts=a, dur=b - a,  # noqa
-                                                  cat=cat)
-        return dict(distributedInfo=dict(world_size=2), gloo_queued_s=queued, traceEvents=[
-            x(f"{op} dp 4 B", start, start + 1, "user_annotation"),
-            x(f"gloo:{op}", start + 0.5, 10), x(f"wait {op} dp", waited, 10.5)])
+        x = lambda name, a, b, cat="cpu_op": dict(
+            ph="X",
+            name=name,
+            ts=a,
+            dur=b - a,  # noqa
+            cat=cat,
+        )
+        return dict(
+            distributedInfo=dict(world_size=2),
+            gloo_queued_s=queued,
+            traceEvents=[
+                x(f"{op} dp 4 B", start, start + 1, "user_annotation"),
+                x(f"gloo:{op}", start + 0.5, 10),
+                x(f"wait {op} dp", waited, 10.5),
+            ],
+        )
+
     for rank, args in enumerate([(0, 1, 0.5), (6, 8, 0.25)]):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(trace(*args)))
     (r0, r1) = waits(tmp_path)
-    assert r0 == pytest.approx(dict(blocked_s=10.5e-6, launching_s=0.5e-6, other_rank_s=6e-6,
-                                    running_s=3.5e-6, waking_s=0.5e-6, hidden_s=0, core_s=0.5))
-    assert r1 == pytest.approx(dict(blocked_s=3.5e-6, launching_s=0.5e-6, other_rank_s=0,
-                                    running_s=2.5e-6, waking_s=0.5e-6, hidden_s=1e-6,
-                                    core_s=0.25))
+    assert r0 == pytest.approx(
+        dict(
+            blocked_s=10.5e-6,
+            launching_s=0.5e-6,
+            other_rank_s=6e-6,
+            running_s=3.5e-6,
+            waking_s=0.5e-6,
+            hidden_s=0,
+            core_s=0.5,
+        )
+    )
+    assert r1 == pytest.approx(
+        dict(
+            blocked_s=3.5e-6,
+            launching_s=0.5e-6,
+            other_rank_s=0,
+            running_s=2.5e-6,
+            waking_s=0.5e-6,
+            hidden_s=1e-6,
+            core_s=0.25,
+        )
+    )
     (tmp_path / "rank1.json").write_text(json.dumps(trace(6, 8, 0, "all_gather")))
     with pytest.raises(ValueError, match="launched different collectives"):
         waits(tmp_path)
 
 
-@pytest.mark.parametrize("make, says", [
-    (lambda d: d.write_text("mine"), "holds other files than hplab's traces"),
-    (lambda d: (d.mkdir(), (d / "notes.txt").write_text("mine")), "holds other files"),
-])
-def test_a_trace_target_holding_other_files_is_refused_before_launch(tmp_path, capsys,
-                                                                    monkeypatch, make, says):
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda d: d.write_text("mine"), "holds other files than hplab's traces"),
+        (lambda d: (d.mkdir(), (d / "notes.txt").write_text("mine")), "holds other files"),
+    ],
+)
+def test_a_trace_target_holding_other_files_is_refused_before_launch(
+    tmp_path, capsys, monkeypatch, make, says
+):
     from hplab.train import main
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):

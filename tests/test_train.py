@@ -28,15 +28,18 @@ def run_main(capsys, monkeypatch, *args, env=None):
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--nproc", "3", "--dp", "2"], "dp=2 × tp=1 × pp=1 = 2 processes, but there are 3"),
-    (["--nproc", "4", "--tp", "3"], "cannot be split into tp=3"),
-    (["--nproc", "2", "--batch-size", "3"], "--batch-size 3 does not split over dp=2"),
-    (["--nproc", "2", "--batch-size", "4", "--microbatches", "3"], "--microbatches 3"),
-    (["--nproc", "1", "--model", "gpt5"], "unknown model preset 'gpt5'"),
-    (["--nproc", "1", "--n-embd", "66"], "n_embd=66 is not divisible by n_head=4"),
-    (["--nproc", "1", "--data", "nothing-here"], "not found"),
-])
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--nproc", "3", "--dp", "2"], "dp=2 × tp=1 × pp=1 = 2 processes, but there are 3"),
+        (["--nproc", "4", "--tp", "3"], "cannot be split into tp=3"),
+        (["--nproc", "2", "--batch-size", "3"], "--batch-size 3 does not split over dp=2"),
+        (["--nproc", "2", "--batch-size", "4", "--microbatches", "3"], "--microbatches 3"),
+        (["--nproc", "1", "--model", "gpt5"], "unknown model preset 'gpt5'"),
+        (["--nproc", "1", "--n-embd", "66"], "n_embd=66 is not divisible by n_head=4"),
+        (["--nproc", "1", "--data", "nothing-here"], "not found"),
+    ],
+)
 def test_bad_command_lines_fail_with_one_clear_line(capsys, monkeypatch, flags, says):
     code, err = run_main(capsys, monkeypatch, *flags, "--steps", "1")
     assert code == 2, err
@@ -48,15 +51,16 @@ def test_bad_command_lines_fail_with_one_clear_line(capsys, monkeypatch, flags, 
 def test_bad_flag_value_is_one_line(capsys, monkeypatch):
     code, err = run_main(capsys, monkeypatch, "--zero", "5")
     assert code == 2
-    assert err.strip() == ("hplab: error: argument --zero: invalid choice: 5 "
-                           "(choose from 0, 1, 2, 3) (see --help)")
+    assert err.strip() == (
+        "hplab: error: argument --zero: invalid choice: 5 (choose from 0, 1, 2, 3) (see --help)"
+    )
 
 
 def test_config_file_gives_defaults_and_flags_override(tmp_path, capsys, monkeypatch):
     from hplab.train import parse_args
 
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text('# a recipe\nbatch-size = 32\nsteps = 7\nlr = 3e-4\nrecompute = true\n')
+    recipe.write_text("# a recipe\nbatch-size = 32\nsteps = 7\nlr = 3e-4\nrecompute = true\n")
     args = parse_args(["--config", str(recipe), "--steps", "9"])
     assert (args.batch_size, args.steps, args.lr, args.recompute) == (32, 9, 3e-4, True)
     recipe.write_text("batch-size = 32\nwarp-speed = 9\n")
@@ -74,12 +78,19 @@ def test_layout_is_checked_under_torchrun_environment_too(capsys, monkeypatch):
 
 def test_a_bad_command_line_through_the_launcher_starts_no_process():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    result = subprocess.run([sys.executable, TRAIN, "--nproc", "3", "--dp", "2"], env=env,
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = subprocess.run(
+        [sys.executable, TRAIN, "--nproc", "3", "--dp", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "hplab: error: layout dp=2 × tp=1 × pp=1 = 2 processes, but there are 3: make --dp × "
-        "--tp × --pp equal the number of processes (--nproc_per_node, or --nproc)"]
+        "--tp × --pp equal the number of processes (--nproc_per_node, or --nproc)"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +99,18 @@ def runs(tmp_path_factory):
     out = {}
     for n in (1, 4):
         path = tmp_path_factory.mktemp("m") / f"dp{n}.json"
-        flags = ("--dp", str(n), "--steps", str(STEPS), "--batch-size", "8", "--microbatches",
-                 "2", "--metrics", str(path))  # one process: no launcher at all
+        flags = (
+            "--dp",
+            str(n),
+            "--steps",
+            str(STEPS),
+            "--batch-size",
+            "8",
+            "--microbatches",
+            "2",
+            "--metrics",
+            str(path),
+        )  # one process: no launcher at all
         cmd = torchrun_command(n, TRAIN, *flags) if n > 1 else [sys.executable, TRAIN, *flags]
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]

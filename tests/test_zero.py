@@ -38,6 +38,7 @@ GLOBAL_BATCH = 8
 
 # --- models, data, the reference --------------------------------------------------------------
 
+
 class Toy(nn.Module):
     """Tied embedding/head, a frozen weight, a frozen bias, an unused parameter; odd sizes."""
 
@@ -72,8 +73,13 @@ def gpt(seed=0):
 
 def data(vocab, seq, steps=STEPS):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(vocab, (GLOBAL_BATCH, seq), generator=g),
-             torch.randint(vocab, (GLOBAL_BATCH, seq), generator=g)) for _ in range(steps)]
+    return [
+        (
+            torch.randint(vocab, (GLOBAL_BATCH, seq), generator=g),
+            torch.randint(vocab, (GLOBAL_BATCH, seq), generator=g),
+        )
+        for _ in range(steps)
+    ]
 
 
 def toy_data():
@@ -87,8 +93,10 @@ def gpt_data(steps=STEPS):
 def decay_groups(model):
     """Two param groups, in definition order interleaved: weight decay on matrices only."""
     params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 2 * LR}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 2 * LR},
+    ]
 
 
 def reference(model, batches, groups=None):
@@ -106,16 +114,34 @@ def reference(model, batches, groups=None):
 
 def my_slice(x, rank, n):
     b = x.shape[0] // n
-    return x[rank * b:(rank + 1) * b]
+    return x[rank * b : (rank + 1) * b]
 
 
-def zero_loop(model, batches, stage, own_data=True, accumulate=1, groups=None,
-              set_to_none=True, group=None, after_last_step=None, **kwargs):
+def zero_loop(
+    model,
+    batches,
+    stage,
+    own_data=True,
+    accumulate=1,
+    groups=None,
+    set_to_none=True,
+    group=None,
+    after_last_step=None,
+    **kwargs,
+):
     """The tutorial loop with ZeroOptimizer; each rank takes its slice of the global batch
     (own_data) or the whole batch; `accumulate` backwards per step."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    opt = ZeroOptimizer(groups or model.parameters(), torch.optim.AdamW, group, stage=stage,
-                        lr=LR, weight_decay=WD, foreach=False, **kwargs)
+    opt = ZeroOptimizer(
+        groups or model.parameters(),
+        torch.optim.AdamW,
+        group,
+        stage=stage,
+        lr=LR,
+        weight_decay=WD,
+        foreach=False,
+        **kwargs,
+    )
     for step, (x, y) in enumerate(batches):
         if own_data:
             x, y = my_slice(x, rank, n), my_slice(y, rank, n)
@@ -135,8 +161,9 @@ def torch_zero(model, batches):
 
     n, rank = dist.get_world_size(), dist.get_rank()
     ddp = DistributedDataParallel(model)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
-                                  weight_decay=WD, foreach=False)
+    opt = ZeroRedundancyOptimizer(
+        ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WD, foreach=False
+    )
     for x, y in batches:
         ddp(my_slice(x, rank, n), my_slice(y, rank, n))[1].backward()
         opt.step()
@@ -148,7 +175,7 @@ def rel(model, ref) -> float:
     """||θ - θ_ref|| / ||θ_ref|| over all parameters, matched by name."""
     a, b = dict(model.named_parameters()), dict(ref.named_parameters())
     diff = sum(float((a[k].detach().float() - b[k].detach().float()).pow(2).sum()) for k in b)
-    return diff ** 0.5 / sum(float(v.detach().float().pow(2).sum()) for v in b.values()) ** 0.5
+    return diff**0.5 / sum(float(v.detach().float().pow(2).sum()) for v in b.values()) ** 0.5
 
 
 def checksum(model) -> float:
@@ -156,6 +183,7 @@ def checksum(model) -> float:
 
 
 # --- what runs inside each process --------------------------------------------------------------
+
 
 def _state_checks(out, opt, named, ref_model, ref_opt, stage):
     """full_state against the reference AdamW; load_full_state and state_dict round trips."""
@@ -175,30 +203,40 @@ def _state_checks(out, opt, named, ref_model, ref_opt, stage):
     out[f"s{stage}_full_values"], out[f"s{stage}_full_states"] = worst_value, worst_state
 
     fresh = toy(seed=5)  # different values: all of them must come from the loaded state
-    fresh_opt = ZeroOptimizer(fresh.parameters(), torch.optim.AdamW, stage=stage, lr=LR,
-                              weight_decay=WD, foreach=False)
-    fresh_opt.load_full_state({fresh.get_parameter(names[p]): v for p, v in values.items()},
-                              {fresh.get_parameter(names[p]): s for p, s in states.items()})
+    fresh_opt = ZeroOptimizer(
+        fresh.parameters(), torch.optim.AdamW, stage=stage, lr=LR, weight_decay=WD, foreach=False
+    )
+    fresh_opt.load_full_state(
+        {fresh.get_parameter(names[p]): v for p, v in values.items()},
+        {fresh.get_parameter(names[p]): s for p, s in states.items()},
+    )
     values2, states2 = fresh_opt.full_state()
     out[f"s{stage}_roundtrip"] = max(
-        [float((values2[fresh.get_parameter(names[p])] - v).abs().max())
-         for p, v in values.items()]
-        + [float((states2[fresh.get_parameter(names[p])][k] - t).abs().max())
-           for p, s in states.items() for k, t in s.items()])
+        [float((values2[fresh.get_parameter(names[p])] - v).abs().max()) for p, v in values.items()]
+        + [
+            float((states2[fresh.get_parameter(names[p])][k] - t).abs().max())
+            for p, s in states.items()
+            for k, t in s.items()
+        ]
+    )
     out[f"s{stage}_loaded_params"] = rel(fresh, ref_model)
 
     opt.consolidate_state_dict(to=0)
     box = [opt.state_dict() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     sd, ref_sd = box[0], ref_opt.state_dict()
-    out[f"s{stage}_state_dict"] = max(float((sd["state"][i][k] - t).abs().max())
-                                      for i, s in ref_sd["state"].items() for k, t in s.items())
+    out[f"s{stage}_state_dict"] = max(
+        float((sd["state"][i][k] - t).abs().max())
+        for i, s in ref_sd["state"].items()
+        for k, t in s.items()
+    )
     again = ZeroOptimizer(toy(seed=5).parameters(), torch.optim.AdamW, stage=stage, lr=LR)
     again.load_state_dict(sd)
     out[f"s{stage}_load_state_dict"] = max(
-        float((a - b).abs().max()) for s_a, s_b in zip(again.full_state()[1].values(),
-                                                       states.values()) for a, b in
-        ((s_a[k], s_b[k]) for k in s_b))
+        float((a - b).abs().max())
+        for s_a, s_b in zip(again.full_state()[1].values(), states.values())
+        for a, b in ((s_a[k], s_b[k]) for k in s_b)
+    )
 
 
 def _toy_checks(out):
@@ -232,8 +270,9 @@ def _toy_checks(out):
         model, offloaded = toy(), toy()
         zero_loop(model, toy_data(), stage)
         zero_loop(offloaded, toy_data(), stage, offload=True)
-        out[f"toy_s{stage}_offload"] = max(float((a - b).abs().max()) for a, b in
-                                           zip(model.parameters(), offloaded.parameters()))
+        out[f"toy_s{stage}_offload"] = max(
+            float((a - b).abs().max()) for a, b in zip(model.parameters(), offloaded.parameters())
+        )
 
     model = toy()  # an LR schedule edits param_groups: lr 0 leaves every parameter as it was
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=LR, foreach=False)
@@ -241,11 +280,13 @@ def _toy_checks(out):
     model(*toy_data()[0])[1].backward()
     opt.step()
     schedule.step()
-    out["lr_zero_moves"] = max(float((a - b).abs().max()) for a, b in
-                               zip(model.parameters(), toy().parameters()))
+    out["lr_zero_moves"] = max(
+        float((a - b).abs().max()) for a, b in zip(model.parameters(), toy().parameters())
+    )
     out["inner_keys"] = sorted(opt.inner.param_groups[0])
-    out["dp_sharded"] = all(getattr(t, "dp_sharded", False)
-                            for t in opt.inner.param_groups[0]["params"])
+    out["dp_sharded"] = all(
+        getattr(t, "dp_sharded", False) for t in opt.inner.param_groups[0]["params"]
+    )
 
 
 def _gpt_checks(out):
@@ -262,12 +303,19 @@ def _gpt_checks(out):
             seen["memory"] = MemoryLedger().measure(opt.memory_tensors())
 
         model = gpt()
-        zero_loop(model, gpt_data(), stage, group=Communicator(dist.group.WORLD, "dp", ledger),
-                  bucket_mb=0.1, after_last_step=after_last_step)
+        zero_loop(
+            model,
+            gpt_data(),
+            stage,
+            group=Communicator(dist.group.WORLD, "dp", ledger),
+            bucket_mb=0.1,
+            after_last_step=after_last_step,
+        )
         ops = ledger.by_group_dict()["dp"]
         out[f"gpt_s{stage}_ops"] = sorted(ops)
-        out[f"gpt_s{stage}_bus_per_step"] = sum(
-            ops[op]["bus_bytes"] for op in ("reduce_scatter", "all_gather")) / STEPS
+        out[f"gpt_s{stage}_bus_per_step"] = (
+            sum(ops[op]["bus_bytes"] for op in ("reduce_scatter", "all_gather")) / STEPS
+        )
         out[f"gpt_s{stage}_memory"] = seen["memory"]
         out[f"gpt_s{stage}_own_data"] = rel(model, ref_model)
         out[f"gpt_s{stage}_vs_torch"] = rel(model, theirs)
@@ -282,8 +330,9 @@ def _gpt_checks(out):
     plain, offloaded = gpt(), gpt()
     zero_loop(plain, gpt_data(), 2)
     zero_loop(offloaded, gpt_data(), 2, offload=True)
-    out["gpt_s2_offload"] = max(float((a - b).abs().max()) for a, b in
-                                zip(plain.parameters(), offloaded.parameters()))
+    out["gpt_s2_offload"] = max(
+        float((a - b).abs().max()) for a, b in zip(plain.parameters(), offloaded.parameters())
+    )
     _bf16_checks(out)
 
 
@@ -332,13 +381,14 @@ def results():
     out = {}
     for n in WORLD_SIZES:
         ranks = run_distributed(_worker, n, n)
-        out[n] = ranks[0] | {"checksums": [(r["toy_s1_checksum"], r["toy_s2_checksum"])
-                                           for r in ranks]}
+        out[n] = ranks[0] | {
+            "checksums": [(r["toy_s1_checksum"], r["toy_s2_checksum"]) for r in ranks]
+        }
     return out
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("stage", (1, 2))
+@pytest.mark.parametrize("stage", [1, 2])
 def test_own_data_equals_one_process(results, n, stage):
     r = results[n]
     assert r[f"toy_s{stage}_own_data"] < RTOL  # one padded bucket per parameter
@@ -348,20 +398,20 @@ def test_own_data_equals_one_process(results, n, stage):
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("stage", (1, 2))
+@pytest.mark.parametrize("stage", [1, 2])
 def test_equals_torch_zero_redundancy_optimizer(results, n, stage):
     assert results[n]["torch_vs_ref"] < RTOL
     assert results[n][f"gpt_s{stage}_vs_torch"] < RTOL
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("stage", (1, 2))
+@pytest.mark.parametrize("stage", [1, 2])
 def test_same_data_without_ddp_equals_unsharded(results, n, stage):
     assert results[n][f"toy_s{stage}_same_data"] < RTOL  # stage 1 with zero_grad(False)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("stage", (1, 2))
+@pytest.mark.parametrize("stage", [1, 2])
 def test_param_groups_and_accumulation(results, n, stage):
     r = results[n]
     assert r[f"toy_s{stage}_groups"] < RTOL
@@ -376,7 +426,7 @@ def test_offload_equals_device(results, n):
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("stage", (1, 2))
+@pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_params_fp32_masters(results, n, stage):
     r = results[n]
     assert r[f"bf16_s{stage}_param_dtype"] == "torch.bfloat16"
@@ -385,7 +435,7 @@ def test_bf16_params_fp32_masters(results, n, stage):
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("stage", (1, 2))
+@pytest.mark.parametrize("stage", [1, 2])
 def test_full_state_and_round_trips(results, n, stage):
     r = results[n]
     assert r[f"s{stage}_full_values"] < RTOL  # every param, frozen ones included
@@ -398,7 +448,7 @@ def test_full_state_and_round_trips(results, n, stage):
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("stage", (1, 2))
+@pytest.mark.parametrize("stage", [1, 2])
 def test_bus_bytes_are_a_reduce_scatter_and_an_all_gather(results, n, stage):
     r = results[n]
     assert r[f"gpt_s{stage}_ops"] == ["all_gather", "broadcast", "reduce_scatter"]
@@ -406,13 +456,16 @@ def test_bus_bytes_are_a_reduce_scatter_and_an_all_gather(results, n, stage):
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("stage", (1, 2))
+@pytest.mark.parametrize("stage", [1, 2])
 def test_memory_follows_the_zero_formulas(results, n, stage):
     """fp32 AdamW, after step() and before zero_grad(); tiny GPT's buckets need no padding."""
     psi = results[n]["psi"]
     assert results[n][f"gpt_s{stage}_memory"] == {
-        "params": 4 * psi, "grads": 4 * psi if stage == 1 else 4 * psi // n,
-        "optim": 8 * psi // n, "master": 0}
+        "params": 4 * psi,
+        "grads": 4 * psi if stage == 1 else 4 * psi // n,
+        "optim": 8 * psi // n,
+        "master": 0,
+    }
 
 
 def test_lr_schedule_and_inner_groups(results):

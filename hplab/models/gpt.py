@@ -47,26 +47,33 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
-                             "pick a hidden size that is a multiple of the number of heads")
+            raise ValueError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                "pick a hidden size that is a multiple of the number of heads"
+            )
 
     def num_params(self) -> int:
         """Ψ = V·h + S·h + L·(12h² + 13h) + 2h, tied embedding once (experts: gpt_num_params)."""
-        return gpt_num_params(self.n_layer, self.n_embd, self.vocab_size, self.n_positions,
-                              self.n_experts)
+        return gpt_num_params(
+            self.n_layer, self.n_embd, self.vocab_size, self.n_positions, self.n_experts
+        )
 
 
 #: tiny, gpt2, gpt2-medium: sizes from `hplab.formulas.HPLAB_PRESETS`, shared with the planner.
 PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**size) for name, size in HPLAB_PRESETS.items()}
 
 
-def config_from_preset(name: str | GPTConfig, n_layer=None, n_embd=None, n_head=None,
-                       seq_len=None) -> GPTConfig:
+def config_from_preset(
+    name: str | GPTConfig, n_layer=None, n_embd=None, n_head=None, seq_len=None
+) -> GPTConfig:
     """A preset (or a GPTConfig) with the overrides `--n-layer --n-embd --n-head --seq-len`."""
     if isinstance(name, str) and name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
-    overrides = {k: v for k, v in dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-                                       n_positions=seq_len).items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq_len).items()
+        if v is not None
+    }
     return replace(PRESETS[name] if isinstance(name, str) else name, **overrides)
 
 
@@ -111,9 +118,18 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.mlp = MoE(config.n_embd, config.n_experts, config.moe_top_k, lambda: MLP(config),
-                       config.moe_capacity_factor, config.moe_aux_coef) \
-            if config.n_experts else MLP(config)
+        self.mlp = (
+            MoE(
+                config.n_embd,
+                config.n_experts,
+                config.moe_top_k,
+                lambda: MLP(config),
+                config.moe_capacity_factor,
+                config.moe_aux_coef,
+            )
+            if config.n_experts
+            else MLP(config)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -133,11 +149,14 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(  # what HF calls `transformer`
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.n_positions, config.n_embd),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)))
+        self.transformer = nn.ModuleDict(
+            dict(  # what HF calls `transformer`
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.n_positions, config.n_embd),
+                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, two uses
         self.loss_fn = cross_entropy  # tensor parallel swaps in a vocab-parallel version
@@ -161,8 +180,9 @@ class GPT(nn.Module):
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.config.n_positions:
-            raise ValueError(f"sequence of {T} tokens is longer than n_positions="
-                             f"{self.config.n_positions}")
+            raise ValueError(
+                f"sequence of {T} tokens is longer than n_positions={self.config.n_positions}"
+            )
         positions = self.position_ids(T, device=idx.device)
         return self.transformer.wte(idx) + self.transformer.wpe(positions)
 
@@ -192,20 +212,31 @@ def build_model(config: GPTConfig, seed: int = 0) -> GPT:
 
 
 # --- Hugging Face interop ------------------------------------------------------------------
-_CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
-                    "mlp.c_proj.weight")
+_CONV1D_SUFFIXES = (
+    "attn.c_attn.weight",
+    "attn.c_proj.weight",
+    "mlp.c_fc.weight",
+    "mlp.c_proj.weight",
+)
 
 
 def to_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """hplab → `GPT2LMHeadModel`: same names (the tied `lm_head.weight` too), Conv1D transposed."""
-    return {name: (t.t().contiguous() if name.endswith(_CONV1D_SUFFIXES) else t)
-            for name, t in state_dict.items()}
+    return {
+        name: (t.t().contiguous() if name.endswith(_CONV1D_SUFFIXES) else t)
+        for name, t in state_dict.items()
+    }
 
 
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`GPT2LMHeadModel` state dict → hplab's (the transposes undo themselves; masks dropped)."""
-    out = to_hf_state_dict({name: t for name, t in state_dict.items()
-                            if not name.endswith((".attn.bias", ".attn.masked_bias"))})
+    out = to_hf_state_dict(
+        {
+            name: t
+            for name, t in state_dict.items()
+            if not name.endswith((".attn.bias", ".attn.masked_bias"))
+        }
+    )
     if "transformer.wte.weight" in out:  # tied: the head is the embedding
         out.setdefault("lm_head.weight", out["transformer.wte.weight"])
     return out
@@ -217,10 +248,21 @@ def to_hf_config(config: GPTConfig):
     from transformers import GPT2Config
 
     eos = config.vocab_size - 1
-    shape = {k: v for k, v in asdict(config).items()  # GPT2Config's names
-             if k != "tokenizer" and not k.startswith(("n_experts", "moe_"))}
-    return GPT2Config(**shape, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
-                      attn_pdrop=0.0, bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=True)
+    shape = {
+        k: v
+        for k, v in asdict(config).items()  # GPT2Config's names
+        if k != "tokenizer" and not k.startswith(("n_experts", "moe_"))
+    }
+    return GPT2Config(
+        **shape,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        tie_word_embeddings=True,
+    )
 
 
 def config_from_hf(hf: dict) -> GPTConfig:
@@ -232,14 +274,20 @@ def config_from_hf(hf: dict) -> GPTConfig:
         return GPTConfig(**hf["hplab"]["config"])
     shape = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon")
     config = replace(PRESETS["gpt2"], **{k: hf[k] for k in shape if k in hf})
-    same_math = dict(activation_function=("gelu_new", "gelu_pytorch_tanh"), n_inner=(
-        None, 4 * config.n_embd), scale_attn_weights=(True,), tie_word_embeddings=(True,),
-        scale_attn_by_inverse_layer_idx=(False,))  # (cross-attention: unused without encoder)
+    same_math = dict(
+        activation_function=("gelu_new", "gelu_pytorch_tanh"),
+        n_inner=(None, 4 * config.n_embd),
+        scale_attn_weights=(True,),
+        tie_word_embeddings=(True,),
+        scale_attn_by_inverse_layer_idx=(False,),
+    )  # (cross-attention: unused without encoder)
     for key, same in same_math.items():
         if hf.get(key, same[0]) not in same:
             raise ValueError(f"has {key} {hf[key]!r}: hplab's GPT-2 has {same[0]!r}")
     tokenizers = {size["vocab_size"]: size["tokenizer"] for size in HPLAB_PRESETS.values()}
     if config.vocab_size not in tokenizers:
-        raise ValueError(f"has vocab_size {config.vocab_size}, the vocabulary of no shipped "
-                         f"tokenizer ({', '.join(f'{t}: {v}' for v, t in tokenizers.items())} ids)")
+        raise ValueError(
+            f"has vocab_size {config.vocab_size}, the vocabulary of no shipped "
+            f"tokenizer ({', '.join(f'{t}: {v}' for v, t in tokenizers.items())} ids)"
+        )
     return replace(config, tokenizer=tokenizers[config.vocab_size])

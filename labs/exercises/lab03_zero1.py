@@ -52,7 +52,7 @@ class ZeRO1:
         self.padded_numel = self.shard_numel * n
         self.device = self.params[0].device
         flat = torch.zeros(self.padded_numel, device=self.device)
-        flat[:self.numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
+        flat[: self.numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
         mine = slice(r * self.shard_numel, (r + 1) * self.shard_numel)
         self.master = torch.nn.Parameter(flat[mine].clone())  # my shard, what the optimizer steps
         self.optimizer = torch.optim.AdamW([self.master], lr=lr, weight_decay=0.0, foreach=False)

@@ -37,7 +37,6 @@ and one in backward — 2 all-reduces of b·s·h per MLP, as in the Megatron pap
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 class CopyToTP(torch.autograd.Function):

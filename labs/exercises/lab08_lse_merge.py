@@ -26,8 +26,9 @@ arrives as out = 0, lse = −inf, and must change nothing (no NaN: −inf − �
 import torch
 
 
-def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of attention over the keys of both blocks.
 
     out_a, out_b: [..., T, d], the partial outputs; lse_a, lse_b: [..., T], their log-sum-exps

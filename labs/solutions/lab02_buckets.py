@@ -45,7 +45,7 @@ class BucketedAllReduce:
             handle.wait()
             offset = 0
             for p in bucket:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
         self.in_flight = []
         self.ready = [0] * len(self.buckets)

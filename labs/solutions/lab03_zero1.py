@@ -20,7 +20,7 @@ class ZeRO1:
         self.padded_numel = self.shard_numel * n
         self.device = self.params[0].device
         flat = torch.zeros(self.padded_numel, device=self.device)
-        flat[:self.numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
+        flat[: self.numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
         mine = slice(r * self.shard_numel, (r + 1) * self.shard_numel)
         self.master = torch.nn.Parameter(flat[mine].clone())  # my shard, what the optimizer steps
         self.optimizer = torch.optim.AdamW([self.master], lr=lr, weight_decay=0.0, foreach=False)
@@ -30,7 +30,7 @@ class ZeRO1:
         n = self.comm.size
         # 1. every rank's local gradients in one padded flat buffer, pre-divided by n
         grads = torch.zeros(self.padded_numel, device=self.device)
-        grads[:self.numel] = torch.cat([p.grad.reshape(-1) for p in self.params])
+        grads[: self.numel] = torch.cat([p.grad.reshape(-1) for p in self.params])
         grads /= n
         # 2. reduce-scatter: I receive the sum over ranks of my shard only = my shard of the
         #    global-batch average gradient
@@ -44,5 +44,5 @@ class ZeRO1:
         self.comm.all_gather(flat, self.master.detach().clone())
         offset = 0
         for p in self.params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
