@@ -39,21 +39,22 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 
 # The formulas live in hplab.formulas; `plan.model_state_bytes` & co. are the same objects.
-from hplab.formulas import (
-    CP_STYLES,
-    HPLAB_PRESETS,
-    PRECISION_BYTES,
+from hplab.formulas import (  # plan.model_state_bytes & co.
+    CP_STYLES,  # noqa: F401
+    HPLAB_PRESETS,  # noqa: F401
+    PRECISION_BYTES,  # noqa: F401
     SCHEDULES,  # noqa: F401
-    activation_bytes_per_layer,
-    bubble_formula,
-    collective_time_s,
-    flops_per_step,
-    gpt_num_params,
-    in_flight_microbatches,
-    model_state_bytes,
-    moe_all_to_all_bytes,
-    ring_attention_bytes,
-    ulysses_bytes,
+    activation_bytes_per_layer,  # noqa: F401
+    bubble_formula,  # noqa: F401
+    bubble_ratio,  # noqa: F401
+    collective_time_s,  # noqa: F401
+    flops_per_step,  # noqa: F401
+    gpt_num_params,  # noqa: F401
+    in_flight_microbatches,  # noqa: F401
+    model_state_bytes,  # noqa: F401
+    moe_all_to_all_bytes,  # noqa: F401
+    ring_attention_bytes,  # noqa: F401
+    ulysses_bytes,  # noqa: F401
 )
 
 GB, GIB = 1e9, 2**30

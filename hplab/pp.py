@@ -35,12 +35,21 @@ from hplab.dist import new_group
 from hplab.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_formula: labs)
 from hplab.memory import MemoryLedger
 from hplab.models.gpt import cross_entropy as loss_fn  # noqa: F401 (for torch's pipelining)
-from hplab.schedule import (
-    Action,
-    PipelineError,
+from hplab.schedule import (  # pp.build_schedule, pp.simulate, ...: the labs' names
+    COMPUTE,  # noqa: F401
+    Action,  # noqa: F401
+    DeadlockError,  # noqa: F401
+    PipelineError,  # noqa: F401
     Simulation,  # noqa: F401
-    chunk_owner,
-    message_key,
+    add_communication,  # noqa: F401
+    build_schedule,  # noqa: F401
+    chunk_owner,  # noqa: F401
+    idle_between_actions,  # noqa: F401
+    measured_bubble,  # noqa: F401
+    message_key,  # noqa: F401
+    one_f_one_b_order,  # noqa: F401
+    schedule_text,  # noqa: F401
+    simulate,  # noqa: F401
 )
 
 # --- 1. Stages ------------------------------------------------------------------------------------

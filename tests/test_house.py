@@ -5,6 +5,7 @@ lines break and the budgets count what a reader reads."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,87 @@ def test_ruff(command, fix):
         timeout=120,
     )
     assert done.returncode == 0, f"run `{fix}`:\n{done.stdout}{done.stderr}"
+
+
+# --- the budgets per part, as ruff formats the code -------------------------------------------
+# Each strategy file reads top to bottom as the explanation of its strategy; the budgets keep
+# them short enough to read, and keep the library a learner imports apart from the course.
+
+LIBRARY = REPO / "hplab"
+COURSE = LIBRARY / "course"
+STRATEGIES = [
+    "ddp.py", "zero.py", "fsdp.py", "tp.py", "pp.py", "schedule.py", "cp.py", "moe.py",
+    "compose.py", "precision.py",
+]  # fmt: skip
+STRATEGY_LINES, FILE_LINES, FUNCTION_LINES = 3600, 450, 60
+# The names a learner has always typed, re-exported from the course: nothing else in them.
+SHIMS = {"check.py"}
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def library_files() -> list[Path]:
+    return [p for p in LIBRARY.rglob("*.py") if COURSE not in p.parents]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports (`from hplab import lab` counts as hplab.lab)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_strategy_files_together():
+    total = sum(lines(LIBRARY / name) for name in STRATEGIES)
+    assert total <= STRATEGY_LINES, f"the strategy files hold {total} lines"
+
+
+@pytest.mark.xfail(strict=True, reason="the house issue splits train.py and plan.py")
+def test_no_library_file_too_long():
+    long = {str(p.relative_to(REPO)): lines(p) for p in library_files()}
+    assert {p: n for p, n in long.items() if n > FILE_LINES} == {}
+
+
+def test_no_course_file_too_long():
+    long = {str(p.relative_to(REPO)): lines(p) for p in COURSE.rglob("*.py")}
+    assert {p: n for p, n in long.items() if n > FILE_LINES} == {}
+
+
+@pytest.mark.xfail(strict=True, reason="the house issue splits the long functions")
+def test_no_function_too_long():
+    long = {}
+    for path in LIBRARY.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                size = node.end_lineno - node.lineno + 1
+                if size > FUNCTION_LINES:
+                    long[f"{path.relative_to(REPO)}:{node.name}"] = size
+    assert long == {}
+
+
+def test_the_library_never_imports_the_course():
+    """The course (checkers, plots, notebook helpers) builds on the library, never the reverse;
+    the shims only re-export a course module under the name learners have always used."""
+    for path in library_files():
+        course = {m for m in imported_modules(path) if m.startswith("hplab.course")}
+        if course and path.parent == LIBRARY and path.name in SHIMS:
+            assert lines(path) <= 15, f"{path.name} should only re-export {course}"
+        else:
+            assert not course, f"{path.relative_to(REPO)} imports {course}"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_strategies_do_not_import_each_other(name):
+    """Their composition lives in one place, compose.py (which imports them all)."""
+    if name == "compose.py":
+        return
+    same = {name, "compose.py"} | ({"schedule.py"} if name == "pp.py" else set())  # one strategy
+    others = {f"hplab.{s[:-3]}" for s in STRATEGIES if s not in same}
+    imported = imported_modules(LIBRARY / name)
+    assert not imported & others, f"{name} imports another strategy: {imported & others}"

@@ -37,6 +37,7 @@ and one in backward — 2 all-reduces of b·s·h per MLP, as in the Megatron pap
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F  # noqa: F401 (yours to use: F.linear)
 
 
 class CopyToTP(torch.autograd.Function):
