@@ -49,7 +49,8 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
     from hplab.ddp import DDP
     from hplab.dist import init_distributed, shutdown
     from hplab.models.gpt import build_model, config_from_preset
-    from hplab.timeline import Recorder, hidden_fraction, read_timeline
+    from hplab.observe import Recorder
+    from hplab.timeline import hidden_fraction, read_timeline
 
     device = init_distributed()
     config = config_from_preset("tiny", **dict(MODELS[model_name].items()))
@@ -118,7 +119,7 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
 
 
 def launch(nproc, impl, model_name, steps, batch, bucket_mb) -> list[dict]:
-    from hplab.dist import torchrun_command
+    from hplab.launch import torchrun_command
 
     out = ROOT / "bench" / "results" / f".tmp_{impl}.json"
     cmd = torchrun_command(

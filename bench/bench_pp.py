@@ -153,7 +153,7 @@ def _worker():
 
 def main() -> dict:
     from hplab import pp
-    from hplab.dist import run_distributed
+    from hplab.launch import run_distributed
     from hplab.viz import simulated_costs
 
     results = run_distributed(_worker, WORLD, timeout_s=900)

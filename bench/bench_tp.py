@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer timed steps")
     parser.add_argument("--out", default=str(ROOT / "bench/results/tp.json"))
     args = parser.parse_args()
-    from hplab.dist import run_distributed
+    from hplab.launch import run_distributed
 
     steps = 5 if args.quick else 20
     result = run_distributed(worker, WORLD, steps)[0]

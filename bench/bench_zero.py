@@ -174,7 +174,7 @@ def worker(impl: str, model_name: str, steps: int, batch: int, out: str) -> None
 
 
 def launch(nproc, impl, model_name, steps, batch) -> list[dict]:
-    from hplab.dist import torchrun_command
+    from hplab.launch import torchrun_command
 
     out = ROOT / "bench" / "results" / f".tmp_zero_{impl}.json"
     cmd = torchrun_command(

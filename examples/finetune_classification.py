@@ -19,7 +19,7 @@ This is what the Colossal-AI GPT-2 tutorial (one of the seed documents) does, at
   `--seed`; 400 pairs per play to train on, 100 per play held out. Chance is 50%.
 * **The loop**: AdamW with no weight decay on biases and LayerNorm weights, a linear warm-up
   over the first 10% of the steps then linear decay to 0 (`get_linear_schedule_with_warmup`).
-  Two processes (gloo, started by `hplab.dist.run_distributed`) each take half of every global
+  Two processes (gloo, started by `hplab.launch.run_distributed`) each take half of every global
   batch; the wrapper averages the gradients, so every `--wrap` trains the same model.
 
 It prints the held-out accuracy before and after fine-tuning; `--out PATH` writes the results
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     tokenizer, seq_len = load_tokenizer(tokenizer_name), min(SEQ_LEN, n_positions)
     train, test = (encode(tokenizer, examples, seq_len) for examples in labelled_lines(args.seed))
     pad_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
-    result = hplab.dist.run_distributed(finetune, args.nproc, args, train, test, pad_id)[0]
+    result = hplab.launch.run_distributed(finetune, args.nproc, args, train, test, pad_id)[0]
     print(
         f"task: are two lines from {' or '.join(PLAYS.values())}? {len(train['labels'])} "
         f"examples to train on, {len(test['labels'])} held out; chance is 50%"

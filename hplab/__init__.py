@@ -50,6 +50,11 @@ _MODULES = {
     "moe",
     "sample",
     "timeline",
+    "config",
+    "flags",
+    "launch",
+    "metrics",
+    "observe",
 }
 
 __all__ = sorted(_PUBLIC) + sorted(_MODULES)

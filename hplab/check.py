@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from hplab import formulas, schedule
 from hplab.comm import CommTimeout, bucket_params
-from hplab.dist import Mesh, coordinates, group_ranks, run_distributed
+from hplab.dist import Mesh, coordinates, group_ranks
+from hplab.launch import run_distributed
 from hplab.memory import MemoryLedger, model_state_tensors
 from hplab.models.gpt import build_model, config_from_preset
 

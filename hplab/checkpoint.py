@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -234,7 +234,7 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
 
 def check_compatible(saved, wanted, advice="resume with the same --model and size flags"):
     """A run resumes only into the model it saved (the layout may change, the model not)."""
-    a, b = asdict(saved), asdict(wanted)
+    a, b = ({f.name: getattr(c, f.name) for f in fields(c) if f.compare} for c in (saved, wanted))
     if a != b:
         diffs = "; ".join(f"{k}: saved {a[k]}, asked {b[k]}" for k in a if a[k] != b[k])
         raise CheckpointError(f"the checkpoint holds a different model ({diffs}): {advice}")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from hplab.timeline import waited_for_a_core_s
+from hplab.observe import waited_for_a_core_s
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv", "ring_step")
 

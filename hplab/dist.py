@@ -24,26 +24,21 @@ import ctypes
 import gc
 import importlib
 import itertools
-import multiprocessing
 import os
 import signal
 import socket
 import sys
 import time
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from hplab.comm import OPEN_COMMUNICATORS, CommLedger, Communicator
+from hplab.config import Layout, check_mesh, check_sizes_and_choices
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HPLAB_TIMEOUT_S", 120))
 TIMEOUT = timedelta(seconds=DEFAULT_TIMEOUT_S)  # of every group: set by init_distributed
-
-
-class LayoutError(ValueError):
-    """An impossible parallel layout; the message says what is wrong and how to fix it."""
 
 
 # --- start-up ------------------------------------------------------------------------------
@@ -144,21 +139,6 @@ def shutdown() -> None:
 # --- the mesh ------------------------------------------------------------------------------
 
 
-def check_layout(world_size: int, dp: int, tp: int, pp: int, cp: int = 1) -> None:
-    """Raise LayoutError unless dp × tp × pp (× cp) is exactly the number of processes."""
-    sizes = dict(dp=dp, tp=tp, pp=pp, **({"cp": cp} if cp != 1 else {}))
-    for name, size in sizes.items():
-        if size < 1:
-            raise LayoutError(f"--{name} must be at least 1, got {size}")
-    if dp * tp * pp * cp != world_size:
-        raise LayoutError(
-            f"layout {' × '.join(f'{k}={v}' for k, v in sizes.items())} = {dp * tp * pp * cp} "
-            f"processes, but there are {world_size}: make "
-            f"{' × '.join('--' + k for k in sizes)} equal the number of processes "
-            "(--nproc_per_node, or --nproc)"
-        )
-
-
 def coordinates(rank: int, dp: int, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int]:
     """(dp_rank, tp_rank, pp_rank) of a global rank; tp varies fastest, then cp, then dp, then
     pp. Its cp_rank is (rank // tp) % cp."""
@@ -202,9 +182,9 @@ class Mesh:
         ep: int = 1,
     ):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        check_layout(self.world_size, dp, tp, pp, cp)
-        if ep < 1 or dp % ep:
-            raise LayoutError(f"--ep {ep} must divide --dp {dp}: ep groups are cut out of dp")
+        layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        check_sizes_and_choices(layout)
+        check_mesh(layout, self.world_size)
         self.dp_size, self.tp_size, self.pp_size, self.cp_size = dp, tp, pp, cp
         self.dp_rank, self.tp_rank, self.pp_rank = coordinates(self.rank, dp, tp, pp, cp)
         self.cp_rank = (self.rank // tp) % cp
@@ -235,80 +215,3 @@ class Mesh:
         return {
             key: getattr(self, key) for key in ("rank", "dp_rank", "tp_rank", "pp_rank", "cp_rank")
         }
-
-
-# --- spawning processes for tests and notebooks --------------------------------------------
-
-
-def _child(fn, rank, world_size, port, args, results, backend, timeout_s):
-    os.environ.update(torchrun_env(rank, world_size, port))
-    torch.set_num_threads(1)
-    try:
-        init_distributed(backend, timeout_s)
-        results.put((rank, True, fn(*args)))
-    except BaseException:  # report every failure to the parent, then exit
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        shutdown()
-
-
-def run_distributed(
-    fn, world_size: int, *args, backend: str | None = "gloo", timeout_s: float = 300.0
-) -> list:
-    """Run `fn(*args)` on `world_size` fresh processes joined in one process group (gloo by
-    default) on a free local port; return the results by rank. `fn` must be a module-level
-    function (spawned processes pickle it by name). A child's exception is re-raised here with
-    its traceback; a hang becomes a TimeoutError."""
-    ctx = multiprocessing.get_context("forkserver")  # forked from a process that has imported
-    ctx.set_forkserver_preload(PRELOAD)  # torch & co. once
-    results, port = ctx.Queue(), free_port()
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(
-                fn,
-                r,
-                world_size,
-                port,
-                args,
-                results,
-                backend,
-                min(timeout_s, DEFAULT_TIMEOUT_S),
-            ),
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(world_size):
-            try:
-                rank, ok, value = results.get(timeout=timeout_s)
-            except Exception:  # queue.Empty
-                raise TimeoutError(
-                    f"{world_size}-process run did not finish in {timeout_s:.0f}s"
-                ) from None
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:  # after a failure, the others are stopped quickly
-            p.join(timeout=5 if len(out) == world_size else 1)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(world_size)]
-
-
-def torchrun_command(nproc: int, script: str, *script_args: str) -> list[str]:
-    """The command that launches `script` on `nproc` local processes, without relying on a
-    `torchrun` executable on PATH (notebooks and tests use the current interpreter)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        script,
-        *script_args,
-    ]

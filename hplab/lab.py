@@ -81,7 +81,7 @@ def launch(
     """Run `script` on `nproc` local processes; return (captured output, seconds). Progress
     comes from rank 0's tqdm bar. A non-zero exit raises LaunchError with the job's `hplab:
     error:` line (or the tail of its output); past `timeout_s` the whole job is killed."""
-    from hplab.dist import torchrun_command
+    from hplab.launch import torchrun_command
 
     env = dict(
         os.environ,
@@ -209,7 +209,7 @@ class Run:
         return self.metrics["comm"][rank].get(op, {}).get(key, 0)
 
     def summary(self) -> str:
-        from hplab.train import summary_table
+        from hplab.metrics import summary_table
 
         return summary_table(self.metrics)
 

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import signal
 import sys
@@ -34,9 +33,9 @@ if __name__ == "__main__" and not __package__:  # run as a script: import hplab 
     sys.path[:] = [str(here.parent)] + [p for p in sys.path if p not in ("", str(here))]
 
 from hplab.formulas import CP_SPLITS, CP_STYLES, LR_DECAYS, SCHEDULES
-from hplab.timeline import Recorder, is_trace_folder
-
-METRICS_VERSION = 1
+from hplab.metrics import METRICS_VERSION, columns, is_metrics_file, summary_table
+from hplab.metrics import write as write_metrics
+from hplab.observe import Recorder, is_trace_folder
 
 
 class _Parser(argparse.ArgumentParser):
@@ -245,20 +244,13 @@ def preflight(args, world_size: int):
     dataset, the checkpoint to resume and the validation split (None without them)."""
     from hplab import checkpoint
     from hplab.compose import ParallelConfig, check_config
+    from hplab.config import Layout, check_mesh, resolve_dp
     from hplab.data import TokenDataset
-    from hplab.dist import LayoutError, check_layout
     from hplab.models.gpt import config_from_preset
 
     if args.dp is None:
-        cp = (f" × cp={args.cp}", " × cp") if args.cp > 1 else ("", "")
-        if world_size % (args.tp * args.pp * args.cp):
-            raise LayoutError(
-                f"{world_size} processes cannot be split into tp={args.tp} × "
-                f"pp={args.pp}{cp[0]} groups: make tp × pp{cp[1]} divide "
-                "--nproc_per_node"
-            )
-        args.dp = world_size // (args.tp * args.pp * args.cp)
-    check_layout(world_size, args.dp, args.tp, args.pp, args.cp)
+        args.dp = resolve_dp(world_size, args.tp, args.pp, args.cp)
+    check_mesh(Layout(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp), world_size)
     per_rank, rest = divmod(args.batch_size, args.dp)
     if rest:
         raise ValueError(
@@ -384,13 +376,6 @@ def check_outputs(args, checkpoint) -> None:
             tempfile.TemporaryFile(dir=base if base.is_dir() else base.parent).close()
         except OSError as err:
             raise ValueError(f"{flag} {path}: cannot write in {base} ({err.strerror})") from None
-
-
-def is_metrics_file(path: Path) -> bool:
-    try:
-        return "version" in json.loads(path.read_text()) and path.suffix == ".json"
-    except (ValueError, TypeError, OSError):
-        return False
 
 
 def check_machine(args, config, world_size: int) -> None:
@@ -533,62 +518,6 @@ def run_forked_rank(env: dict[str, str], argv: list[str]):
     finally:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)
-
-
-def summary_table(metrics: dict) -> str:
-    """The end-of-run report: loss, validation loss, throughput; per rank its mesh coordinates,
-    memory by kind, and communication by dimension (dp / tp / pp / world) as calls and MiB."""
-    MiB, steps, memory, evals = 2**20, metrics["steps"], metrics["memory"], metrics.get("eval")
-    mesh = metrics.get("mesh") or [{"dp_rank": 0, "tp_rank": 0, "pp_rank": 0}] * len(memory)
-    where = "dp{dp_rank} tp{tp_rank} pp{pp_rank}" + (
-        " cp{cp_rank}" if metrics.get("context_parallel") else ""
-    )
-    heads = [f"  rank {r} {where.format(**c):<15}" for r, c in enumerate(mesh)]
-    lines = [
-        f"loss {steps[0]['loss']:.4f} → {steps[-1]['loss']:.4f} over {len(steps)} steps; "
-        f"{metrics['tokens_per_s']:,.0f} tokens/s on {metrics['world_size']} processes "
-        f"({metrics['backend']})",
-        "",
-        "memory per rank (MiB)   params    grads    optim   master  activ.     peak",
-    ]
-    if evals:  # the first and the last evaluation
-        lines.insert(
-            1,
-            "validation loss "
-            + " → ".join(
-                f"{e['loss']:.4f} after {e['step']} steps" for e in evals[:1] + evals[1:][-1:]
-            ),
-        )
-    lines += [
-        head
-        + "".join(
-            f"{m[k + '_bytes'] / MiB:9.2f}"
-            for k in ("params", "grads", "optim", "master", "activation", "peak")
-        )
-        for head, m in zip(heads, memory)
-    ]
-    by_group = metrics.get("comm_by_group") or [{"all": c} for c in metrics["comm"]]
-    for family in ("dp", "cp", "ep", "edp", "tp", "pp", "world", "all"):
-        rows = [g.get(family, {}) for g in by_group]
-        ops = sorted({op for row in rows for op in row})
-        if ops:
-            lines += [
-                "",
-                f"communication over {family} (calls / MiB)".ljust(25)
-                + "".join(f"{op:>22}" for op in ops),
-            ]
-            lines += [
-                head
-                + " "
-                + " ".join(
-                    f"{c[op]['calls']:>8} / {c[op]['bytes'] / MiB:10.2f}"
-                    if op in c
-                    else f"{'-':>21}"
-                    for op in ops
-                )
-                for head, c in zip(heads, rows)
-            ]
-    return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -782,11 +711,6 @@ def run(args) -> dict | None:
     }
 
 
-def columns(rows: list[dict]) -> dict:
-    """One dict per rank -> one list per key: [{"a": 1}, {"a": 2}] -> {"a": [1, 2]}."""
-    return {key: [row[key] for row in rows] for key in rows[0]}
-
-
 def with_flags(err: Exception, argv: list[str]) -> Exception:
     """A refusal from the library names its settings (config fields); say them as the flags
     the user gave, e.g. `--zero 3 --pp 2: not supported: ZeRO-3 with a pipeline ...`."""
@@ -830,12 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if metrics is not None:
         print("\n" + summary_table(metrics))
-        if args.metrics:  # atomically: readers never see half a file
-            path = Path(args.metrics)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(metrics, indent=1))
-            os.replace(tmp, path)
+        if args.metrics:
+            write_metrics(args.metrics, metrics)
             print(f"metrics written to {args.metrics}")
     shutdown()
     return 0

@@ -602,9 +602,10 @@ def plot_rank_grid(dp: int, tp: int, pp: int, ax=None):
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    from hplab.dist import check_layout, global_rank
+    from hplab.config import Layout, check_sizes_and_choices
+    from hplab.dist import global_rank
 
-    check_layout(dp * tp * pp, dp, tp, pp)
+    check_sizes_and_choices(Layout(dp=dp, tp=tp, pp=pp))
     ax = _axes(ax, (max(4.0, 1.5 * pp * tp + 1.5), max(2.4, 1.0 * dp + 1.6)))
     colours, gap = plt.get_cmap("tab20").colors, 0.8  # gap: between pipeline stages
     tp_line, dp_line = dict(lw=1.6, color="black"), dict(lw=1.2, ls="--", color="#C44E52")

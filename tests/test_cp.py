@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from hplab import cp
-from hplab.dist import run_distributed
 from hplab.formulas import CP_SPLITS, ring_attention_bytes
+from hplab.launch import run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
 B, HEADS, SEQ, D = 2, 4, 16, 8  # SEQ splits into 2N chunks for N = 2 and 4
@@ -273,7 +273,8 @@ def test_layouts_that_do_not_split_are_refused_in_one_sentence():
 
 def test_the_mesh_puts_cp_between_tp_and_dp():
     """Megatron's order: tp innermost, then cp, then dp, then pp (8 ranks, dp2 × cp2 × tp2)."""
-    from hplab.dist import LayoutError, check_layout, group_ranks
+    from hplab.config import Layout, LayoutError, check_mesh
+    from hplab.dist import group_ranks
 
     groups = group_ranks(dp=2, tp=2, pp=1, cp=2)
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -284,7 +285,7 @@ def test_the_mesh_puts_cp_between_tp_and_dp():
         match=r"dp=1 × tp=2 × pp=1 × cp=3 = 6 processes, but "
         r"there are 4: make --dp × --tp × --pp × --cp",
     ):
-        check_layout(4, 1, 2, 1, 3)
+        check_mesh(Layout(dp=1, tp=2, pp=1, cp=3), 4)
 
 
 @pytest.mark.parametrize(

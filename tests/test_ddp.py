@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab.dist import run_distributed
+from hplab.launch import run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 4

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from hplab import train
+from hplab import metrics, train
 from hplab.data import TOKEN_DTYPE, TokenDataset, get_batch, global_batch_indices
-from hplab.dist import run_distributed
+from hplab.launch import run_distributed
 
 RTOL = 1e-5
 STEPS, LR = 3, 1e-2
@@ -219,7 +219,7 @@ def test_train_py_logs_validation_without_changing_training_or_its_traffic(world
                 assert (got["calls"], got["bytes"]) == (stats["calls"], stats["bytes"]), op
             assert with_eval["comm"][rank].keys() == without["comm"][rank].keys()
     assert worst([e["loss"] for e in c["eval"]], [e["loss"] for e in a["eval"]]) < RTOL
-    summary = train.summary_table(a)
+    summary = metrics.summary_table(a)
     first, last = a["eval"]
     assert (
         f"validation loss {first['loss']:.4f} after 2 steps → {last['loss']:.4f} after 3 "

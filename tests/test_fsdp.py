@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab.dist import run_distributed
+from hplab.launch import run_distributed
 
 TOL = 1e-5
 FP16_LOSS_TOL = 1e-4  # measured ≤ 3e-6

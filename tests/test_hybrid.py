@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hplab.checkpoint import gather_full_state
-from hplab.dist import run_distributed
+from hplab.launch import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-5
@@ -553,7 +553,7 @@ sys.exit(train.main())
 
 def _launch(nproc: int, script: str, *flags: str, **popen) -> subprocess.Popen:
     """train.py itself through its --nproc (ranks forked: cheaper); another script, torchrun."""
-    from hplab.dist import torchrun_command
+    from hplab.launch import torchrun_command
 
     flags = ("--no-progress", "--n-layer", "2", "--batch-size", "4", *flags)
     command = (
@@ -659,6 +659,7 @@ def _world_size(path: Path) -> int:
 def _run_configs(paths: list[str], directory: str) -> dict:
     """train.py's run() on each recipe for 2 steps (a recipe's --save goes to `directory`)."""
     from hplab import train
+    from hplab.metrics import summary_table
 
     out = {}
     for path in paths:
@@ -671,7 +672,7 @@ def _run_configs(paths: list[str], directory: str) -> dict:
             out[Path(path).name] = {
                 "losses": [s["loss"] for s in metrics["steps"]],
                 "world_size": metrics["world_size"],
-                "summary": train.summary_table(metrics),
+                "summary": summary_table(metrics),
             }
     return out
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hplab import train
-from hplab.dist import run_distributed
+from hplab.launch import run_distributed
 
 CONFIG = dict(vocab_size=2048, n_positions=16, n_embd=32, n_layer=2, n_head=4)  # hplab-bpe: 2048
 STEPS, RTOL = 3, 1e-5

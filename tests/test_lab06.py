@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from hplab.check import EXERCISES, EXERCISES_DIR, SOLUTIONS_DIR, main, run_check
-from hplab.dist import LayoutError, coordinates
+from hplab.config import LayoutError
+from hplab.dist import coordinates
 
 # dp varies fastest (PyTorch's default DeviceMesh order of the last two dims reversed): the
 # groups are those of another numbering, so only layouts with dp = 1 or tp = 1 agree.

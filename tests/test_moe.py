@@ -7,8 +7,9 @@ import torch.distributed as dist
 
 from hplab import moe
 from hplab.comm import CommLedger, Communicator
-from hplab.dist import new_group, run_distributed
+from hplab.dist import new_group
 from hplab.formulas import moe_all_to_all_bytes
+from hplab.launch import run_distributed
 from hplab.models.gpt import MLP, GPTConfig
 
 H, E = 8, 4

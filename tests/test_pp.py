@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hplab import pp
-from hplab.dist import run_distributed
+from hplab.launch import run_distributed
 
 TOL = 1e-5
 STEPS = 3

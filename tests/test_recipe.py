@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from hplab import train
-from hplab.dist import run_distributed
 from hplab.formulas import learning_rate
+from hplab.launch import run_distributed
 
 RTOL = 1e-5
 STEPS = 4

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import hplab
-from hplab.dist import run_distributed, shutdown, torchrun_command
+from hplab.dist import shutdown
+from hplab.launch import run_distributed, torchrun_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "hplab" / "train.py")

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab.dist import run_distributed
+from hplab.launch import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-5

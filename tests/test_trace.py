@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hplab.dist import run_distributed
+from hplab.launch import run_distributed
 from hplab.timeline import hidden_fraction, read_timeline, waits
 
 FLAGS = ["--dp", "2", "--steps", "3", "--batch-size", "8", "--no-progress"]

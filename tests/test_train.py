@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hplab.dist import torchrun_command
+from hplab.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "hplab" / "train.py")

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hplab.comm import CommLedger, Communicator
-from hplab.dist import run_distributed
+from hplab.launch import run_distributed
 from hplab.memory import MemoryLedger
 from hplab.zero import ZeroError, ZeroOptimizer
 

@@ -17,50 +17,24 @@ block: Hugging Face's `Conv1D` weight is `[in, out]`, an `nn.Linear`'s `[out, in
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from hplab.formulas import HPLAB_PRESETS, gpt_num_params
+from hplab.config import ModelConfig
+from hplab.formulas import HPLAB_PRESETS
 from hplab.moe import MoE
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 2048
-    n_positions: int = 64  # the longest sequence the model can read (its seq_len)
-    n_embd: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    layer_norm_epsilon: float = 1e-5
-    tokenizer: str = "hplab-bpe"  # which shipped tokenizer produced the token ids
-    n_experts: int = 0  # > 0: each block's MLP is a mixture of experts (hplab/moe.py)
-    moe_top_k: int = 2  # experts per token
-    moe_capacity_factor: float = 0.0  # 0: dropless
-    moe_aux_coef: float = 0.01  # weight of the load-balancing loss added to the loss
-
-    def __post_init__(self):
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
-                "pick a hidden size that is a multiple of the number of heads"
-            )
-
-    def num_params(self) -> int:
-        """Ψ = V·h + S·h + L·(12h² + 13h) + 2h, tied embedding once (experts: gpt_num_params)."""
-        return gpt_num_params(
-            self.n_layer, self.n_embd, self.vocab_size, self.n_positions, self.n_experts
-        )
-
+#: hplab's GPT-2 is described by the one model description the planner reads too.
+GPTConfig = ModelConfig
 
 #: tiny, gpt2, gpt2-medium: sizes from `hplab.formulas.HPLAB_PRESETS`, shared with the planner.
-PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**size) for name, size in HPLAB_PRESETS.items()}
+PRESETS: dict[str, GPTConfig] = {
+    name: GPTConfig(**size, name=name) for name, size in HPLAB_PRESETS.items()
+}
 
 
 def config_from_preset(
@@ -248,11 +222,8 @@ def to_hf_config(config: GPTConfig):
     from transformers import GPT2Config
 
     eos = config.vocab_size - 1
-    shape = {
-        k: v
-        for k, v in asdict(config).items()  # GPT2Config's names
-        if k != "tokenizer" and not k.startswith(("n_experts", "moe_"))
-    }
+    names = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon")
+    shape = {k: getattr(config, k) for k in names}  # GPT2Config's names
     return GPT2Config(
         **shape,
         activation_function="gelu_new",
