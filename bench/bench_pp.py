@@ -53,10 +53,11 @@ def batches(n):
 
 
 def hplab_engine(schedule, v):
-    from hplab.compose import ParallelConfig, parallelize
+    from hplab.cli import build_parser, layout_of, optim_of
+    from hplab.compose import parallelize
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.train import build_parser
+    from hplab.observe import MemoryWatch, PipelineTrace
 
     args = build_parser().parse_args(
         [
@@ -70,22 +71,27 @@ def hplab_engine(schedule, v):
             str(v),
             "--microbatches",
             str(MICROBATCHES),
+            "--batch-size",
+            str(PER_MICROBATCH * MICROBATCHES),
         ]
     )
-    return parallelize(
-        build_model(model_config(), seed=0),
-        Mesh.create(pp=WORLD),
-        ParallelConfig.from_namespace(args),
+    engine = parallelize(
+        build_model(model_config(), seed=0), Mesh.create(pp=WORLD), layout_of(args), optim_of(args)
     )
+    # measured as train.py measures a run: the trace, then every forward's saved activations
+    trace, memory = PipelineTrace(engine.pipeline), MemoryWatch(engine)
+    return engine, lambda: trace.report(engine.mesh.pp, memory)
 
 
 def torch_1f1b():
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from hplab import pp
-    from hplab.compose import make_optimizer
+    from hplab.compose import finalize_grads, make_sharded_optimizer
+    from hplab.config import Layout, OptimConfig
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
+    from hplab.precision import MixedPrecision
 
     mesh = Mesh.create(pp=WORLD)
     model = build_model(model_config(), seed=0)
@@ -97,7 +103,8 @@ def torch_1f1b():
         MICROBATCHES,
         loss_fn=pp.loss_fn,
     )
-    opt = make_optimizer(pp.stage_parameters([stage]), lr=1e-3, weight_decay=0.0)
+    optim = OptimConfig(lr=1e-3)  # grouped as hplab's: the tied weight apart
+    opt = make_sharded_optimizer(stage, [stage], mesh, Layout(pp=WORLD), optim, MixedPrecision())
 
     def step(x, y):
         if mesh.pp_rank == 0:
@@ -106,7 +113,7 @@ def torch_1f1b():
             runner.step(target=y)
         else:
             runner.step()
-        pp.sync_tied_gradients([stage], tied)
+        finalize_grads(stage, mesh, opt, tied)  # the embedding's two copies: one gradient
         opt.step()
         opt.zero_grad()
 
@@ -116,13 +123,13 @@ def torch_1f1b():
 def _worker():
     import torch.distributed as dist
 
-    from hplab.compose import pipeline_report, train_step
+    from hplab.compose import train_step
 
     data = batches(WARMUP_STEPS + TIMED_STEPS)
     out = {"throughput": {}, "bubble": {}}
 
     # 1. hplab 1F1B vs torch Schedule1F1B, alternating step by step
-    ours = hplab_engine("1f1b", 1)
+    ours, _ = hplab_engine("1f1b", 1)
     theirs, mesh = torch_1f1b()
     times = {"hplab": [], "torch": []}
     for i, (x, y) in enumerate(data):
@@ -139,13 +146,13 @@ def _worker():
 
     # 2. bubble of each schedule, measured on the last of a few steps
     for schedule, v in SCHEDULES:
-        engine = hplab_engine(schedule, v)
+        engine, report = hplab_engine(schedule, v)
         for x, y in data[:3]:
             train_step(engine, x, y)
         out["bubble"][f"{schedule}" + (f" v={v}" if v > 1 else "")] = {
             "schedule": schedule,
             "virtual_stages": v,
-            **pipeline_report(engine),
+            **report(),
         }
     dist.barrier()
     return out

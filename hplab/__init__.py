@@ -2,8 +2,9 @@
 
 The building blocks are used the way PyTorch's own are, in an ordinary training loop (README,
 "The strategies"): `hplab.DDP`, `hplab.ZeroOptimizer`, `hplab.fully_shard` (ZeRO-3, like FSDP2),
-`hplab.tp`, `hplab.pp`, `hplab.cp`, `hplab.moe`; `hplab.parallelize(model, mesh, config)` and
-`hplab.finalize_grads` compose them for a whole layout. Names are imported on first use, so
+`hplab.tp`, `hplab.pp`, `hplab.cp`, `hplab.moe`; `hplab.parallelize(model, mesh, layout)` (a
+`hplab.Layout`, checked by `hplab.validate`) and `hplab.finalize_grads` compose them for a whole
+layout. Names are imported on first use, so
 `import hplab` stays cheap (torch loads when needed).
 """
 
@@ -20,9 +21,9 @@ _PUBLIC = {
             "finish_gradient_sync",
             "parallelize",
             "finalize_grads",
-            "ParallelConfig",
             "train_step",
         ],
+        "hplab.config": ["Layout", "ModelConfig", "OptimConfig", "LayoutError", "validate"],
     }.items()
     for name in names
 }
@@ -55,6 +56,9 @@ _MODULES = {
     "launch",
     "metrics",
     "observe",
+    "optim",
+    "cli",
+    "preflight",
 }
 
 __all__ = sorted(_PUBLIC) + sorted(_MODULES)

@@ -43,6 +43,7 @@ from hplab.models.gpt import (
     to_hf_config,
     to_hf_state_dict,
 )
+from hplab.precision import MasterWeightOptimizer
 from hplab.zero import ZeroOptimizer
 
 FORMAT_VERSION = 1
@@ -254,6 +255,13 @@ def _tensor_parallel(p, t: torch.Tensor, mesh, glue: bool) -> torch.Tensor:
     return (tp.unshard if glue else tp.shard)(t.to(mesh.device), p.tp_split, mesh.tp).cpu()
 
 
+def _stepped(optimizer, p):
+    """(the torch optimizer that holds p's state, the fp32 tensor it steps for p)."""
+    if isinstance(optimizer, MasterWeightOptimizer):
+        return optimizer.inner, optimizer.masters[p]
+    return optimizer, p
+
+
 @torch.no_grad()
 def gather_full_state(par) -> tuple[dict, dict]:
     """(model_state, optimizer_state): every parameter's full fp32 value and full optimizer
@@ -263,10 +271,9 @@ def gather_full_state(par) -> tuple[dict, dict]:
     if isinstance(optimizer, ZeroOptimizer):
         values, states = optimizer.full_state()
     else:
-        inner, masters = getattr(optimizer, "inner", optimizer), getattr(optimizer, "masters", {})
         values, states = {}, {}
         for _, p in params:
-            q = masters.get(p, p)  # the fp32 master where there is one
+            inner, q = _stepped(optimizer, p)
             full = functools.partial(fsdp.gather_full, p) if fsdp.is_shard(p) else lambda t: t
             values[p] = full(q.detach().float())
             states[p] = {k: full(t) for k, t in inner.state.get(q, {}).items()}
@@ -303,16 +310,56 @@ def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
     if isinstance(optimizer, ZeroOptimizer):
         optimizer.load_full_state(values, states)
         return
-    inner, masters = getattr(optimizer, "inner", optimizer), getattr(optimizer, "masters", {})
     for _, p in params:
         local = functools.partial(fsdp.local_shard, p) if fsdp.is_shard(p) else lambda t: t
-        value, q = local(values[p]), masters.get(p, p)  # q: the fp32 master where there is one
+        value, (inner, q) = local(values[p]), _stepped(optimizer, p)
         p.copy_(value)
         q.copy_(value)
         if states[p]:
             inner.state[q] = {
                 k: local(t).to(q.device) if t.dim() else t for k, t in states[p].items()
             }
+
+
+def save_run(par, directory, flags: dict, step: int, losses: list[float]) -> None:
+    """A run's checkpoint after `step` steps: the single-device state gathered (a collective),
+    written by rank 0 with the trainer's state (flags, losses, lr schedule, loss scale), then
+    everyone waits, so no rank runs ahead of a checkpoint still being written."""
+    with par.mesh.ledger.unrecorded():  # the gathers are checkpoint traffic, not training
+        model_state, optimizer_state = gather_full_state(par)
+    if dist.get_rank() == 0:
+        scaler = par.precision.scaler
+        trainer_state = {
+            "step": step,
+            "config": flags,
+            "losses": losses,
+            "lr_scheduler": {"last_epoch": par.scheduler.last_epoch},
+        }
+        if scaler is not None:
+            trainer_state.update(loss_scale=scaler.scale, good_steps=scaler.good_steps)
+        save(directory, par.gpt.config, model_state, optimizer_state, trainer_state)
+    dist.barrier()
+
+
+def restore(par, saved: dict, resume: bool) -> int:
+    """Every rank cuts its pieces of `saved` (load's or load_pretrained's: the files are local);
+    to resume (not --init-from, which starts a new optimizer at step 0) also the optimizer, the
+    RNG, the loss scale and the lr schedule. Returns the step to go on from."""
+    load_full_state(par, saved["model"], saved.get("optimizer", {}))
+    if not resume:
+        return 0
+    state = saved["trainer_state"]
+    restore_rng(saved["rng"])
+    scaler = par.precision.scaler
+    if scaler is not None and "loss_scale" in state:
+        scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
+    if "lr_scheduler" in state:  # the schedule goes on from its step (torch's way)
+        par.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            par.optimizer,
+            par.scheduler.lr_lambdas[0],
+            last_epoch=state["lr_scheduler"]["last_epoch"] - 1,
+        )
+    return state["step"]
 
 
 CHECKPOINT_FILES = (

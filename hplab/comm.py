@@ -26,6 +26,7 @@ collective is bounded by the group's timeout: a `CommTimeout` naming the operati
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections import defaultdict
@@ -66,6 +67,16 @@ class CommLedger:
         stats.bytes += nbytes
         stats.bus_bytes += nbytes * bus_factor(op, group_size)
         stats.time_s += seconds
+
+    @contextlib.contextmanager
+    def unrecorded(self):
+        """Collectives that are not training (checkpoint gathers, evaluation) stay out of it."""
+        training_traffic = self.by_group
+        self.reset()
+        try:
+            yield
+        finally:
+            self.by_group = training_traffic
 
     def add_time(self, op: str, group: str, seconds: float) -> None:
         self.by_group[group][op].time_s += seconds
@@ -285,6 +296,24 @@ class Communicator:
                 f"all_reduce_scalar {self.name}",
             )
         return float(t.item())
+
+
+class AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with autograd, along dim 0: `send_rows[j]` rows of `x` go to group-rank
+    j and `recv_rows[j]` come from it (None: n equal parts); backward sends the gradient rows
+    back, the same exchange reversed. Ulysses (cp.py) and expert dispatch (moe.py) use it."""
+
+    @staticmethod
+    def forward(ctx, x, comm, recv_rows: list[int] | None = None, send_rows=None):
+        ctx.comm, ctx.rows = comm, (recv_rows, send_rows)
+        out = x.new_empty((sum(recv_rows) if recv_rows else x.shape[0], *x.shape[1:]))
+        comm.all_to_all_single(out, x.contiguous(), recv_rows, send_rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_rows, send_rows = ctx.rows
+        return AllToAll.apply(grad, ctx.comm, send_rows, recv_rows), None, None, None
 
 
 def copy_markers(source: torch.Tensor, target: torch.Tensor) -> None:

@@ -17,132 +17,20 @@ schedule), `finalize_grads`, fp16 unscale and overflow skip, clip, step, lr step
 from __future__ import annotations
 
 import contextlib
-import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hplab import cp, fsdp, moe, pp, tp
+from hplab.config import Layout, OptimConfig, validate
 from hplab.ddp import DDP
 from hplab.dist import Mesh
 from hplab.formulas import learning_rate
-from hplab.memory import KINDS, MemoryLedger, model_state_tensors
+from hplab.optim import WrappedOptimizer, stepped_groups
 from hplab.precision import MasterWeightOptimizer, MixedPrecision
 from hplab.zero import ZeroOptimizer
-
-
-class NotSupported(ValueError):
-    """A refused combination; `settings` names its config fields (train.py shows the flags)."""
-
-    def __init__(self, reason: str, settings: tuple[str, ...] = ()):
-        super().__init__(reason)
-        self.settings = settings
-
-
-@dataclass
-class ParallelConfig:
-    """Everything `parallelize` and `train_step` need to know (train.py fills it from flags)."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    microbatches: int = 1
-    sequence_parallel: bool = False
-    ep: int = 1  # expert parallel: dp ranks that share out each layer's experts (moe.py)
-    cp: int = 1  # context parallel: ranks sharing each sequence, by `cp_style` and `cp_split`
-    cp_style: str = "ring"
-    cp_split: str = "zigzag"
-    bucket_mb: float = 25.0
-    precision: str = "fp32"
-    recompute: bool = False
-    offload: bool = False
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 0.0
-    no_decay_bias_norm: bool = False  # no weight decay on biases, layer norms, embeddings
-    warmup_steps: int = 0  # the lr schedule: formulas.learning_rate
-    lr_decay: str = "constant"
-    decay_steps: int = 0
-    min_lr: float = 0.0
-
-    @classmethod
-    def from_namespace(cls, namespace) -> ParallelConfig:
-        return cls(**{f.name: getattr(namespace, f.name, f.default) for f in fields(cls)})
-
-
-def check_config(config: ParallelConfig, model) -> None:
-    """The refusals and checks that need no process (plain sentences); `model`: its config."""
-    c, experts = config, getattr(model, "n_experts", 0)
-    refusals = [
-        (
-            c.zero == 3 and c.pp > 1,
-            ("zero", "pp"),
-            "ZeRO-3 with a pipeline would gather every "
-            "layer again for every microbatch's forward and backward (DeepSpeed and Colossal-AI "
-            "refuse it too); use ZeRO-1 or 2",
-        ),
-        (
-            c.sequence_parallel and (c.pp > 1 or c.zero > 0),
-            ("sequence_parallel", "pp", "zero"),
-            "sequence parallel runs with tensor and data parallel only (no pipeline, no ZeRO)",
-        ),
-        (
-            c.sequence_parallel and c.tp == 1,
-            ("sequence_parallel", "tp"),
-            "sequence parallel "
-            "splits the sequence over the tensor-parallel group, so it needs 2 or more tp ranks",
-        ),
-        (
-            c.zero == 2 and c.pp > 1 and c.schedule == "zb-h1",
-            ("zero", "schedule"),
-            "ZeRO-2 "
-            "reduce-scatters each layer's gradients as backward finishes them, and ZB-H1 defers "
-            "weight gradients; use ZeRO-1",
-        ),
-        (
-            c.offload and c.zero == 0,
-            ("offload", "zero"),
-            "offload moves ZeRO's sharded optimizer state to the CPU, so it needs ZeRO 1, 2 or 3",
-        ),
-        (
-            experts and (c.pp > 1 or c.cp > 1 or c.zero == 3 or c.recompute or c.sequence_parallel),
-            ("pp", "cp", "zero", "recompute", "sequence_parallel"),
-            "experts run with data, expert "
-            "and tensor parallel and ZeRO-1/2 only (no pipeline, context or sequence parallel, "
-            "ZeRO-3 or recompute)",
-        ),
-        (
-            c.ep > 1 and c.zero > 0,
-            ("ep", "zero"),
-            "ZeRO shards over the whole dp group, whose "
-            "ranks hold different experts under expert parallel",
-        ),
-        (
-            c.cp > 1 and c.sequence_parallel,
-            ("cp", "sequence_parallel"),
-            "context parallel already splits the sequence: use it without sequence parallel",
-        ),
-    ]
-    for refused, settings, reason in refusals:
-        if refused:
-            raise NotSupported(f"not supported: {reason}", settings)
-    moe.check_layout(experts, getattr(model, "moe_top_k", 1), c.ep, c.dp)
-    if c.tp > 1:
-        tp.check_divisible(
-            model.n_head, model.n_embd, c.tp, model.n_positions if c.sequence_parallel else None
-        )
-    if c.cp > 1:  # (Ulysses shares each tensor-parallel rank's heads)
-        cp.check_divisible(model.n_positions, model.n_head // c.tp, c.cp, c.cp_style, c.cp_split)
-    if c.pp > 1:
-        pp.build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages)
-        pp.split_layers(model.n_layer, c.pp * c.virtual_stages)
-
 
 ADAMW = dict(betas=(0.9, 0.95), foreach=False)  # foreach=False: the same update on shards
 
@@ -160,13 +48,15 @@ class Parallel:
     optimizer: torch.optim.Optimizer
     gpt: nn.Module  # the underlying model (single-device parameter names)
     mesh: Mesh
-    config: ParallelConfig
+    layout: Layout
+    optim: OptimConfig
     precision: MixedPrecision
-    memory: MemoryLedger
     scheduler: torch.optim.lr_scheduler.LRScheduler
     pipeline: pp.PipelineExecutor | None = None
     tied_comm: object = None
-    step_start: float = 0.0  # when this rank's last pipeline step began (perf_counter)
+    # called as fn(self) after each optimizer step (taken or skipped), before zero_grad: what
+    # observers measure then (hplab.observe)
+    on_step_end: list = field(default_factory=list)
 
 
 def mark_no_decay(model: nn.Module) -> None:
@@ -197,71 +87,86 @@ def parameter_groups(
     ]
 
 
-def parallelize(model: nn.Module, mesh: Mesh, config: ParallelConfig) -> Parallel:
-    """Compose the layout `config` asks for around `model` (the whole GPT, on mesh.device)."""
-    c, gpt, precision = config, model, MixedPrecision(config.precision)
-    check_config(c, gpt.config)  # (the schedule too: before any cutting)
-    memory = MemoryLedger(mesh.device)
-    params_module, pipeline, tied_comm, tied, is_first = gpt, None, None, None, True
-    if c.no_decay_bias_norm:  # by role, while the model is whole
+def parallelize(
+    model: nn.Module, mesh: Mesh, layout: Layout, optim: OptimConfig | None = None
+) -> Parallel:
+    """Compose `layout` around `model` (the whole GPT, on mesh.device): the strategies in
+    torchtitan's order, then the optimizer over what this rank holds. `optim`: AdamW's settings
+    and the lr schedule (OptimConfig's defaults when None)."""
+    gpt, optim, precision = model, optim or OptimConfig(), MixedPrecision(layout.precision)
+    validate(layout, gpt.config, mesh.world_size)  # every rule, before any cutting
+    if optim.no_decay_bias_norm:  # by role, while the model is whole
         mark_no_decay(gpt)
-    if c.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
-        tp.parallelize(
-            gpt,
-            mesh.tp,
-            tp.MOE_GPT_PLAN if gpt.config.n_experts else tp.GPT_PLAN,
-            sequence_parallel=c.sequence_parallel,
-        )
-    if c.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
-        cp.parallelize(gpt, mesh.cp, c.cp_style, c.cp_split)
-    if c.pp > 1:  # the pipeline split: this rank's stages (the other layers are freed)
-        stages = pp.build_stages(gpt, mesh.pp_rank, c.pp, c.virtual_stages)
+    if layout.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
+        plan = tp.MOE_GPT_PLAN if gpt.config.n_experts else tp.GPT_PLAN
+        tp.parallelize(gpt, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)
+    if layout.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
+        cp.parallelize(gpt, mesh.cp, layout.cp_style, layout.cp_split)
+    stages, pipeline, tied_comm = [], None, None
+    if layout.pp > 1:  # the pipeline split: this rank's stages (the other layers are freed)
+        stages = pp.build_stages(gpt, mesh.pp_rank, layout.pp, layout.virtual_stages)
         pp.free_unowned_parameters(gpt, stages)
-        params_module = nn.ModuleList(stages)
-        ends = [s.wte for s in stages if s.is_first] + [s.lm_head for s in stages if s.is_last]
-        tied = ends[0].weight if ends else None
-        is_first = any(s.is_first for s in stages)
+        schedule = pp.build_schedule(
+            layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages
+        )
+        pipeline = pp.PipelineExecutor(
+            stages, schedule[mesh.pp_rank], mesh.pp, precision.param_dtype
+        )
         tied_comm = pp.tied_embedding_group(mesh)
-        plan = pp.build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages)[mesh.pp_rank]
-        pipeline = pp.PipelineExecutor(stages, plan, mesh.pp, memory, precision.param_dtype)
-    gpt.recompute = c.recompute  # recompute: a flag the blocks read
+    gpt.recompute = layout.recompute == "full"  # recompute: a flag the blocks read
     moe.parallelize(gpt, mesh.ep, mesh.dp)  # experts: this rank's E/ep (ep groups within dp)
-    # data parallel over mesh.dp: DDP, ZeRO-1/2 as the optimizer, or ZeRO-3 as fully_shard
-    if c.zero == 3:  # (no pipeline: params_module is gpt; its parameters become fp32 shards)
+    owned = nn.ModuleList(stages) if stages else gpt  # what this rank holds and steps
+    wrapped = data_parallel(gpt, owned, mesh, layout, precision)
+    optimizer = make_sharded_optimizer(owned, stages, mesh, layout, optim, precision)
+    # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one
+    factor = lambda i: (
+        learning_rate(  # noqa: E731
+            i, optim.lr, optim.warmup_steps, optim.lr_decay, optim.decay_steps, optim.min_lr
+        )
+        / optim.lr
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return Parallel(
+        wrapped, optimizer, gpt, mesh, layout, optim, precision, scheduler, pipeline, tied_comm
+    )
+
+
+def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) -> nn.Module:
+    """Over mesh.dp: ZeRO-3 as fully_shard (each block a unit, then the root), else DDP around
+    what this rank holds; none under ZeRO-1/2 (its optimizer syncs) or expert parallel
+    (finalize_grads syncs experts over their own replicas)."""
+    if layout.zero == 3:  # (no pipeline: owned is gpt; its parameters become fp32 shards)
         for block in [*gpt.transformer.h, gpt]:  # the blocks first, then the root
-            wrapped = fsdp.fully_shard(
-                block, mesh.dp, param_dtype=precision.compute_dtype, offload=c.offload
+            fsdp.fully_shard(
+                block, mesh.dp, param_dtype=precision.compute_dtype, offload=layout.offload
             )
-    else:  # no DDP under ZeRO-1/2 (its optimizer syncs) or ep (finalize_grads syncs experts)
-        params_module.to(precision.param_dtype)  # half-precision copies; fp32 masters below
-        plain = c.zero or c.ep > 1
-        wrapped = params_module if plain else DDP(params_module, mesh.dp, c.bucket_mb)
-    groups = parameter_groups(params_module.parameters(), tied, is_first, c.weight_decay)
-    settings = dict(lr=c.lr, weight_decay=c.weight_decay, **ADAMW)
-    if c.zero in (1, 2):
-        optimizer = ZeroOptimizer(
+        return gpt
+    owned.to(precision.param_dtype)  # half-precision copies; fp32 masters in the optimizer
+    if layout.zero or layout.ep > 1:
+        return owned
+    return DDP(owned, mesh.dp, layout.bucket_mb)
+
+
+def make_sharded_optimizer(owned, stages, mesh, layout: Layout, optim: OptimConfig, precision):
+    """AdamW over this rank's parameters, grouped by where their copies live: as ZeRO-1/2 over
+    dp, over fp32 masters (mixed precision without ZeRO), or plain (ZeRO-3: the fp32 shards)."""
+    ends = [s.wte for s in stages if s.is_first] + [s.lm_head for s in stages if s.is_last]
+    tied, is_first = (ends[0].weight if ends else None), any(s.is_first for s in stages)
+    groups = parameter_groups(owned.parameters(), tied, is_first or not stages, optim.weight_decay)
+    settings = dict(lr=optim.lr, weight_decay=optim.weight_decay, **ADAMW)
+    if layout.zero in (1, 2):
+        return ZeroOptimizer(
             groups,
             torch.optim.AdamW,
             mesh.dp,
-            stage=c.zero,
-            bucket_mb=c.bucket_mb,
-            offload=c.offload,
+            stage=layout.zero,
+            bucket_mb=layout.bucket_mb,
+            offload=layout.offload,
             **settings,
         )
-    elif precision.mixed and c.zero == 0:  # (ZeRO-3: the fp32 shards are the masters)
-        optimizer = MasterWeightOptimizer(groups, torch.optim.AdamW, **settings)
-    else:
-        optimizer = torch.optim.AdamW(groups, **settings)
-    # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda i: (
-            learning_rate(i, c.lr, c.warmup_steps, c.lr_decay, c.decay_steps, c.min_lr) / c.lr
-        ),
-    )
-    return Parallel(
-        wrapped, optimizer, gpt, mesh, c, precision, memory, scheduler, pipeline, tied_comm
-    )
+    if precision.mixed and layout.zero == 0:  # (ZeRO-3: the fp32 shards are the masters)
+        return MasterWeightOptimizer(groups, torch.optim.AdamW, **settings)
+    return torch.optim.AdamW(groups, **settings)
 
 
 def finish_gradient_sync(model: nn.Module) -> None:
@@ -269,11 +174,6 @@ def finish_gradient_sync(model: nn.Module) -> None:
     if isinstance(model, DDP):
         return model.finish_gradient_sync()
     fsdp.finish_gradient_sync(model)
-
-
-def stepped_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The param groups of the tensors the optimizer really steps (masters, shards)."""
-    return getattr(optimizer, "inner", optimizer).param_groups
 
 
 def _all_reduce_grads(grads: list[torch.Tensor], comm, scale: float = 1.0) -> None:
@@ -302,7 +202,7 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None)
     ]
     if partial and mesh.tp_size > 1:
         _all_reduce_grads(partial, mesh.tp)
-    if hasattr(optimizer, "reduce_gradients"):  # ZeroOptimizer, MasterWeightOptimizer
+    if isinstance(optimizer, WrappedOptimizer):  # ZeroOptimizer, MasterWeightOptimizer
         optimizer.reduce_gradients()
     stepped = (
         [t for g in stepped_groups(optimizer) for t in g["params"]]
@@ -339,7 +239,8 @@ def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
 
 def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     """One optimizer step on this rank's share of the global batch; returns its mean loss."""
-    config, mesh, m, scale = par.config, par.mesh, par.config.microbatches, par.precision.loss_scale
+    layout, mesh, scale = par.layout, par.mesh, par.precision.loss_scale
+    m = layout.microbatches
     x, y = context_shard(par, x, y)
     no_sync = par.model.no_sync if isinstance(par.model, DDP) else contextlib.nullcontext
     if x.shape[0] % m:
@@ -349,7 +250,6 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
         )
     if par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
         par.pipeline.loss_scale = scale
-        par.step_start = time.perf_counter()
         with no_sync():
             losses = par.pipeline.run(list(x.chunk(m)), list(y.chunk(m)))
         loss = mesh.pp.all_reduce_scalar(sum(losses)) / m  # only the last stage has them
@@ -357,10 +257,8 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
         losses = []
         for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
             with no_sync() if i < m - 1 else contextlib.nullcontext():
-                with par.memory.track_activations(exclude=par.model.parameters()):
-                    _, microbatch_loss = par.model(xm, ym)
+                _, microbatch_loss = par.model(xm, ym)
                 (microbatch_loss * scale / m).backward()
-                par.memory.release_activations()
             losses.append(microbatch_loss.detach())
         loss = float(torch.stack(losses).mean())
     finalize_grads(par.model, mesh, par.optimizer, par.tied_comm)
@@ -370,12 +268,13 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     torch._foreach_mul_(grads, 1 / scale)  # (exact when the scale is 1)
     overflow = par.precision.found_overflow(grads, mesh.world)  # fp16: every rank agrees
     if not overflow:
-        if config.grad_clip > 0:
-            clip_grad_norm_(par.optimizer, mesh, config.grad_clip)
+        if par.optim.grad_clip > 0:
+            clip_grad_norm_(par.optimizer, mesh, par.optim.grad_clip)
         par.optimizer.step()
         par.scheduler.step()  # a skipped step does not advance the schedule (as Megatron's)
     par.precision.update(overflow)
-    par.memory.measure(memory_tensors(par))  # after the step: everything exists
+    for hook in par.on_step_end:  # (observers: what the rank holds now)
+        hook(par)
     par.optimizer.zero_grad()
     loss = mesh.cp.all_reduce_scalar(loss) / mesh.cp_size  # every rank's tokens count as many
     return mesh.dp.all_reduce_scalar(loss) / mesh.dp_size
@@ -383,7 +282,7 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def context_shard(par: Parallel, x: torch.Tensor, y: torch.Tensor):
     """This rank's tokens of its dp share [b, s] of the batch (all of them without cp)."""
-    c, rank = par.config, par.mesh.cp_rank
+    c, rank = par.layout, par.mesh.cp_rank
     return (x, y) if c.cp == 1 else tuple(cp.shard(t, rank, c.cp, c.cp_split) for t in (x, y))
 
 
@@ -391,44 +290,10 @@ def context_shard(par: Parallel, x: torch.Tensor, y: torch.Tensor):
 def evaluate(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     """`train_step`'s forward only, nothing random: the global batch's mean cross-entropy (no MoE
     balance loss). Each cp, dp and microbatch share has as many tokens: averaging means is exact."""
-    m, mesh = par.config.microbatches, par.mesh
+    m, mesh = par.layout.microbatches, par.mesh
     microbatches = list(zip(*(t.chunk(m) for t in context_shard(par, x, y))))
     if par.pipeline is not None:  # only the last stage has losses
         loss = mesh.pp.all_reduce_scalar(sum(par.pipeline.forward_only(microbatches))) / m
     else:  # (ZeRO-3: each unit is gathered for its forward and freed after it, as in training)
         loss = sum(float(par.gpt.loss_fn(par.model(xm)[0], ym)) for xm, ym in microbatches) / m
     return mesh.dp.all_reduce_scalar(mesh.cp.all_reduce_scalar(loss) / mesh.cp_size) / mesh.dp_size
-
-
-def memory_tensors(par: Parallel) -> dict[str, list]:
-    """What this rank holds, by kind, read from the outside of every building block."""
-    model, opt = par.model, par.optimizer
-    blocks = [
-        model.memory_tensors() if isinstance(model, DDP) else fsdp.memory_tensors(model),
-        getattr(opt, "memory_tensors", dict)(),
-        model_state_tensors(par.gpt, getattr(opt, "inner", opt)),
-    ]
-    held = {kind: [t for block in blocks for t in block.get(kind, ())] for kind in KINDS}
-    if par.config.zero == 3 and par.precision.mixed:  # fully_shard computes in half precision
-        shards = {id(p) for p in par.gpt.parameters()}  # from fp32 shards: they are the masters
-        held["master"] += [t for t in held["params"] if id(t) in shards]
-        held["params"] = [t for t in held["params"] if id(t) not in shards]
-    return held
-
-
-def pipeline_report(par: Parallel) -> dict:
-    """This rank's pipeline trace of the last step and what it held, for the metrics file
-    (seconds from the earliest stage's step start: one clock, one machine)."""
-    comm, executor = par.mesh.pp, par.pipeline
-    shift = par.step_start - comm.all_reduce_scalar(par.step_start, op=dist.ReduceOp.MIN)
-    trace = [
-        {**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift} for e in executor.trace
-    ]
-    end = max((e["end_s"] for e in trace if e["kind"] in pp.COMPUTE), default=0.0)
-    end = comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)
-    return {
-        "trace": trace,
-        "in_flight_max": executor.in_flight_max,
-        "activation_bytes_in_flight_max": executor.activation_bytes_in_flight_max,
-        "bubble_fraction": pp.measured_bubble(trace, 0.0, end),
-    }

@@ -16,16 +16,17 @@ splits into microbatches); others say what hplab's code composes today (`runs=Tr
 default); the planner asks only the first kind, so it can still price a layout hplab refuses.
 
 The command lines (`hplab.train`, `hplab.plan`) derive their layout flags from the fields below
-(`add_flags`): a field `virtual_stages` is the flag `--virtual-stages`, and `flag()` is the one
-mapping from field names to flag names that error messages use. No torch here.
+(`hplab.flags.add_flags`): a field `virtual_stages` is the flag `--virtual-stages`, and
+`flags.flag()` is the one mapping from field names to flag names that error messages use.
+No torch here.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from hplab.flags import COUNT, NONNEGATIVE, flag, option
 from hplab.formulas import CP_SPLITS, CP_STYLES, PRECISION_BYTES, SCHEDULES, gpt_num_params
 
 RECOMPUTE = ("none", "selective", "full")  # (in the planner's order of preference)
@@ -39,38 +40,6 @@ class LayoutError(ValueError):
     def __init__(self, reason: str, settings: tuple[str, ...] = ()):
         super().__init__(reason)
         self.settings = settings
-
-
-# --- the flags: one mapping from field names to flag names, one kind of number --------------
-
-FLAG_NAMES = {"n_positions": "--seq-len", "n_experts": "--moe-experts"}
-
-
-def flag(name: str) -> str:
-    """The command-line flag of a field: `virtual_stages` → `--virtual-stages`."""
-    return FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
-
-
-def at_least(low: float, kind=int, above: bool = False):
-    """An argparse type: a number of `kind` that is at least `low` (`above`: more than `low`)."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not (value > low if above else value >= low):  # (NaN fails both)
-            wanted = "a positive number" if above else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
-        return value
-
-    parse.__name__ = "positive_float" if above else kind.__name__  # "invalid int value"
-    return parse
-
-
-COUNT, NONNEGATIVE = at_least(1), at_least(0, float)
-
-
-def option(default, help: str = "", **argparse_kwargs):
-    """A dataclass field that is also a command-line flag (argparse's keyword arguments)."""
-    return field(default=default, metadata=dict(help=help, **argparse_kwargs))
 
 
 # --- the three descriptions ------------------------------------------------------------------
@@ -144,7 +113,9 @@ class Layout:
     )
     bucket_mb: float = option(25.0, "data-parallel gradient bucket size in MiB", type=NONNEGATIVE)
 
-    batch_size: int = option(8, "global batch, in sequences", type=COUNT)
+    batch_size: int | None = option(
+        None, "global batch, in sequences (None: not fixed; parallelize needs none)", type=COUNT
+    )
     precision: str = option("fp32", "parameters and activations", choices=PRECISIONS)
     recompute: str = option(
         "none",
@@ -163,8 +134,8 @@ class Layout:
     gpus = world_size  # (the planner's word)
 
     @property
-    def micro_batch_size(self) -> int:
-        return self.batch_size // (self.dp * self.microbatches)
+    def micro_batch_size(self) -> int | None:
+        return self.batch_size and self.batch_size // (self.dp * self.microbatches)
 
     def short(self) -> str:
         """`dp2 tp2 pp2 zero1 1f1b b2×m4 rc-full`: the planner's name for a layout."""
@@ -197,8 +168,9 @@ class OptimConfig:
 
 
 def from_values(cls, values: dict, **changes):
-    """A `cls` from a mapping (e.g. vars of the flags) holding at least its fields' names."""
-    return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}, **changes)
+    """A `cls` from a mapping (e.g. vars of the flags): its fields there, defaults otherwise."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names}, **changes)
 
 
 # --- the rules: each one once, each refusal one sentence ------------------------------------
@@ -209,19 +181,26 @@ def check_model(model: ModelConfig) -> None:
     for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
         if getattr(model, name) < 1:
             raise LayoutError(f"{name} must be at least 1, got {getattr(model, name)}")
-    h, a, E, k = model.n_embd, model.n_head, model.n_experts, model.moe_top_k
+    h, a, E = model.n_embd, model.n_head, model.n_experts
     if h % a:
         raise LayoutError(
             f"n_embd={h} is not divisible by n_head={a}: pick a hidden size that "
             "is a multiple of the number of heads"
         )
-    if E < 0 or E and not 1 <= k <= E:
-        raise LayoutError(f"--moe-top-k {k} must be between 1 and the number of experts, {E}")
+    if E:
+        check_top_k(E, model.moe_top_k)
+
+
+def check_top_k(n_experts: int, top_k: int) -> None:
+    """Each token goes to k of the E experts."""
+    if not 1 <= top_k <= n_experts:
+        raise LayoutError(
+            f"--moe-top-k {top_k} must be between 1 and the number of experts, {n_experts}"
+        )
 
 
 def check_mesh(layout: Layout, world_size: int | None = None) -> None:
-    """dp × cp × tp × pp ranks, exactly the processes there are (when `world_size` is known);
-    expert parallel's groups cut out of dp."""
+    """dp × cp × tp × pp ranks, exactly the processes there are (when `world_size` is known)."""
     sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
     sizes |= {"cp": layout.cp} if layout.cp != 1 else {}
     if world_size is not None and layout.world_size != world_size:
@@ -230,16 +209,14 @@ def check_mesh(layout: Layout, world_size: int | None = None) -> None:
             f"processes, but there are {world_size}: make {' × '.join(map(flag, sizes))} "
             "equal the number of processes (--nproc_per_node, or --nproc)"
         )
-    if layout.dp % layout.ep:
-        raise LayoutError(
-            f"--ep {layout.ep} must divide --dp {layout.dp}: expert parallel shares out each "
-            "layer's experts among dp ranks"
-        )
 
 
 def check_batch(layout: Layout) -> None:
-    """The global batch splits over dp, each rank's share into whole microbatches."""
+    """The global batch (when it is fixed) splits over dp, each rank's share into whole
+    microbatches."""
     B, dp, m = layout.batch_size, layout.dp, layout.microbatches
+    if B is None:
+        return
     if B % dp:
         raise LayoutError(
             f"--batch-size {B} does not split over dp={dp} ranks: use a multiple of {dp}"
@@ -331,12 +308,14 @@ def check_pipeline_depth(n_layer: int, chunks: int) -> None:
         )
 
 
-def check_experts(n_experts: int, ep: int) -> None:
-    """Expert parallel shares out each layer's experts: a whole number on each of ep ranks."""
-    if ep > 1 and (not n_experts or n_experts % ep):
+def check_experts(n_experts: int | None, ep: int, dp: int) -> None:
+    """Expert parallel shares out each layer's experts (a whole number on each of ep ranks)
+    among ep of the dp ranks (`n_experts` None: the model is not known yet, only the dp part)."""
+    experts = "" if n_experts is None else f" --moe-experts ({n_experts}) and"
+    if ep > 1 and (dp % ep or n_experts is not None and (not n_experts or n_experts % ep)):
         raise LayoutError(
-            f"--ep {ep} must divide --moe-experts ({n_experts}): expert parallel shares out "
-            "each layer's experts among dp ranks"
+            f"--ep {ep} must divide{experts} --dp ({dp}): expert parallel shares out each "
+            "layer's experts among dp ranks"
         )
 
 
@@ -344,7 +323,7 @@ def check_sizes_and_choices(layout: Layout) -> None:
     """Each count at least 1 and each choice one the flags offer (for layouts made in code)."""
     for f in dataclasses.fields(Layout):
         value = getattr(layout, f.name)
-        if f.metadata.get("type") is COUNT and value < 1:
+        if f.metadata.get("type") is COUNT and value is not None and value < 1:
             raise LayoutError(f"{flag(f.name)} must be at least 1, got {value}")
         if "choices" in f.metadata and value not in f.metadata["choices"]:
             choices = ", ".join(map(str, f.metadata["choices"]))
@@ -424,6 +403,7 @@ def validate(layout: Layout, model: ModelConfig, world_size: int | None = None, 
     for refused, settings, reason in REFUSALS if runs else ():
         if refused(layout, model.n_experts):
             raise LayoutError(f"not supported: {reason}", settings)
+    check_experts(model.n_experts, layout.ep, layout.dp)
     if layout.tp > 1:
         seq_len = model.n_positions if layout.sequence_parallel else None
         check_tensor_parallel(model.n_head, model.n_embd, layout.tp, seq_len)
@@ -433,7 +413,6 @@ def validate(layout: Layout, model: ModelConfig, world_size: int | None = None, 
     if layout.pp > 1:
         check_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
         check_pipeline_depth(model.n_layer, layout.pp * layout.virtual_stages)
-    check_experts(model.n_experts, layout.ep)
 
 
 def resolve_dp(world_size: int, tp: int, pp: int, cp: int = 1) -> int:

@@ -36,42 +36,13 @@ group's `Communicator` (`mesh.cp`): the ledger counts it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
 
-from hplab.comm import Communicator, communicator
-from hplab.formulas import CP_SPLITS, CP_STYLES
-
-
-class ContextParallelError(ValueError):
-    """A sequence or a model that cannot be split over this many context-parallel ranks."""
-
-
-def check_divisible(seq_len: int, n_head: int, cp: int, style: str, split: str) -> None:
-    """Raise ContextParallelError unless the sequence (and for Ulysses the heads) split."""
-    chunks = 2 * cp if split == "zigzag" else cp
-    if style not in CP_STYLES or split not in CP_SPLITS:
-        raise ContextParallelError(
-            f"context parallel: choose a style of {CP_STYLES} and a "
-            f"split of {CP_SPLITS}, not {style!r} and {split!r}"
-        )
-    if seq_len % chunks:
-        raise ContextParallelError(
-            f"the {split} split cuts the {seq_len}-token sequence into "
-            f"{chunks} chunks for {cp} context-parallel ranks: make the "
-            f"sequence length a multiple of {chunks}"
-        )
-    if style == "ulysses" and n_head % cp:
-        raise ContextParallelError(
-            f"Ulysses shares out the attention heads (of each tensor-"
-            f"parallel rank: {n_head}) over {cp} context-parallel ranks:"
-            f" use a cp size that divides {n_head}, or --cp-style ring"
-        )
-
+from hplab.comm import AllToAll, Communicator, communicator
+from hplab.config import check_context_parallel
 
 # --- 1. The split: which tokens each rank holds -------------------------------------------
 
@@ -247,37 +218,22 @@ def ring_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> torch.
 
 def _all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int):
     """Piece j of `x` along `scatter_dim` goes to rank j; the pieces received, one per rank in
-    rank order, are joined along `gather_dim`."""
-    send = torch.stack(x.chunk(comm.size, scatter_dim)).contiguous()
-    received = torch.empty_like(send)
-    comm.all_to_all_single(received, send)
-    return torch.cat(received.unbind(0), gather_dim)
-
-
-class AllToAll(torch.autograd.Function):
-    """`_all_to_all` whose backward is the reverse all-to-all (gather_dim ↔ scatter_dim)."""
-
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, scatter_dim: int, gather_dim: int):
-        ctx.comm, ctx.dims = comm, (gather_dim, scatter_dim)
-        return _all_to_all(x, comm, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.comm, *ctx.dims), None, None, None
+    rank order, are joined along `gather_dim` (backward: the reverse exchange)."""
+    pieces = torch.stack(x.chunk(comm.size, scatter_dim))  # piece j in row j
+    return torch.cat(AllToAll.apply(pieces, comm).unbind(0), gather_dim)
 
 
 def ulysses_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> torch.Tensor:
     """Causal attention of this rank's tokens [b, heads, s/N, d]: q, k, v go to [b, heads/N,
     s, d] (one all-to-all for the three), SDPA runs on whole sequences, an all-to-all returns."""
-    check_divisible(q.shape[2] * comm.size, q.shape[1], comm.size, "ulysses", split)
+    check_context_parallel(q.shape[2] * comm.size, q.shape[1], comm.size, "ulysses", split)
     by_rank = torch.cat(
         [positions(q.shape[2] * comm.size, r, comm.size, split) for r in range(comm.size)]
     ).to(q.device)  # as the tokens arrive
-    qkv = AllToAll.apply(torch.stack([q, k, v]), comm, 2, 3)  # [3, b, heads/N, s, d]
+    qkv = _all_to_all(torch.stack([q, k, v]), comm, 2, 3)  # [3, b, heads/N, s, d]
     q, k, v = qkv.index_select(3, by_rank.argsort())  # into sequence order
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return AllToAll.apply(y.index_select(2, by_rank), comm, 2, 1)  # rank order, home
+    return _all_to_all(y.index_select(2, by_rank), comm, 2, 1)  # rank order, home
 
 
 # --- 5. Making the GPT context-parallel ----------------------------------------------------
@@ -289,7 +245,7 @@ def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
     rank its tokens with `shard` and averages gradients over the group)."""
     comm = communicator(group, "cp")
     heads = model.transformer.h[0].attn.n_head  # this tensor-parallel rank's heads
-    check_divisible(model.config.n_positions, heads, comm.size, style, split)
+    check_context_parallel(model.config.n_positions, heads, comm.size, style, split)
     attend = ring_attention if style == "ring" else ulysses_attention
     for block in model.transformer.h:
         block.attn.attend = functools.partial(attend, comm=comm, split=split)
@@ -297,38 +253,3 @@ def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
         n * comm.size, comm.rank, comm.size, split
     ).to(device)  # tokens' true positions
     return model
-
-
-class AttentionMeter:
-    """Observes every attention core of a model from outside: per training step (`with
-    meter.step():`), its forward seconds on this rank, the seconds of them blocked in the cp
-    group's calls (the ledger's time), and the query-key pairs attended (all heads, layers)."""
-
-    def __init__(self, model, comm: Communicator, style: str, split: str):
-        self.per_step = {"attention_s": [], "attention_blocked_s": [], "attention_pairs": []}
-        self.now = dict.fromkeys(self.per_step, 0)  # (calls outside a step count nowhere)
-        self.comm, self.style, self.split = comm, style, split
-        for block in model.transformer.h:
-            block.attn.attend = functools.partial(self._timed, block.attn.attend)
-
-    @contextlib.contextmanager
-    def step(self):
-        self.now = dict.fromkeys(self.per_step, 0)
-        yield
-        for key, value in self.now.items():
-            self.per_step[key].append(value)
-
-    def _timed(self, attend, q, k, v):
-        comm, (b, heads, n, _) = self.comm, q.shape
-        start, was, y = time.perf_counter(), self._blocked_s(), attend(q, k, v)
-        self.now["attention_s"] += time.perf_counter() - start
-        self.now["attention_blocked_s"] += self._blocked_s() - was
-        self.now["attention_pairs"] += b * (  # ring: all heads; Ulysses: heads/N, the sequence
-            heads * pairs_computed(comm.rank, comm.size, self.split, n)
-            if self.style == "ring"
-            else heads // comm.size * pairs_computed(0, 1, self.split, n * comm.size)
-        )
-        return y
-
-    def _blocked_s(self) -> float:  # this rank's seconds in the cp group's calls so far
-        return sum(op.time_s for op in self.comm.ledger.by_group[self.comm.name].values())

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hplab.comm import OPEN_COMMUNICATORS, CommLedger, Communicator
-from hplab.config import Layout, check_mesh, check_sizes_and_choices
+from hplab.config import Layout, check_experts, check_mesh, check_sizes_and_choices
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HPLAB_TIMEOUT_S", 120))
 TIMEOUT = timedelta(seconds=DEFAULT_TIMEOUT_S)  # of every group: set by init_distributed
@@ -185,6 +185,7 @@ class Mesh:
         layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         check_sizes_and_choices(layout)
         check_mesh(layout, self.world_size)
+        check_experts(None, ep, dp)  # (ep groups are cut out of dp)
         self.dp_size, self.tp_size, self.pp_size, self.cp_size = dp, tp, pp, cp
         self.dp_rank, self.tp_rank, self.pp_rank = coordinates(self.rank, dp, tp, pp, cp)
         self.cp_rank = (self.rank // tp) % cp

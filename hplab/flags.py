@@ -1,7 +1,7 @@
 """Command-line flags made from the config dataclasses, so both command lines agree.
 
 `hplab.train` and `hplab.plan` add their layout flags with `add_flags(group, Layout)`: each
-field declared with `config.option(...)` becomes `config.flag(name)` with that field's type,
+field declared with `option(...)` (config.py) becomes `flag(name)` with that field's type,
 choices and help, under its own name (`args.virtual_stages`). A command overrides a default
 or a help text, or leaves a field out, where it means something else there. `shown` turns a
 refusal's settings back into the flags the user typed, for its one-line error.
@@ -11,8 +11,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import field
 
-from hplab.config import flag
+FLAG_NAMES = {"n_positions": "--seq-len", "n_experts": "--moe-experts"}
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a field: `virtual_stages` → `--virtual-stages`."""
+    return FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+
+
+def at_least(low: float, kind=int, above: bool = False):
+    """An argparse type: a number of `kind` that is at least `low` (`above`: more than `low`)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not (value > low if above else value >= low):  # (NaN fails both)
+            wanted = "a positive number" if above else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+
+    parse.__name__ = "positive_float" if above else kind.__name__  # "invalid int value"
+    return parse
+
+
+COUNT, NONNEGATIVE = at_least(1), at_least(0, float)
+
+
+def option(default, help: str = "", **argparse_kwargs):
+    """A dataclass field that is also a command-line flag (argparse's keyword arguments)."""
+    return field(default=default, metadata=dict(help=help, **argparse_kwargs))
 
 
 def add_flags(group, cls, defaults: dict | None = None, skip=(), helps: dict | None = None):

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import subprocess
 import sys
+import time
 import traceback
 
 import torch
@@ -24,10 +27,117 @@ from hplab.dist import (
     DEFAULT_TIMEOUT_S,
     PRELOAD,
     free_port,
+    import_before_the_group_exists,
     init_distributed,
     shutdown,
     torchrun_env,
 )
+
+# --- train.py --nproc N: start N ranks, watch them, stop them all -----------------------------
+
+
+def launch(nproc: int, argv: list[str], run_rank, script: str) -> int:
+    """Start `nproc` ranks of `run_rank(argv)` and watch them as torchrun would: one fails or
+    Ctrl-C, all stop; returns the job's exit code. The ranks are forked from this process once
+    it has imported torch and hplab, instead of N fresh interpreters importing them (~3 s of CPU
+    each), except on a GPU machine, where CUDA does not survive a fork: then each rank runs
+    `python script argv` afresh."""
+    import_before_the_group_exists()
+    port, workers, fork = free_port(), Workers(), not torch.cuda.is_available()
+    try:  # start them (a Ctrl-C meanwhile waits until all are started), then watch them
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        sys.stdout.flush(), sys.stderr.flush()  # or every child would print it again
+        for rank in range(nproc):
+            env = torchrun_env(rank, nproc, port)
+            if not fork:  # Ctrl-C reaches only the launcher
+                environment = {"OMP_NUM_THREADS": "1", **os.environ, **env}
+                command = [sys.executable, script, *argv]
+                pid = subprocess.Popen(command, start_new_session=True, env=environment).pid
+            elif (pid := os.fork()) == 0:
+                run_forked_rank(env, argv, run_rank)
+            workers.pids.append(pid)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        failed = workers.watch()
+    except KeyboardInterrupt:
+        workers.stop_all()
+        print(f"hplab: interrupted: stopped all {nproc} processes", file=sys.stderr)
+        return 130
+    workers.stop_all()
+    rank, code = failed or (0, 0)
+    if code < 0:  # killed: it could not say why
+        print(
+            f"hplab: error: process {rank} was killed by {signal.Signals(-code).name}"
+            + (" (out of memory?)" if code == -signal.SIGKILL else ""),
+            file=sys.stderr,
+        )
+        return 1
+    return code
+
+
+class Workers:
+    """The ranks of one job (their pids, in rank order) and the exit codes of those that ended
+    (-N: killed by signal N)."""
+
+    def __init__(self):
+        self.pids: list[int] = []
+        self.codes: dict[int, int] = {}
+
+    def poll(self, pid: int) -> int | None:
+        """Its exit code, or None while it runs."""
+        if pid not in self.codes and (done := os.waitpid(pid, os.WNOHANG))[0]:
+            self.codes[pid] = os.waitstatus_to_exitcode(done[1])
+        return self.codes.get(pid)
+
+    def running(self) -> bool:
+        return any(self.poll(pid) is None for pid in self.pids)
+
+    def watch(self) -> tuple[int, int] | None:
+        """Wait until all end or one fails; then (its rank, its code), after giving the others
+        3 s to say why they stop too (cut off from it, they fail on their own)."""
+        while not any(self.poll(pid) for pid in self.pids) and self.running():
+            time.sleep(0.1)
+        codes = enumerate(self.codes.get(pid) for pid in self.pids)
+        failed = next(((rank, code) for rank, code in codes if code), None)
+        deadline = time.monotonic() + 3
+        while failed and self.running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return failed
+
+    def stop_all(self) -> None:
+        """SIGTERM then SIGCONT (a stopped process ends on waking, saying nothing) to every rank
+        still running; SIGKILL after 5 s. A second Ctrl-C does not cut this short."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for pid in self.pids:
+            for sig in (signal.SIGTERM, signal.SIGCONT):
+                if self.poll(pid) is None:
+                    os.kill(pid, sig)
+        deadline = time.monotonic() + 5
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in (pid for pid in self.pids if self.poll(pid) is None):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def run_forked_rank(env: dict[str, str], argv: list[str], run_rank) -> None:
+    """One rank of `--nproc N`, just forked: out of the terminal's process group (Ctrl-C reaches
+    the launcher, which stops every rank), then as under torchrun. It never returns into the
+    launcher's code."""
+    code = 1
+    try:
+        os.setsid()  # (it dies with the launcher: init_distributed asks Linux for that)
+        os.environ.update(env)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # N share the cores
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        code = run_rank(argv)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+
+
+# --- tests and checkers: a function on n processes ---------------------------------------------
 
 
 def _child(fn, rank, world_size, port, args, results, backend, timeout_s):

@@ -27,6 +27,53 @@ def is_metrics_file(path: Path) -> bool:
         return False
 
 
+def collect(
+    args, model, layout, backend: str, device: str, steps: list, evals: list, per_rank: list[dict]
+) -> dict:
+    """The metrics file of a run (rank 0), from its flags, the steps it took and every rank's
+    observations (`observe.Observers.per_rank`, gathered in rank order)."""
+    ranks = columns(per_rank)  # {key: [rank 0's, rank 1's, ...]}
+    timed = steps[1:] or steps  # the first step pays one-time costs (allocations, warm-up)
+    return {
+        "version": METRICS_VERSION,
+        "config": vars(args),
+        "world_size": len(per_rank),
+        "backend": backend,
+        "device": device,
+        "model": {"num_params": model.num_params(), **vars(model)},
+        "steps": steps,
+        "eval": evals,  # the validation loss after `step` training steps (--eval-every)
+        "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["time_s"] for s in timed),
+        "experts": experts(model, layout, ranks["experts"]) if model.n_experts else None,
+        **{key: ranks[key] for key in ("memory", "comm", "comm_by_group", "mesh")},
+        "pipeline": None
+        if layout.pp == 1
+        else {
+            "schedule": layout.schedule,
+            "stages": layout.pp,
+            "microbatches": layout.microbatches,
+            "virtual_stages": layout.virtual_stages,
+            **columns(ranks["pipeline"]),  # the last step's trace, per rank
+        },
+        "context_parallel": None
+        if layout.cp == 1
+        else {  # per rank (lists), per step
+            "cp": layout.cp,
+            "style": layout.cp_style,
+            "split": layout.cp_split,
+            **columns(ranks["context_parallel"]),
+        },
+    }
+
+
+def experts(model, layout, per_rank: list[list[dict]]) -> dict:
+    """Per rank (its tokens), step and layer: the token-slots each expert took, those dropped,
+    all slots and the balance loss."""
+    keys = ("tokens_per_expert", "dropped", "slots", "aux_loss")
+    by_key = {key: [[s[key] for s in per_step] for per_step in per_rank] for key in keys}
+    return {"n_experts": model.n_experts, "top_k": model.moe_top_k, "ep": layout.ep, **by_key}
+
+
 def write(path: str | Path, metrics: dict) -> None:
     """Write `metrics` to `path` atomically: a reader never sees half a file."""
     path = Path(path)

@@ -37,13 +37,14 @@ gradients there and everything else over the whole dp group.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 
 import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from hplab.comm import AllToAll
+from hplab.config import check_experts, check_top_k
 
 
 class MoE(nn.Module):
@@ -63,7 +64,7 @@ class MoE(nn.Module):
         renormalize: bool = True,
     ):
         super().__init__()
-        check_layout(n_experts, top_k)
+        check_top_k(n_experts, top_k)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_coef, self.z_coef, self.renormalize = aux_coef, z_coef, renormalize
         self.router = nn.Linear(n_embd, n_experts, bias=False)
@@ -145,23 +146,6 @@ class MoE(nn.Module):
         return AllToAll.apply(results, self.ep, send_rows, recv_rows)
 
 
-class AllToAll(torch.autograd.Function):
-    """`all_to_all_single` with autograd: `send_rows[j]` rows go to rank j, `recv_rows[j]` come
-    from rank j; backward sends the gradient rows back, the same exchange reversed."""
-
-    @staticmethod
-    def forward(ctx, x, comm, recv_rows: list[int], send_rows: list[int]):
-        ctx.comm, ctx.rows = comm, (recv_rows, send_rows)
-        out = x.new_empty((sum(recv_rows), *x.shape[1:]))
-        comm.all_to_all_single(out, x.contiguous(), recv_rows, send_rows)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        recv_rows, send_rows = ctx.rows
-        return AllToAll.apply(grad, ctx.comm, send_rows, recv_rows), None, None, None
-
-
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
@@ -174,24 +158,11 @@ def parallelize(model: nn.Module, ep=None, dp=None) -> None:
         layer.dp = dp if dp is not None and dp.size > 1 else None
         if ep is None or ep.size == 1:
             continue
-        check_layout(layer.n_experts, layer.top_k, ep.size, dp.size if dp else ep.size)
+        check_experts(layer.n_experts, ep.size, dp.size if dp else ep.size)
         local = layer.n_experts // ep.size
         mine = range(ep.rank * local, (ep.rank + 1) * local)
         layer.experts = nn.ModuleDict({str(e): layer.experts[str(e)] for e in mine})
         layer.ep = ep
-
-
-def check_layout(n_experts: int, top_k: int, ep: int = 1, dp: int = 1) -> None:
-    """Each token goes to k of the E experts; ep of the dp ranks share out each layer's E."""
-    if n_experts and not 1 <= top_k <= n_experts:
-        raise ValueError(
-            f"--moe-top-k {top_k} must be between 1 and the number of experts, {n_experts}"
-        )
-    if ep > 1 and (not n_experts or n_experts % ep or dp % ep):
-        raise ValueError(
-            f"--ep {ep} must divide --moe-experts ({n_experts}) and --dp ({dp}): "
-            "expert parallel shares out each layer's experts among dp ranks"
-        )
 
 
 def is_expert(p: torch.Tensor) -> bool:
@@ -208,44 +179,3 @@ def sync_gradients(params, dp, edp) -> None:
             flat = _flatten_dense_tensors(grads).div_(dp.size)
             comm.all_reduce(flat)
             torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
-
-
-class RoutingStats:
-    """Observes every MoE layer of `model` from outside (a forward hook): in `per_step`, per
-    training step (`with stats.step():`) and layer, the token-slots each expert took, the slots
-    dropped, and the auxiliary loss (mean over the step's microbatches). Evaluation: uncounted."""
-
-    def __init__(self, model: nn.Module):
-        self.layers, self.per_step, self.now = moe_layers(model), [], None
-        for index, layer in enumerate(self.layers):
-            layer.register_forward_hook(functools.partial(self._record, index))
-
-    @contextlib.contextmanager
-    def step(self):
-        n, E = len(self.layers), self.layers[0].n_experts if self.layers else 0
-        self.now = dict(
-            tokens_per_expert=[[0] * E for _ in range(n)],
-            dropped=[0] * n,
-            slots=[0] * n,
-            aux_loss=0.0,
-            forwards=0,
-        )
-        try:
-            yield
-        finally:
-            step, self.now = self.now, None
-            step["aux_loss"] /= max(step.pop("forwards"), 1)
-            self.per_step.append(step)
-
-    def _record(self, index: int, layer: MoE, args, output) -> None:
-        if self.now is None:
-            return
-        routing, now = layer.routing, self.now
-        now["tokens_per_expert"][index] = [
-            a + b
-            for a, b in zip(now["tokens_per_expert"][index], routing["tokens_per_expert"].tolist())
-        ]
-        now["dropped"][index] += routing["dropped"]
-        now["slots"][index] += routing["slots"]
-        now["aux_loss"] += float(layer.aux_loss.detach())
-        now["forwards"] += index == 0

@@ -7,14 +7,32 @@ hooks) and add nothing to the code they watch. Each has `step()`, a context mana
 training step, and keeps what it saw per step.
 
     Recorder          --trace: a Chrome trace per rank of two steps (torch.profiler)
+    MemoryWatch       bytes per rank by kind: activations saved by each forward, model states
+                      after each optimizer step (hplab.memory's MemoryLedger)
+    PipelineTrace     --pp: when each F, B, W, send and wait for a message ran, the last step's
+                      measured bubble, the microbatches in flight
+    RoutingStats      mixture of experts: the token-slots each expert took, per layer and step
+    AttentionMeter    --cp: each rank's attention seconds and query-key pairs, per step
+    Observers         all of the above, as train.py attaches them; `per_rank()` is this rank's
+                      part of the metrics file
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
+import time
 from pathlib import Path
+
+import torch.distributed as dist
+
+from hplab import cp, fsdp, moe
+from hplab.ddp import DDP
+from hplab.memory import KINDS, MemoryLedger, model_state_tensors
+from hplab.optim import WrappedOptimizer
+from hplab.schedule import COMPUTE, measured_bubble
 
 
 class Recorder:
@@ -88,3 +106,243 @@ def is_trace_folder(path: Path) -> bool:
             for f in path.iterdir()
         )
     return False
+
+
+# --- memory: what a rank holds, read from outside every building block ----------------------
+
+
+def held_tensors(par) -> dict[str, list]:
+    """What this rank holds, by kind, from each building block's `memory_tensors()`."""
+    model, opt = par.model, par.optimizer
+    inner = opt.inner if isinstance(opt, WrappedOptimizer) else opt
+    blocks = [
+        model.memory_tensors() if isinstance(model, DDP) else fsdp.memory_tensors(model),
+        opt.memory_tensors() if isinstance(opt, WrappedOptimizer) else {},
+        model_state_tensors(par.gpt, inner),
+    ]
+    held = {kind: [t for block in blocks for t in block.get(kind, ())] for kind in KINDS}
+    if par.layout.zero == 3 and par.precision.mixed:  # fully_shard computes in half precision
+        shards = {id(p) for p in par.gpt.parameters()}  # from fp32 shards: they are the masters
+        held["master"] += [t for t in held["params"] if id(t) in shards]
+        held["params"] = [t for t in held["params"] if id(t) not in shards]
+    return held
+
+
+class MemoryWatch:
+    """A rank's memory by kind (`ledger`, a MemoryLedger): the activations each forward saves
+    for backward (hooks around the model's forward, or the pipeline executor's F actions), let
+    go once that microbatch's backward has run, and the model states after every optimizer
+    step (`par.on_step_end`). Pipelines: the most microbatches (and bytes) in flight."""
+
+    def __init__(self, par):
+        self.par, self.ledger = par, MemoryLedger(par.mesh.device)
+        self.in_flight: dict = {}  # pipeline: (microbatch, chunk) -> bytes until its release
+        self.in_flight_max = self.bytes_in_flight_max = 0
+        self.tracking = None
+        if par.pipeline is not None:
+            par.pipeline.observers.append(self._action)
+        else:
+            par.model.register_forward_pre_hook(self._before_forward)
+            par.model.register_forward_hook(self._after_forward)
+        par.on_step_end.append(self.measure)
+
+    def _before_forward(self, module, args) -> None:
+        self.ledger.release_activations()  # the last microbatch's backward has run
+        self.tracking = self.ledger.track_activations(exclude=module.parameters())
+        self.tracking.__enter__()
+
+    def _after_forward(self, module, args, output) -> None:
+        self.tracking.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def _action(self, kind: str, action, stage):
+        if kind != "F":
+            yield
+        else:
+            with self.ledger.track_activations(exclude=stage.parameters()) as counted:
+                yield
+            self.in_flight[action.microbatch, action.chunk] = counted[0]
+            self.in_flight_max = max(self.in_flight_max, len(self.in_flight))
+            self.bytes_in_flight_max = max(self.bytes_in_flight_max, sum(self.in_flight.values()))
+        if kind == self.par.pipeline.release:  # this microbatch's activations are gone
+            self.ledger.release_activations(self.in_flight.pop((action.microbatch, action.chunk)))
+
+    def measure(self, par) -> None:
+        """After the optimizer step, before zero_grad: everything exists."""
+        if par.pipeline is None:
+            self.ledger.release_activations()
+        self.ledger.measure(held_tensors(par))
+
+
+# --- the pipeline's trace ---------------------------------------------------------------------
+
+
+class PipelineTrace:
+    """When each of this rank's actions ran in the last step: `trace`, a list of {kind, microbatch,
+    chunk, start_s, end_s}, seconds from the step's start (the executor's hooks); kinds F, B, W,
+    send, and recv (a wait for a message)."""
+
+    def __init__(self, executor):
+        self.trace, self.start = [], 0.0
+        executor.observers.append(self._action)
+
+    @contextlib.contextmanager
+    def _action(self, kind: str, action, stage):
+        start = time.perf_counter()
+        if kind == "run":
+            self.trace, self.start = [], start
+        yield
+        if kind != "run":
+            end = time.perf_counter()
+            self.trace.append(
+                dict(
+                    kind=kind,
+                    microbatch=action.microbatch,
+                    chunk=action.chunk,
+                    start_s=start - self.start,
+                    end_s=end - self.start,
+                )
+            )
+
+    def report(self, comm, memory: MemoryWatch) -> dict:
+        """The last step's trace, its times from the earliest stage's start (one clock, one
+        machine), the measured bubble and the most microbatches (and bytes) in flight."""
+        shift = self.start - comm.all_reduce_scalar(self.start, op=dist.ReduceOp.MIN)
+        trace = [
+            {**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift} for e in self.trace
+        ]
+        end = max((e["end_s"] for e in trace if e["kind"] in COMPUTE), default=0.0)
+        end = comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)
+        return {
+            "trace": trace,
+            "in_flight_max": memory.in_flight_max,
+            "activation_bytes_in_flight_max": memory.bytes_in_flight_max,
+            "bubble_fraction": measured_bubble(trace, 0.0, end),
+        }
+
+
+# --- experts and attention --------------------------------------------------------------------
+
+
+class RoutingStats:
+    """Observes every MoE layer of `model` from outside (a forward hook): in `per_step`, per
+    training step (`with stats.step():`) and layer, the token-slots each expert took, the slots
+    dropped, and the auxiliary loss (mean over the step's microbatches). Evaluation: uncounted."""
+
+    def __init__(self, model):
+        self.layers, self.per_step, self.now = moe.moe_layers(model), [], None
+        for index, layer in enumerate(self.layers):
+            layer.register_forward_hook(functools.partial(self._record, index))
+
+    @contextlib.contextmanager
+    def step(self):
+        n, E = len(self.layers), self.layers[0].n_experts if self.layers else 0
+        self.now = dict(
+            tokens_per_expert=[[0] * E for _ in range(n)],
+            dropped=[0] * n,
+            slots=[0] * n,
+            aux_loss=0.0,
+            forwards=0,
+        )
+        try:
+            yield
+        finally:
+            step, self.now = self.now, None
+            step["aux_loss"] /= max(step.pop("forwards"), 1)
+            self.per_step.append(step)
+
+    def _record(self, index: int, layer, args, output) -> None:
+        if self.now is None:
+            return
+        routing, now = layer.routing, self.now
+        now["tokens_per_expert"][index] = [
+            a + b
+            for a, b in zip(now["tokens_per_expert"][index], routing["tokens_per_expert"].tolist())
+        ]
+        now["dropped"][index] += routing["dropped"]
+        now["slots"][index] += routing["slots"]
+        now["aux_loss"] += float(layer.aux_loss.detach())
+        now["forwards"] += index == 0
+
+
+class AttentionMeter:
+    """Observes every attention core of a model from outside: per training step (`with
+    meter.step():`), its forward seconds on this rank, the seconds of them blocked in the cp
+    group's calls (the ledger's time), and the query-key pairs attended (all heads, layers)."""
+
+    def __init__(self, model, comm, style: str, split: str):
+        self.per_step = {"attention_s": [], "attention_blocked_s": [], "attention_pairs": []}
+        self.now = dict.fromkeys(self.per_step, 0)  # (calls outside a step count nowhere)
+        self.comm, self.style, self.split = comm, style, split
+        for block in model.transformer.h:
+            block.attn.attend = functools.partial(self._timed, block.attn.attend)
+
+    @contextlib.contextmanager
+    def step(self):
+        self.now = dict.fromkeys(self.per_step, 0)
+        yield
+        for key, value in self.now.items():
+            self.per_step[key].append(value)
+
+    def _timed(self, attend, q, k, v):
+        comm, (b, heads, n, _) = self.comm, q.shape
+        start, was, y = time.perf_counter(), self._blocked_s(), attend(q, k, v)
+        self.now["attention_s"] += time.perf_counter() - start
+        self.now["attention_blocked_s"] += self._blocked_s() - was
+        self.now["attention_pairs"] += b * (  # ring: all heads; Ulysses: heads/N, the sequence
+            heads * cp.pairs_computed(comm.rank, comm.size, self.split, n)
+            if self.style == "ring"
+            else heads // comm.size * cp.pairs_computed(0, 1, self.split, n * comm.size)
+        )
+        return y
+
+    def _blocked_s(self) -> float:  # this rank's seconds in the cp group's calls so far
+        return sum(op.time_s for op in self.comm.ledger.by_group[self.comm.name].values())
+
+
+# --- all of them, as train.py attaches them ----------------------------------------------------
+
+
+class Observers:
+    """Everything train.py measures in a run of `par` (what `parallelize` returned): attach
+    them before the first step, run each step inside `step(i)`, then `per_rank()`."""
+
+    def __init__(self, par, trace_dir: str | None, steps: range):
+        self.par = par
+        self.pipeline = PipelineTrace(par.pipeline) if par.pipeline is not None else None
+        self.memory = MemoryWatch(par)  # (inside the pipeline trace: its F includes counting)
+        self.recorder = Recorder(par.gpt, trace_dir, par.mesh.rank, steps)
+        self.routing = RoutingStats(par.gpt)  # tokens per expert, per step (none if dense)
+        layout = par.layout
+        self.attention = (
+            AttentionMeter(par.gpt, par.mesh.cp, layout.cp_style, layout.cp_split)
+            if layout.cp > 1
+            else None
+        )
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.recorder.step(step))
+            stack.enter_context(self.routing.step())
+            if self.attention is not None:
+                stack.enter_context(self.attention.step())
+            yield
+
+    def per_rank(self, steps_run: int) -> dict:
+        """This rank's part of the metrics file (rank 0 gathers every rank's)."""
+        mesh, ledger = self.par.mesh, self.par.mesh.ledger
+        cp_bytes = ledger.by_group_dict().get("cp", {})
+        return {
+            "memory": self.memory.ledger.as_dict(),
+            "comm": ledger.as_dict(),
+            "comm_by_group": ledger.by_group_dict(),
+            "mesh": mesh.describe(),
+            "experts": self.routing.per_step,  # this rank's routing, per step
+            "pipeline": self.pipeline and self.pipeline.report(mesh.pp, self.memory),
+            "context_parallel": self.attention
+            and {
+                **self.attention.per_step,
+                "bytes_per_step": {op: o["bytes"] / steps_run for op, o in cp_bytes.items()},
+            },
+        }

@@ -38,6 +38,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
+from hplab.config import LayoutError as _LayoutError  # noqa: E402
+
 # The formulas live in hplab.formulas; `plan.model_state_bytes` & co. are the same objects.
 from hplab.formulas import (  # plan.model_state_bytes & co.
     CP_STYLES,  # noqa: F401
@@ -202,7 +204,7 @@ class Efficiency:
 RECOMPUTE = ("none", "selective", "full")
 
 
-class PlanError(ValueError):
+class PlanError(_LayoutError):
     """A layout that cannot run; the message says why in one line."""
 
 
@@ -450,6 +452,25 @@ def plan(
     """Memory per GPU, step time and throughput of `lay` on `cluster`. Returns a flat dict
     (the JSON the command line prints); all sizes in bytes, times in seconds."""
     cluster, eff = cluster or Cluster(GPU_PRESETS["a100-80g"]), eff or Efficiency()
+    from hplab import config as _config  # TEMPORARY until the planner package lands
+
+    if isinstance(model, _config.ModelConfig):
+        model = ModelShape(
+            model.name,
+            model.n_layer,
+            model.n_embd,
+            model.n_head,
+            model.n_positions,
+            model.vocab_size,
+            dropout=model.dropout,
+            flash_attention=model.flash_attention,
+            n_experts=model.n_experts,
+            moe_top_k=model.moe_top_k,
+        )
+    if isinstance(lay, _config.Layout):
+        if lay.cp_split != "zigzag":
+            raise PlanError("contiguous")
+        lay = Layout(**{f.name: getattr(lay, f.name) for f in fields(Layout)})
     check_layout(model, lay)
     dp, cp, tp, pp, ep, m, b = (
         lay.dp,

@@ -24,22 +24,22 @@ trace. Data parallel, the tied-embedding sum and the optimizer step are the call
 
 from __future__ import annotations
 
-import time
+import contextlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge
 
 from hplab.comm import Communicator
+from hplab.config import check_pipeline_depth
 from hplab.dist import new_group
 from hplab.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_formula: labs)
-from hplab.memory import MemoryLedger
 from hplab.models.gpt import cross_entropy as loss_fn  # noqa: F401 (for torch's pipelining)
 from hplab.schedule import (  # pp.build_schedule, pp.simulate, ...: the labs' names
     COMPUTE,  # noqa: F401
     Action,  # noqa: F401
     DeadlockError,  # noqa: F401
-    PipelineError,  # noqa: F401
     Simulation,  # noqa: F401
     add_communication,  # noqa: F401
     build_schedule,  # noqa: F401
@@ -58,11 +58,7 @@ from hplab.schedule import (  # pp.build_schedule, pp.simulate, ...: the labs' n
 def split_layers(n_layer: int, num_chunks: int) -> list[range]:
     """Balanced consecutive layer ranges: the first `n_layer % num_chunks` chunks get one
     layer more. Every chunk needs at least one layer."""
-    if num_chunks > n_layer:
-        raise PipelineError(
-            f"{num_chunks} pipeline chunks (--pp × --virtual-stages) but the model has only "
-            f"{n_layer} layers: use at most {n_layer} chunks or more layers (--n-layer)"
-        )
+    check_pipeline_depth(n_layer, num_chunks)
     base, extra = divmod(n_layer, num_chunks)
     start = [c * base + min(c, extra) for c in range(num_chunks + 1)]
     return [range(start[c], start[c + 1]) for c in range(num_chunks)]
@@ -127,19 +123,6 @@ def tied_embedding_group(mesh):
         if mesh.rank in ends:
             mine = Communicator(group, "pp", mesh.ledger, ends, mesh.device)
     return mine
-
-
-def sync_tied_gradients(stages: list[Stage], tied_comm) -> None:
-    """The first chunk's embedding and the last chunk's LM head are one weight, split across two
-    ranks: each copy gets only its own use's gradient; summed, both get the true gradient, take
-    the same step and stay equal."""
-    ends = [s for s in stages if s.is_first or s.is_last]
-    if tied_comm is None or not ends:
-        return
-    weight = ends[0].wte.weight if ends[0].is_first else ends[0].lm_head.weight
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    tied_comm.all_reduce(weight.grad)
 
 
 # --- 2. Split backward: B (the input's gradient) now, W (the weights' gradients) later ------------
@@ -247,105 +230,112 @@ def backward_weight(work) -> None:
 # --- 3. Executor: run this rank's action list for real --------------------------------------------
 
 
+@dataclass
+class _Step:
+    """What one step of the executor holds, by (microbatch, chunk) or message key."""
+
+    inputs: list
+    targets: list
+    stage_in: dict = field(default_factory=dict)  # kept until the release (B, or W)
+    stage_out: dict = field(default_factory=dict)
+    input_grads: dict = field(default_factory=dict)
+    weight_work: dict = field(default_factory=dict)  # W's closures
+    received: dict = field(default_factory=dict)  # message key -> (buffer, pending)
+    sends: list = field(default_factory=list)  # (tensor, pending) until delivered
+    losses: list = field(default_factory=list)
+
+
 class PipelineExecutor:
     """Runs one rank's action list for one training step over `comm`, the pipeline group.
     Sends are asynchronous (isend), awaited at the end of the step; a receive is posted (irecv)
     where the list says and awaited by the computation that needs it. With W actions each
     backward is split (the first stage's input is token ids: its B is empty, its W the whole
-    backward). `memory` (a MemoryLedger) measures each forward's saved activations."""
+    backward). `observers` (see hplab.observe) watch from outside: each is called as
+    `observer(kind, action, stage)` and returns a context manager wrapped around the whole
+    step ("run"), each wait for a message ("recv"), computation (F, B, W) and "send"."""
 
-    def __init__(
-        self, stages: list[Stage], plan: list[Action], comm, memory=None, dtype=torch.float32
-    ):
+    def __init__(self, stages: list[Stage], plan: list[Action], comm, dtype=torch.float32):
         self.stages = {s.chunk: s for s in stages}
         self.plan, self.comm, self.dtype = plan, comm, dtype
-        self.memory = memory or MemoryLedger(comm.device)
         self.split_backward = any(a.kind == "W" for a in plan)
+        self.release = "W" if self.split_backward else "B"  # frees a microbatch's activations
         self.loss_scale = 1.0  # fp16: the loss is multiplied by this before backward
-        self.trace: list[dict] = []  # kind, microbatch, chunk, start_s, end_s (from step start)
-        self.in_flight_max = self.activation_bytes_in_flight_max = 0  # over every step run
+        self.observers: list = []
 
-    def backward(self, stage: Stage, out, grad, x):
-        """B of one microbatch: returns the gradient of the stage input (None on the first
-        stage) and W, what is left to do (None without a split backward)."""
-        if not self.split_backward:
-            torch.autograd.backward(out, grad)
-            return (None if stage.is_first else x.grad), None
-        if stage.is_first:  # nothing for B: W runs the whole backward
-            return None, lambda: torch.autograd.backward(out, grad)
-        grad_x, work = backward_input(
-            out, grad, x, [p for p in stage.parameters() if p.requires_grad]
-        )
-        return grad_x, lambda: backward_weight(work)
+    def observed(self, kind: str, action: Action | None) -> contextlib.ExitStack:
+        stack, stage = contextlib.ExitStack(), action and self.stages.get(action.chunk)
+        for observer in self.observers:
+            stack.enter_context(observer(kind, action, stage))
+        return stack
 
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[float]:
         """One step: the losses of the microbatches whose last chunk is here (else empty).
         Gradients are left accumulated in `.grad` for the caller to sync and step."""
-        m, stage = len(inputs), next(iter(self.stages.values()))
-        act_shape = (*inputs[0].shape, stage.gpt.config.n_embd)
-        stage_in, stage_out, input_grads, weight_work = {}, {}, {}, {}
-        act_bytes = {}  # (microbatch, chunk) -> bytes of activations held until its release
-        received, sends, step_losses = {}, [], []  # received: message key -> (buffer, pending)
-        release = "W" if self.split_backward else "B"
-        self.trace = []
-        t0 = time.perf_counter()
-
-        def record(kind, a, start):
-            self.trace.append(
-                {
-                    "kind": kind,
-                    "microbatch": a.microbatch,
-                    "chunk": a.chunk,
-                    "start_s": start - t0,
-                    "end_s": time.perf_counter() - t0,
-                }
-            )
-
-        for a in self.plan:
-            sends = [s for s in sends if not s[1].is_completed()]  # free delivered buffers
-            start, mb, c, message = time.perf_counter(), a.microbatch, a.chunk, None
-            stage = self.stages.get(c)
-            key = ("act" if a.kind == "F" else "grad", mb, c)
-            if a.kind in ("F", "B") and key in received:  # wait for the computation's input
-                message, pending = received.pop(key)
+        step = _Step(inputs, targets)
+        with self.observed("run", None):
+            for a in self.plan:
+                step.sends = [s for s in step.sends if not s[1].is_completed()]  # delivered
+                message = self.wait_for_input(a, step)
+                if a.kind.startswith("recv"):  # post the receive now, wait for it when needed
+                    self.post_receive(a, step)
+                    continue
+                with self.observed("send" if a.kind.startswith("send") else a.kind, a):
+                    {"F": self.forward, "B": self.backward, "W": self.weight}.get(
+                        a.kind, self.send
+                    )(a, step, message)
+                if a.kind == self.release:  # this microbatch's activations are gone
+                    step.stage_in.pop((a.microbatch, a.chunk))
+            for _, pending in step.sends:
                 pending.wait()
-                record("recv", a, start)
-                start = time.perf_counter()
-            if a.kind == "F":
-                x = inputs[mb] if stage.is_first else message.requires_grad_()
-                with self.memory.track_activations(exclude=stage.parameters()) as counted:
-                    out = stage(x)
-                    if stage.is_last:
-                        loss = stage.gpt.loss_fn(out, targets[mb])  # vocab-parallel under TP
-                        step_losses.append(loss.detach())
-                        out = loss * self.loss_scale / m  # 1/m of the batch's mean
-                stage_in[mb, c], stage_out[mb, c], act_bytes[mb, c] = x, out, counted[0]
-                self.in_flight_max = max(self.in_flight_max, len(act_bytes))
-                self.activation_bytes_in_flight_max = max(
-                    self.activation_bytes_in_flight_max, sum(act_bytes.values())
-                )
-            elif a.kind == "B":
-                input_grads[mb, c], weight_work[mb, c] = self.backward(
-                    stage, stage_out.pop((mb, c)), message, stage_in[mb, c]
-                )
-            elif a.kind == "W":
-                weight_work.pop((mb, c))()  # the microbatch's graph goes with it
-            elif a.kind.startswith("send"):
-                tensor = (
-                    stage_out[mb, c].detach() if a.kind == "send_act" else input_grads.pop((mb, c))
-                )
-                sends.append((tensor, self.comm.send(tensor, a.peer, async_op=True)))
-            else:  # recv_act / recv_grad: post the receive now, wait for it when needed
-                buffer = torch.empty(act_shape, dtype=self.dtype, device=inputs[0].device)
-                received[message_key(a)] = (buffer, self.comm.recv(buffer, a.peer, async_op=True))
-            if not a.kind.startswith("recv"):
-                record("send" if a.kind.startswith("send") else a.kind, a, start)
-            if a.kind == release:  # this microbatch's activations are gone
-                stage_in.pop((mb, c))
-                self.memory.release_activations(act_bytes.pop((mb, c)))
-        for _, pending in sends:
+        return [float(loss) for loss in step.losses]
+
+    def wait_for_input(self, a: Action, step: _Step) -> torch.Tensor | None:
+        """The activation an F, or the gradient a B, received from its neighbour (else None)."""
+        key = ("act" if a.kind == "F" else "grad", a.microbatch, a.chunk)
+        if a.kind not in ("F", "B") or key not in step.received:
+            return None
+        message, pending = step.received.pop(key)
+        with self.observed("recv", a):
             pending.wait()
-        return [float(loss) for loss in step_losses]
+        return message
+
+    def forward(self, a: Action, step: _Step, message) -> None:
+        stage, mb = self.stages[a.chunk], a.microbatch
+        x = step.inputs[mb] if stage.is_first else message.requires_grad_()
+        out = stage(x)
+        if stage.is_last:
+            loss = stage.gpt.loss_fn(out, step.targets[mb])  # vocab-parallel under TP
+            step.losses.append(loss.detach())
+            out = loss * self.loss_scale / len(step.inputs)  # 1/m of the batch's mean
+        step.stage_in[mb, a.chunk], step.stage_out[mb, a.chunk] = x, out
+
+    def backward(self, a: Action, step: _Step, grad) -> None:
+        """B of one microbatch: the gradient of the stage input (None on the first stage), and
+        W, what is left to do (None without a split backward)."""
+        stage, key = self.stages[a.chunk], (a.microbatch, a.chunk)
+        out, x = step.stage_out.pop(key), step.stage_in[key]
+        if not self.split_backward:
+            torch.autograd.backward(out, grad)
+            step.input_grads[key] = None if stage.is_first else x.grad
+        elif stage.is_first:  # nothing for B: W runs the whole backward
+            step.weight_work[key] = lambda: torch.autograd.backward(out, grad)
+        else:
+            weights = [p for p in stage.parameters() if p.requires_grad]
+            step.input_grads[key], work = backward_input(out, grad, x, weights)
+            step.weight_work[key] = lambda: backward_weight(work)
+
+    def weight(self, a: Action, step: _Step, _) -> None:
+        step.weight_work.pop((a.microbatch, a.chunk))()  # the microbatch's graph goes with it
+
+    def send(self, a: Action, step: _Step, _) -> None:
+        key = (a.microbatch, a.chunk)
+        tensor = step.stage_out[key].detach() if a.kind == "send_act" else step.input_grads.pop(key)
+        step.sends.append((tensor, self.comm.send(tensor, a.peer, async_op=True)))
+
+    def post_receive(self, a: Action, step: _Step) -> None:
+        shape = (*step.inputs[0].shape, next(iter(self.stages.values())).gpt.config.n_embd)
+        buffer = torch.empty(shape, dtype=self.dtype, device=step.inputs[0].device)
+        step.received[message_key(a)] = (buffer, self.comm.recv(buffer, a.peer, async_op=True))
 
     @torch.no_grad()
     def forward_only(self, microbatches: list) -> list[float]:

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from hplab.comm import copy_markers
+from hplab.optim import WrappedOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -91,7 +92,7 @@ class MixedPrecision:
             self.scaler.update(found_inf)
 
 
-class MasterWeightOptimizer(torch.optim.Optimizer):
+class MasterWeightOptimizer(WrappedOptimizer):
     """Any torch optimizer, stepping fp32 master copies of half-precision parameters:
     `MasterWeightOptimizer(params, torch.optim.AdamW, lr=...)`. Each step puts the gradients on
     the masters in fp32 (`reduce_gradients`, unless the caller did first, e.g. to unscale or clip
@@ -108,35 +109,24 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         }
         for p, master in self.masters.items():
             copy_markers(p, master)
-        self.inner = optimizer_class(
-            [{**g, "params": [self.masters[p] for p in g["params"]]} for g in self.param_groups],
-            **optimizer_kwargs,
-        )
-        self.reduced = False
+        masters = [
+            {**g, "params": [self.masters[p] for p in g["params"]]} for g in self.param_groups
+        ]
+        self.wrap(optimizer_class, masters, **optimizer_kwargs)
 
-    @torch.no_grad()
-    def reduce_gradients(self) -> None:
+    def _reduce_gradients(self) -> None:
         """Every master's `.grad` := its parameter's gradient in fp32 (zeros if it got none)."""
-        if self.reduced:
-            return
         for p, master in self.masters.items():
             master.grad = torch.zeros_like(master) if p.grad is None else p.grad.float()
-        self.reduced = True
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.reduce_gradients()
-        for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
-            inner.update({k: v for k, v in group.items() if k != "params"})  # e.g. an lr schedule
-        self.inner.step()
+    def _write_back(self) -> None:
         for p, master in self.masters.items():
             p.copy_(master)
+            master.grad = None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
+    def _zero_stepped_grads(self) -> None:
         for master in self.masters.values():
             master.grad = None
-        self.reduced = False
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"master": list(self.masters.values())}

@@ -29,13 +29,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from hplab.formulas import SCHEDULES
+from hplab.config import check_pipeline
 
 COMPUTE = ("F", "B", "W")
-
-
-class PipelineError(ValueError):
-    """A pipeline that cannot be built as asked; the message says how to fix it."""
 
 
 class DeadlockError(RuntimeError):
@@ -120,11 +116,7 @@ def interleaved_order(p: int, m: int, v: int) -> list[list[tuple]]:
     It runs units of (microbatch, chunk) in groups of p microbatches per chunk: forward unit k
     is chunk (k // p) % v of microbatch (k // pv)·p + k % p; backward units go through the
     chunks in reverse. Warm-up is longer than 1F1B's: 2(p-r-1) + (v-1)p units."""
-    if m % p:
-        raise PipelineError(
-            f"the interleaved schedule runs microbatches in groups of p={p}, but --microbatches "
-            f"is {m}: use a multiple of {p}"
-        )
+    check_pipeline("interleaved", p, m, v)
 
     def unit(kind: str, k: int, r: int) -> tuple:
         local = (k // p) % v if kind == "F" else v - 1 - (k // p) % v
@@ -193,24 +185,7 @@ def add_communication(orders: list[list[tuple]], p: int, v: int) -> list[list[Ac
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """The action list of every rank for schedule `name` with p ranks, m microbatches and
     (interleaved only) v chunks per rank."""
-    for wrong, message in (
-        (name not in SCHEDULES, f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}"),
-        (p < 2, f"a pipeline needs at least 2 stages, got --pp {p}"),
-        (m < 1, f"--microbatches must be at least 1, got {m}"),
-        (v < 1, f"--virtual-stages must be at least 1, got {v}"),
-        (
-            name != "interleaved" and v != 1,
-            f"--virtual-stages {v} needs --schedule "
-            f"interleaved (the {name} schedule runs one chunk per rank)",
-        ),
-        (
-            name == "interleaved" and v < 2,
-            "the interleaved schedule needs --virtual-stages "
-            "of at least 2 (with 1 chunk per rank it is plain 1f1b)",
-        ),
-    ):
-        if wrong:
-            raise PipelineError(message)
+    check_pipeline(name, p, m, v)
     orders = {
         "gpipe": gpipe_order,
         "1f1b": one_f_one_b_order,

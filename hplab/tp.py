@@ -59,6 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hplab.comm import Communicator, communicator
+from hplab.config import check_tensor_parallel
 
 
 class TensorParallelError(ValueError):
@@ -102,52 +103,59 @@ def _all_reduce(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 # --- 2. The conjugate operators: each backward is the other's forward ------------------------
 
 
-def _operator(name: str, fwd, bwd, doc: str) -> type[torch.autograd.Function]:
+class CopyToTensorParallel(torch.autograd.Function):
+    """f: forward the identity, backward an all-reduce. Every rank multiplies the same X by its
+    own column slice, so X's gradient is the sum of every rank's contribution."""
+
+    @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
-        return fwd(x, comm)
+        return x.view_as(x)
 
-    return type(torch.autograd.Function)(
-        name,
-        (torch.autograd.Function,),
-        {
-            "__doc__": doc,
-            "forward": staticmethod(forward),
-            "backward": staticmethod(lambda ctx, grad: (bwd(grad, ctx.comm), None)),
-        },
-    )
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.comm), None
 
 
-_identity = lambda x, comm: x.view_as(x)  # noqa: E731
-# one autograd Function each:    name                    forward    backward
-CopyToTensorParallel = _operator(
-    "CopyToTensorParallel",
-    _identity,
-    _all_reduce,
-    """f: every
-    rank uses the same X in a different column slice: X's gradient sums their contributions.""",
-)
-ReduceFromTensorParallel = _operator(
-    "ReduceFromTensorParallel",
-    _all_reduce,
-    _identity,
-    """g:
-    sums a row-parallel layer's partial outputs; what follows is replicated, so is its grad.""",
-)
-GatherSequence = _operator(
-    "GatherSequence",
-    _all_gather,
-    _reduce_scatter,
-    """Sequence
-    parallel's f: each rank's s/T tokens, all s gathered; backward sums the grads, keeps mine.""",
-)
-ReduceScatterSequence = _operator(
-    "ReduceScatterSequence",
-    _reduce_scatter,
-    _all_gather,
-    """Sequence
-    parallel's g: sum the partial outputs and keep my s/T tokens; backward gathers.""",
-)
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """g: forward an all-reduce, backward the identity. It sums a row-parallel layer's partial
+    outputs; what follows is replicated on every rank, and so is its gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """Sequence parallel's f: forward gathers every rank's s/T tokens into all s; backward sums
+    the gradients over the ranks and keeps this rank's s/T (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.comm), None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallel's g: forward sums the partial outputs and keeps this rank's s/T tokens
+    (a reduce-scatter); backward gathers the gradient of all s."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.comm), None
 
 
 class LinearWithSequenceGather(torch.autograd.Function):
@@ -382,34 +390,14 @@ HF_GPT2_PLAN = {  # Hugging Face GPT2LMHeadModel, handed s/T ids under sequence 
 }
 
 
-def check_divisible(n_head: int, n_embd: int, tp: int, seq_len: int | None = None) -> None:
-    """Raise TensorParallelError unless a model with these sizes splits over `tp` ranks."""
-    ranks, use = f"{tp} tensor-parallel ranks", "use a tensor-parallel size that divides"
-    for wrong, message in (  # attention is split by heads, the hidden size by columns or rows
-        (n_head % tp, f"{n_head} attention heads do not split over {ranks}: {use} {n_head}"),
-        (n_embd % tp, f"a hidden size of {n_embd} does not split over {ranks}: {use} {n_embd}"),
-        (
-            seq_len and seq_len % tp,
-            f"sequence parallel cuts the {seq_len}-token sequence"
-            f" over {ranks}: make the sequence length a multiple of {tp}",
-        ),
-    ):
-        if wrong:
-            raise TensorParallelError(message)
-
-
 def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = False):
     """Cut `model` over the tensor-parallel `group` as `plan` says, in place; return it. Entries
     apply in order, each must match a module. Every rank passes the same full model (same seed)
     and keeps its pieces, under the same names (`p.sequence_parallel_partial`: see above)."""
     comm = communicator(group, "tp")
     if hasattr(config := getattr(model, "config", None), "n_head"):
-        check_divisible(
-            config.n_head,
-            config.n_embd,
-            comm.size,
-            config.n_positions if sequence_parallel else None,
-        )
+        seq_len = config.n_positions if sequence_parallel else None
+        check_tensor_parallel(config.n_head, config.n_embd, comm.size, seq_len)
     names = [name for name, _ in model.named_modules()]
     for pattern, style in plan.items():
         matches = [name for name in names if fnmatch.fnmatchcase(name, pattern)]

@@ -66,6 +66,7 @@ import torch.nn as nn
 
 from hplab.comm import Communicator, bucket_params, communicator, copy_markers
 from hplab.memory import optimizer_state_tensors
+from hplab.optim import WrappedOptimizer
 
 
 class ZeroError(ValueError):
@@ -228,7 +229,7 @@ class ShardedState:
         self.load_full_state({p: p.detach().float() for p in params}, states)
 
 
-class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
+class ZeroOptimizer(ShardedState, WrappedOptimizer):
     """ZeRO-1/2: `optimizer_class` steps only this rank's fp32 shard of each bucket. `group`:
     the dp group (an hplab Communicator, a torch ProcessGroup or None for the world); the rest
     goes to `optimizer_class`. `self.inner`, that optimizer over the master shards, mirrors
@@ -267,11 +268,8 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
             for p in self.frozen:  # not stepped, but the replicas must start equal too
                 self.comm.broadcast(p.detach(), src=0)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
-        for g, inner in zip(self.param_groups, self.inner.param_groups):
-            for k, v in inner.items():  # show the inner optimizer's defaults here too
-                g.setdefault(k, v)
-        self.reduced = self.callback_queued = False  # reduced: reduce_gradients done this step
+        self.wrap(optimizer_class, inner_groups, **optimizer_kwargs)
+        self.callback_queued = False
         for p in self.bucket_of if stage == 2 else ():
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -294,13 +292,9 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         for b in self.buckets:
             b.finish_reduce_scatter()
 
-    # -- the step ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """Every master shard's fp32 `.grad` := this rank's 1/n of the averaged gradient (a loop
-        calls it first to unscale or clip there; `step()` calls it too, a no-op if done)."""
-        if self.reduced:
-            return
+    # -- the step: reduce-scatter, step the shard, all-gather ---------------------------------
+    def _reduce_gradients(self) -> None:
+        """Every master shard's fp32 `.grad` := this rank's 1/n of the averaged gradient."""
         for b in self.buckets:
             if self.stage == 1:
                 b.start_reduce_scatter(free_grads=False)  # p.grad stay, as torch keeps them
@@ -313,31 +307,20 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
                 if b.grad_shard is None
                 else b.grad_shard.to(b.master.device, torch.float32)
             )
-        self.reduced = True
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        with torch.enable_grad():
-            loss = closure() if closure is not None else None
-        self.reduce_gradients()
-        for g, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
-            inner.update({k: v for k, v in g.items() if k != "params"})  # e.g. a new lr
-        self.inner.step()
-        for _, pending in [b.start_all_gather() for b in self.buckets]:  # all in flight at once
+    def _write_back(self) -> None:
+        """Every rank's new shards into every rank's flat buffers, all in flight at once."""
+        for _, pending in [b.start_all_gather() for b in self.buckets]:
             pending.wait()
         for b in self.buckets:  # the fp32 master grads exist only during the step
             b.master.grad = None
             if self.stage == 1:  # recomputed from p.grad by the next step
                 b.grad_shard = None
-        self.reduced = False
-        return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)  # the params' own .grad
+    def _zero_stepped_grads(self) -> None:
         for b in self.buckets:
             b.master.grad, b.grad_shard = None, None
             b.ready.clear()
-        self.reduced = False
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """For the MemoryLedger (a master that is a view of the params counts once, as params)."""

@@ -120,14 +120,15 @@ def test_bad_eval_flags_are_one_line_before_any_process(flags, message, capsys):
 
 def test_eighteen_batches_fit_the_split():  # the limit above is the split's real size
     args = train.parse_args(["--eval-every", "5", "--eval-batches", "18"])
-    assert len(train.preflight(args, 1)[3]) == 299 >= 18 * 16
+    assert len(train.preflight(args, 1).validation) == 299 >= 18 * 16
 
 
 # --- one 2-process launch -------------------------------------------------------------------------
 
 
 def _in_two_processes(directory: str) -> dict:
-    from hplab.compose import ParallelConfig, evaluate, parallelize, train_step
+    from hplab.compose import evaluate, parallelize, train_step
+    from hplab.config import Layout, OptimConfig
     from hplab.dist import Mesh
     from hplab.models.gpt import GPTConfig, build_model
 
@@ -141,7 +142,7 @@ def _in_two_processes(directory: str) -> dict:
                 ep=layout.get("ep", 1),
             )
             model = build_model(GPTConfig(**CONFIG, **(MOE if "moe" in name else {})), 0)
-            par = parallelize(model, mesh, ParallelConfig(lr=LR, **layout))
+            par = parallelize(model, mesh, Layout(**layout), OptimConfig(lr=LR))
             share = GLOBAL_BATCH // mesh.dp_size
             mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
             losses, val = [], []

@@ -55,7 +55,7 @@ def test_old_locations_are_the_same_objects():
 
 
 def test_train_accepts_exactly_the_schedules():
-    from hplab.train import build_parser
+    from hplab.cli import build_parser
 
     action = next(a for a in build_parser()._actions if a.dest == "schedule")
     assert tuple(action.choices) == F.SCHEDULES

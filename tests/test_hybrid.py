@@ -47,11 +47,18 @@ def make_args(**layout):
         sequence_parallel=False,
         bucket_mb=0.01,
         precision="fp32",
-        recompute=False,
+        recompute="none",
         offload=False,
         **TRAINING,
     )
     return SimpleNamespace(**{**base, **layout})
+
+
+def typed(args) -> tuple:
+    """The library's configs from a namespace of flags: (Layout, OptimConfig)."""
+    from hplab.config import Layout, OptimConfig, from_values
+
+    return from_values(Layout, vars(args)), from_values(OptimConfig, vars(args))
 
 
 def batches(n_steps: int, start: int = 0):
@@ -89,12 +96,10 @@ def train(mesh, args, steps: int = STEPS, start: int = 0, state=None):
     """Build the engine for `args` on `mesh`, optionally load a full state, train `steps`
     steps on this rank's share; return the losses and the engine."""
     from hplab.checkpoint import load_full_state
-    from hplab.compose import ParallelConfig, parallelize, train_step
+    from hplab.compose import parallelize, train_step
     from hplab.models.gpt import GPTConfig, build_model
 
-    engine = parallelize(
-        build_model(GPTConfig(**CONFIG), 0), mesh, ParallelConfig.from_namespace(args)
-    )
+    engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, *typed(args))
     if state is not None:
         load_full_state(engine, *state)
     share = GLOBAL_BATCH // mesh.dp_size
@@ -125,7 +130,7 @@ def run_layouts(layouts: dict[str, dict]) -> dict:
 # an inf gradient on ONE rank (the last pipeline stage, the last tp and dp rank) must make
 # every rank skip that step and halve its scale, or stages would step different models.
 HALF_LAYOUTS_4 = {
-    "tp2 pp2 bf16 recompute": dict(tp=2, pp=2, precision="bf16", recompute=True),
+    "tp2 pp2 bf16 recompute": dict(tp=2, pp=2, precision="bf16", recompute="full"),
     "dp2 tp2 zero2 bf16": dict(dp=2, tp=2, zero=2, precision="bf16"),
     "dp2 pp2 zero1 fp16": dict(dp=2, pp=2, zero=1, precision="fp16"),
     "tp2 pp2 fp16 interleaved": dict(
@@ -145,12 +150,10 @@ def train_half(mesh, args, inject_inf: bool) -> dict:
     rank 0 also how much the full model moved at that step."""
     import math
 
-    from hplab.compose import ParallelConfig, parallelize, train_step
+    from hplab.compose import parallelize, train_step
     from hplab.models.gpt import GPTConfig, build_model
 
-    engine = parallelize(
-        build_model(GPTConfig(**CONFIG), 0), mesh, ParallelConfig.from_namespace(args)
-    )
+    engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, *typed(args))
     share = GLOBAL_BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
     losses, scales, moved = [], [], None
@@ -204,7 +207,7 @@ def run_half_layouts(layouts: dict[str, dict]) -> dict:
 
 LAYOUTS_8 = {
     "dp2 tp2 pp2 zero0": dict(dp=2, tp=2, pp=2, zero=0),
-    "dp2 tp2 pp2 zero1 recompute": dict(dp=2, tp=2, pp=2, zero=1, recompute=True),
+    "dp2 tp2 pp2 zero1 recompute": dict(dp=2, tp=2, pp=2, zero=1, recompute="full"),
     "dp2 tp2 pp2 zero2 interleaved": dict(
         dp=2, tp=2, pp=2, zero=2, schedule="interleaved", virtual_stages=2
     ),
@@ -336,7 +339,7 @@ def _one_process_half() -> dict:
     return {
         name: train_half(
             mesh,
-            make_args(precision=layout["precision"], recompute=layout.get("recompute", False)),
+            make_args(precision=layout["precision"], recompute=layout.get("recompute", "none")),
             False,
         )
         for name, layout in HALF_LAYOUTS_4.items()
@@ -450,17 +453,17 @@ def test_saved_directory_is_a_hugging_face_model(world4, ref, saved_dir):
 )
 def test_refused_combinations_say_why(flags, reason, command_line):
     """The library refuses in a plain sentence; train.py names the flags the user gave."""
-    from hplab.compose import NotSupported, ParallelConfig, check_config
+    from hplab.cli import in_flags
+    from hplab.config import LayoutError, validate
     from hplab.models.gpt import GPTConfig
-    from hplab.train import with_flags
 
-    with pytest.raises(NotSupported, match=reason) as refused:
-        check_config(ParallelConfig.from_namespace(make_args(**flags)), GPTConfig(**CONFIG))
+    with pytest.raises(LayoutError, match=reason) as refused:
+        validate(typed(make_args(**flags))[0], GPTConfig(**CONFIG))
     argv = [
         f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
         for k, v in flags.items()
     ]
-    shown = str(with_flags(refused.value, argv))
+    shown = str(in_flags(refused.value, argv))
     assert shown.startswith(command_line + ": not supported: "), shown
 
 

@@ -72,7 +72,8 @@ def one_process(directory: str, steps: int) -> list[float]:
     from hplab.models.gpt import build_model
 
     args = train.parse_args([*COMMON, "--init-from", directory])
-    config, dataset, start = (train.preflight(args, 1)[i] for i in range(3))
+    job = train.preflight(args, 1)
+    config, dataset, start = job.model, job.dataset, job.saved
     assert config == start["config"]
     model = build_model(config, args.seed)
     model.load_state_dict(start["model"])
@@ -95,14 +96,15 @@ def _logits_after_loading(directory: str, flags: list[str]) -> torch.Tensor | No
     import torch.distributed as dist
 
     from hplab import checkpoint, tp
-    from hplab.compose import ParallelConfig, parallelize
+    from hplab.compose import parallelize
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
 
     args = train.parse_args([*COMMON, *flags, "--init-from", directory])
-    config, start = (train.preflight(args, dist.get_world_size())[i] for i in (0, 2))
+    job = train.preflight(args, dist.get_world_size())
+    config, start = job.model, job.saved
     mesh = Mesh.create(args.dp, args.tp, args.pp)
-    par = parallelize(build_model(config, args.seed), mesh, ParallelConfig.from_namespace(args))
+    par = parallelize(build_model(config, args.seed), mesh, job.layout, job.optim)
     checkpoint.load_full_state(par, start["model"], optimizer_state={})
     with torch.no_grad():
         if args.pp == 1:

@@ -11,6 +11,7 @@ from hplab.dist import new_group
 from hplab.formulas import moe_all_to_all_bytes
 from hplab.launch import run_distributed
 from hplab.models.gpt import MLP, GPTConfig
+from hplab.observe import RoutingStats
 
 H, E = 8, 4
 
@@ -89,7 +90,7 @@ def test_gpt_blocks_are_mixtures_of_experts_and_counted():
 
 def test_capacity_drops_the_latest_slots_per_expert():
     layer = make_layer(top_k=1, capacity_factor=1.0)  # capacity = ceil(1 · 8 · 1 / 4) = 2
-    stats = moe.RoutingStats(layer)
+    stats = RoutingStats(layer)
     with torch.no_grad():  # the router reads the first E features: token t goes to `route[t]`
         layer.router.weight.copy_(torch.eye(E, H) * 10)
     route = [0, 0, 0, 1, 0, 2, 2, 2]

@@ -134,7 +134,7 @@ def test_planner_matches_a_real_run(zero, tmp_path):
     micro = int(cfg.get("microbatches") or 1)
     if batch % (dp * micro):
         micro = 1
-    recompute = "full" if cfg.get("recompute") else "none"
+    recompute = cfg.get("recompute", "none")
     lay = P.Layout(
         dp=dp,
         zero=zero,

@@ -245,13 +245,15 @@ def test_replaying_each_action_gives_back_a_run_whose_microbatches_differ():
 
 
 def test_schedule_errors_are_clear():
-    with pytest.raises(pp.PipelineError, match="multiple of 4"):
+    from hplab.config import LayoutError
+
+    with pytest.raises(LayoutError, match="multiple of 4"):
         pp.build_schedule("interleaved", 4, 6, 2)
-    with pytest.raises(pp.PipelineError, match="only 4 layers"):
+    with pytest.raises(LayoutError, match="only 4 layers"):
         pp.split_layers(4, 8)
-    with pytest.raises(pp.PipelineError, match="needs --schedule interleaved"):
+    with pytest.raises(LayoutError, match="needs --schedule interleaved"):
         pp.build_schedule("1f1b", 4, 8, 2)
-    with pytest.raises(pp.PipelineError, match="at least 1"):
+    with pytest.raises(LayoutError, match="at least 1"):
         pp.build_schedule("gpipe", 2, 0)
     assert [len(r) for r in pp.split_layers(10, 4)] == [3, 3, 2, 2]
 
@@ -333,6 +335,7 @@ def exec_run(mesh, schedule, layers, tp_plan=False):
     action (F, B, W) each weight gradient was accumulated, then a second step on top (grads
     must double: the executor accumulates, it never zeroes)."""
     from hplab import tp
+    from hplab.observe import PipelineTrace
 
     model = exec_model(layers)
     if tp_plan:
@@ -343,11 +346,12 @@ def exec_run(mesh, schedule, layers, tp_plan=False):
     assert all(p.grad is None for p in params.values())
     plan = pp.build_schedule(schedule, mesh.pp_size, EXEC_M)[mesh.pp_rank]
     executor = pp.PipelineExecutor(stages, plan, mesh.pp)
+    watched = PipelineTrace(executor)
     compute = [a.kind for a in plan if a.kind in pp.COMPUTE]
     during = {}
 
     def now():  # the compute action running: the next one the trace has not finished
-        return compute[sum(e["kind"] in pp.COMPUTE for e in executor.trace)]
+        return compute[sum(e["kind"] in pp.COMPUTE for e in watched.trace)]
 
     hooks = [
         p.register_post_accumulate_grad_hook(lambda p, n=n: during.setdefault(n, set()).add(now()))
@@ -449,7 +453,7 @@ def test_executor_accumulates_into_existing_gradients(executor_runs):
 
 
 def make_args(*flags):
-    from hplab.train import build_parser
+    from hplab.cli import build_parser
 
     return build_parser().parse_args(["--weight-decay", "0.1", *flags])
 
@@ -534,9 +538,11 @@ def own_params(model):
 
 
 def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
-    from hplab.compose import ParallelConfig, parallelize, pipeline_report, train_step
+    from hplab.cli import layout_of, optim_of
+    from hplab.compose import parallelize, train_step
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
+    from hplab.observe import MemoryWatch, PipelineTrace
 
     mesh = Mesh.create(dp=dp, pp=pp_size)
     args = make_args(
@@ -550,21 +556,23 @@ def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
         str(m),
         "--virtual-stages",
         str(v),
+        "--batch-size",
+        str(PER_MICROBATCH * m * dp),
         *extra,
     )
     model = build_model(config(n_layer), seed=0)
-    engine = parallelize(model, mesh, ParallelConfig.from_namespace(args))
+    engine = parallelize(model, mesh, layout_of(args), optim_of(args))
+    trace, memory = PipelineTrace(engine.pipeline), MemoryWatch(engine)  # (the trace outside)
     losses = []
     for x, y in global_batches(PER_MICROBATCH * m * dp):
         share = x.shape[0] // dp
         sl = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         losses.append(train_step(engine, x[sl], y[sl]))
-    report = pipeline_report(engine)
     return {
         "losses": losses,
         "params": own_params(model),
-        "report": report,
-        "memory": engine.memory.as_dict(),
+        "report": trace.report(mesh.pp, memory),
+        "memory": memory.ledger.as_dict(),
     }
 
 
@@ -573,9 +581,11 @@ def run_torch_pipelining(n_layer, p, schedule, m):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from hplab.compose import make_optimizer
+    from hplab.compose import finalize_grads, make_sharded_optimizer
+    from hplab.config import Layout, OptimConfig
     from hplab.dist import Mesh
     from hplab.models.gpt import build_model
+    from hplab.precision import MixedPrecision
 
     mesh = Mesh.create(pp=p)
     model = build_model(config(n_layer), seed=0)
@@ -585,7 +595,8 @@ def run_torch_pipelining(n_layer, p, schedule, m):
     pipe_stage = PipelineStage(stage, mesh.pp_rank, p, mesh.device, group=mesh.pp.group)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     runner = kind(pipe_stage, m, loss_fn=pp.loss_fn)
-    opt = make_optimizer(pp.stage_parameters([stage]), lr=1e-3, weight_decay=0.1)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1)  # grouped as hplab's: the tied weight apart
+    opt = make_sharded_optimizer(stage, [stage], mesh, Layout(pp=p), optim, MixedPrecision())
     losses = []
     for x, y in global_batches(PER_MICROBATCH * m):
         mb_losses = []
@@ -595,7 +606,7 @@ def run_torch_pipelining(n_layer, p, schedule, m):
             runner.step(target=y, losses=mb_losses)
         else:
             runner.step()
-        pp.sync_tied_gradients([stage], tied)
+        finalize_grads(stage, mesh, opt, tied)  # the embedding's two copies: one gradient
         opt.step()
         opt.zero_grad()
         local = float(torch.stack(mb_losses).mean()) if mb_losses else 0.0

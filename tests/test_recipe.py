@@ -193,19 +193,26 @@ def reference(weight_decay: float, by_name: bool = True) -> dict:
 
 def _in_two_processes(directory: str) -> dict:
     from hplab.checkpoint import gather_full_state
-    from hplab.compose import ParallelConfig, parallelize, train_step
+    from hplab.compose import parallelize, train_step
+    from hplab.config import Layout, OptimConfig
     from hplab.dist import Mesh
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.optim import WrappedOptimizer
 
     out = {}
     for name, layout in LAYOUTS.items():
         mesh = Mesh.create(layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1))
-        config = ParallelConfig(**RECIPE, **layout, no_decay_bias_norm=True, bucket_mb=0.001)
-        par = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, config)
+        par = parallelize(
+            build_model(GPTConfig(**CONFIG), 0),
+            mesh,
+            Layout(**layout, bucket_mb=0.001),
+            OptimConfig(**RECIPE, no_decay_bias_norm=True),
+        )
         share = GLOBAL_BATCH // mesh.dp_size
         mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         stepped = []  # per step: (lr, weight decay) of each group the stepping optimizer has
-        getattr(par.optimizer, "inner", par.optimizer).register_step_pre_hook(
+        wrapped = isinstance(par.optimizer, WrappedOptimizer)  # masters, shards: its inner one
+        (par.optimizer.inner if wrapped else par.optimizer).register_step_pre_hook(
             lambda opt, *_: stepped.append([(g["lr"], g["weight_decay"]) for g in opt.param_groups])
         )
         for x, y in batches():
@@ -338,10 +345,10 @@ def test_resuming_with_another_schedule_shape_is_refused_unless_the_checkpoint_h
         "--lr",
         "2e-3",
     ]  # a new peak lr scales the schedule
-    assert train.preflight(train.parse_args(flags[2:] + [str(saved)] + same_shape), 2)[2]
+    assert train.preflight(train.parse_args(flags[2:] + [str(saved)] + same_shape), 2).saved
     old = shutil.copytree(saved, tmp_path / "old")  # as saved before schedules existed
     state = json.loads((old / "trainer_state.json").read_text())
     del state["lr_scheduler"]
     (old / "trainer_state.json").write_text(json.dumps(state))
     args = train.parse_args(flags[2:] + [str(old)])
-    assert train.preflight(args, 2)[2]["trainer_state"]["step"] == 2
+    assert train.preflight(args, 2).saved["trainer_state"]["step"] == 2

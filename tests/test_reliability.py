@@ -378,7 +378,8 @@ def test_config_values_meet_the_same_checks(tmp_path, capsys, monkeypatch):
         ("zero = 5", "invalid choice: 5"),
         ('precision = "fp8"', "fp8"),
         ("steps = 2.5", "invalid int value"),
-        ("recompute = 3", "true or "),
+        ("offload = 3", "true or "),
+        ("recompute = 3", "invalid choice: '3'"),  # a bare --recompute (true), or its mode
         ("\ufeffsteps = 2\nlr = -1", "--lr: must be a positive number"),
     ):
         recipe.write_text(text, encoding="utf-8")

@@ -634,6 +634,7 @@ def test_tp_and_dp_layouts_train_like_one_process(world4):
 
 def test_clear_errors_for_impossible_splits():
     from hplab import tp
+    from hplab.config import LayoutError, check_tensor_parallel
     from hplab.models.gpt import GPTConfig, build_model
 
     with pytest.raises(
@@ -641,19 +642,19 @@ def test_clear_errors_for_impossible_splits():
         match="^4 attention heads do not split over 8 tensor-parallel "
         "ranks: use a tensor-parallel size that divides 4$",
     ):
-        tp.check_divisible(n_head=4, n_embd=64, tp=8)
+        check_tensor_parallel(n_head=4, n_embd=64, tp=8)
     with pytest.raises(ValueError, match="12 attention heads do not split over 8 tensor-par"):
-        tp.check_divisible(n_head=12, n_embd=96, tp=8)
+        check_tensor_parallel(n_head=12, n_embd=96, tp=8)
     with pytest.raises(ValueError, match="hidden size of 30 does not split over 4 tensor-par"):
-        tp.check_divisible(n_head=4, n_embd=30, tp=4)
+        check_tensor_parallel(n_head=4, n_embd=30, tp=4)
     with pytest.raises(
         ValueError,
         match="30-token sequence over 4 tensor-parallel ranks: make "
         "the sequence length a multiple of 4",
     ):
-        tp.check_divisible(n_head=4, n_embd=64, tp=4, seq_len=30)
+        check_tensor_parallel(n_head=4, n_embd=64, tp=4, seq_len=30)
     # the check runs before any communication
-    with pytest.raises(tp.TensorParallelError, match="4 attention heads do not split over 3"):
+    with pytest.raises(LayoutError, match="4 attention heads do not split over 3"):
         tp.parallelize(build_model(GPTConfig(**CONFIG)), fake_comm(3), tp.GPT_PLAN)
     from transformers import AutoModelForCausalLM
 

@@ -62,7 +62,7 @@ def test_config_file_gives_defaults_and_flags_override(tmp_path, capsys, monkeyp
     recipe = tmp_path / "recipe.toml"
     recipe.write_text("# a recipe\nbatch-size = 32\nsteps = 7\nlr = 3e-4\nrecompute = true\n")
     args = parse_args(["--config", str(recipe), "--steps", "9"])
-    assert (args.batch_size, args.steps, args.lr, args.recompute) == (32, 9, 3e-4, True)
+    assert (args.batch_size, args.steps, args.lr, args.recompute) == (32, 9, 3e-4, "full")
     recipe.write_text("batch-size = 32\nwarp-speed = 9\n")
     code, err = run_main(capsys, monkeypatch, "--config", str(recipe))
     assert code == 2 and "unknown setting(s) warp_speed" in err

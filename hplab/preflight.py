@@ -1,0 +1,220 @@
+"""Every check of a run that needs no process group: a bad command line fails at once, with
+one line, before N processes start (or, under torchrun, before any rank joins the group).
+
+    preflight(args, world_size)   the flags → a `Run`: the model, the layout, the optimizer's
+                                  settings, the data, and the checkpoint to start from
+
+In order: the layout's --dp, the flags that exclude each other, the lr schedule in steps, the
+model (a preset with overrides, or --init-from's config.json), `config.validate` (every rule of
+the layout), --resume's checkpoint, the outputs (writable, never someone else's files), this
+machine (GPUs, the planner's estimate of the memory), and the token files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hplab import checkpoint
+from hplab.cli import build_parser, layout_of, optim_of
+from hplab.config import Layout, LayoutError, ModelConfig, OptimConfig, resolve_dp, validate
+from hplab.data import TokenDataset
+from hplab.metrics import is_metrics_file
+from hplab.models.gpt import config_from_preset
+from hplab.observe import is_trace_folder
+from hplab.plan import plan
+
+
+@dataclass
+class Run:
+    """What a checked command line asks for (the library's typed configs, no flags)."""
+
+    model: ModelConfig
+    layout: Layout
+    optim: OptimConfig
+    dataset: TokenDataset
+    validation: TokenDataset | None  # with --eval-every
+    saved: dict | None  # --resume's checkpoint, or --init-from's weights
+
+
+def preflight(args, world_size: int) -> Run:
+    """Check everything (LayoutError / ValueError, one line each); fill in --dp, --warmup-steps
+    (from --warmup-fraction), --decay-steps and --no-decay-bias-norm's default."""
+    if args.dp is None:
+        args.dp = resolve_dp(world_size, args.tp, args.pp, args.cp)
+    check_switches(args)
+    settle_lr_schedule(args)
+    saved, model = model_of(args)
+    layout = layout_of(args)
+    validate(layout, model, world_size)
+    if args.resume:  # damaged, of another shape, or already done: say so before starting
+        saved = resumable(args, model)
+    check_outputs(args)
+    check_machine(args, model, layout, world_size)
+    dataset, validation = token_files(args, model)
+    return Run(model, layout, optim_of(args), dataset, validation, saved)
+
+
+def check_switches(args) -> None:
+    if args.no_decay_bias_norm and args.decay_bias_norm:
+        raise ValueError("give --no-decay-bias-norm or --decay-bias-norm, not both")
+    args.no_decay_bias_norm = args.weight_decay > 0 and not args.decay_bias_norm  # (as the seeds)
+    if args.save_every and not args.save:
+        raise ValueError(f"--save-every {args.save_every} needs --save DIR")
+    if args.init_from and args.resume:
+        raise ValueError("--init-from starts a new run, --resume continues one: give one of them")
+
+
+def settle_lr_schedule(args) -> None:
+    """Warm-up and decay in steps (`formulas.learning_rate` draws the curve)."""
+    if args.warmup_fraction is not None:
+        if args.warmup_steps:
+            raise ValueError("give --warmup-steps or --warmup-fraction, not both")
+        args.warmup_steps = round(args.warmup_fraction * args.steps)
+    if args.lr_decay != "constant":
+        args.decay_steps = args.decay_steps or args.steps
+    if args.warmup_steps > max(args.steps, args.decay_steps or 0):  # (a run stopping early)
+        raise ValueError(
+            f"the warm-up ({args.warmup_steps} steps) is longer than the run "
+            f"(--steps {args.steps}) and --decay-steps"
+        )
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}: it decays to it")
+    if args.lr_decay != "constant" and args.decay_steps <= args.warmup_steps:
+        raise ValueError(
+            f"--decay-steps {args.decay_steps} must be larger than the warm-up "
+            f"({args.warmup_steps} steps)"
+        )
+
+
+def model_of(args) -> tuple[dict | None, ModelConfig]:
+    """(--init-from's weights or None, the model): a preset with the size flags, or the
+    config.json of --init-from, which the flags may only agree with."""
+    saved = checkpoint.load_pretrained(args.init_from) if args.init_from else None
+    preset = build_parser().get_default("model")
+    name = saved["config"] if saved and args.model == preset else args.model
+    model = config_from_preset(name, args.n_layer, args.n_embd, args.n_head, args.seq_len)
+    if args.moe_experts:  # each block's MLP a mixture of experts
+        model = dataclasses.replace(
+            model,
+            n_experts=args.moe_experts,
+            moe_top_k=args.moe_top_k,
+            moe_capacity_factor=args.moe_capacity_factor or 0.0,
+            moe_aux_coef=args.moe_aux_coef,
+        )
+    if saved:  # (after --moe-experts, which it may contradict too)
+        advice = f"leave those flags out: --init-from {args.init_from} sets the model"
+        checkpoint.check_compatible(saved["config"], model, advice)
+    return saved, model
+
+
+def resumable(args, model: ModelConfig) -> dict:
+    """--resume's checkpoint, if it holds this model, is not done yet and continues its lr
+    schedule (the schedule's shape may not change; --lr may)."""
+    saved = checkpoint.load(args.resume)
+    checkpoint.check_compatible(saved["config"], model)
+    state, step = saved["trainer_state"], saved["trainer_state"]["step"]
+    if step >= args.steps:
+        raise checkpoint.CheckpointError(
+            f"{saved['directory']} is already at step {step}: ask for more with --steps "
+            "(it counts from the first run's start)"
+        )
+    shape = ("warmup_steps", "lr_decay", "decay_steps", "min_lr")
+    changed = [
+        f"--{k.replace('_', '-')} {state['config'][k]}"
+        for k in shape
+        if "lr_scheduler" in state and state["config"][k] != getattr(args, k)
+    ]
+    if changed:  # (older checkpoints, without one, had a constant lr)
+        raise checkpoint.CheckpointError(
+            f"{saved['directory']} continues its lr schedule: resume with {' '.join(changed)}"
+        )
+    return saved
+
+
+def check_outputs(args) -> None:
+    """An output that cannot be written fails now, not after all the steps have run; an output
+    never replaces someone's own files."""
+    outputs = {"--metrics": args.metrics, "--save": args.save, "--trace": args.trace}
+    for flag, path in ((flag, Path(path)) for flag, path in outputs.items() if path):
+        if flag == "--metrics" and path.is_dir():
+            raise ValueError(
+                f"--metrics {path} is a folder: give a file name, e.g. {path / 'metrics.json'}"
+            )
+        if flag == "--metrics" and path.is_file() and not is_metrics_file(path):
+            raise ValueError(
+                f"--metrics {path} exists and is not an hplab metrics file: "
+                "choose another name (it was not changed)"
+            )
+        if flag == "--trace" and path.exists() and not (path.is_dir() and is_trace_folder(path)):
+            raise ValueError(
+                f"--trace {path} exists and holds other files than hplab's traces: "
+                "choose a new or empty folder (nothing was changed)"
+            )
+        if flag == "--save":
+            try:
+                checkpoint.check_save_target(path)
+            except checkpoint.CheckpointError as err:
+                raise ValueError(f"--save: {err}") from None
+        check_writable(flag, path)
+
+
+def check_writable(flag: str, path: Path) -> None:
+    base = next(p for p in [path.absolute(), *path.absolute().parents] if p.exists())
+    if base != path.absolute() and not base.is_dir():
+        raise ValueError(f"{flag} {path}: {base} is a file, not a folder")
+    try:  # the one sure test: write there
+        tempfile.TemporaryFile(dir=base if base.is_dir() else base.parent).close()
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write in {base} ({err.strerror})") from None
+
+
+def check_machine(args, model: ModelConfig, layout: Layout, world_size: int) -> None:
+    """Refuse --backend nccl without a GPU per process, and a run whose memory, as the planner
+    estimates it, cannot fit here."""
+    gpus = torch.cuda.device_count() if torch.distributed.is_nccl_available() else 0
+    if args.backend == "nccl" and gpus < world_size:
+        raise ValueError(
+            f"--backend nccl needs one GPU per process: {world_size} processes, "
+            f"{gpus} GPU(s) usable by NCCL here: use --backend gloo"
+        )
+    try:
+        planned = plan(model, layout)  # the planner's memory, checked against real runs
+    except LayoutError:  # a layout it does not model (e.g. unequal interleaved chunks)
+        return
+    states, need = planned["model_state_bytes_per_gpu"], planned["memory_bytes_per_gpu"]
+    if torch.cuda.is_available() and args.backend != "gloo":
+        have, per = torch.cuda.get_device_properties(0).total_memory, "per GPU"
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world_size
+        per = f"per process ({world_size} share this machine's memory)"
+    if need > have:
+        raise ValueError(
+            f"this run needs about {need / 2**30:.1f} GiB per process (estimated: model states "
+            f"{states / 2**30:.1f}, activations and logits {(need - states) / 2**30:.1f}) but "
+            f"there are {have / 2**30:.1f} GiB {per}: use a smaller --seq-len or "
+            "--batch-size, more --microbatches, --recompute, or more --tp / --pp / --cp"
+        )
+
+
+def token_files(args, model: ModelConfig) -> tuple[TokenDataset, TokenDataset | None]:
+    """The training split and, with --eval-every, the validation split (the last 5%)."""
+    tokens = functools.partial(TokenDataset, args.data, model.tokenizer, model.n_positions)
+    dataset, validation = tokens(), tokens(split="val") if args.eval_every else None
+    if dataset.vocab_size > model.vocab_size:
+        raise ValueError(
+            f"{args.data} uses {dataset.vocab_size} token ids but the model has a "
+            f"vocabulary of {model.vocab_size}"
+        )
+    if validation is not None and len(validation) < args.eval_batches * args.batch_size:
+        raise ValueError(
+            f"--eval-batches {args.eval_batches} × --batch-size {args.batch_size}"
+            f" exceeds the validation split: {len(validation)} sequences (last 5%)"
+        )
+    return dataset, validation
