@@ -12,9 +12,10 @@ Reported per model:
   peak resident set over its size right before the model was built (the CPU allocator keeps
   no statistics; the baseline removes the PyTorch runtime both share),
 * how much of the all-reduce time hplab's buckets hid behind backward, read from a timeline
-  of two more steps (`hplab.timeline`, the same measurement as `train.py --trace` and the labs):
-  of the time the all-reduces ran, from launch to completion on gloo's thread, the share during
-  which the rank was still computing backward (`timeline.hidden_fraction`), mean over ranks.
+  of two more steps (`hplab.course.timeline`, the same measurement as `train.py --trace` and the
+  labs): of the time the all-reduces ran, from launch to completion on gloo's thread, the share
+  during which the rank was still computing backward (`timeline.hidden_fraction`), mean over
+  ranks.
   One bucket is launched when backward ends: nothing can hide, and ~0% is the check.
 
 Results go to bench/results/ddp.json and a markdown table on stdout.
@@ -45,12 +46,12 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+    from hplab.course.timeline import hidden_fraction, read_timeline
     from hplab.data import TokenDataset, get_batch, global_batch_indices, shard_for_rank
     from hplab.ddp import DDP
     from hplab.dist import init_distributed, shutdown
     from hplab.models.gpt import build_model, config_from_preset
     from hplab.observe import Recorder
-    from hplab.timeline import hidden_fraction, read_timeline
 
     device = init_distributed()
     config = config_from_preset("tiny", **dict(MODELS[model_name].items()))

@@ -160,8 +160,8 @@ def _worker():
 
 def main() -> dict:
     from hplab import pp
+    from hplab.course.viz import simulated_costs
     from hplab.launch import run_distributed
-    from hplab.viz import simulated_costs
 
     results = run_distributed(_worker, WORLD, timeout_s=900)
     throughput = results[0]["throughput"]

@@ -4,8 +4,10 @@ The building blocks are used the way PyTorch's own are, in an ordinary training 
 "The strategies"): `hplab.DDP`, `hplab.ZeroOptimizer`, `hplab.fully_shard` (ZeRO-3, like FSDP2),
 `hplab.tp`, `hplab.pp`, `hplab.cp`, `hplab.moe`; `hplab.parallelize(model, mesh, layout)` (a
 `hplab.Layout`, checked by `hplab.validate`) and `hplab.finalize_grads` compose them for a whole
-layout. Names are imported on first use, so
-`import hplab` stays cheap (torch loads when needed).
+layout. Names are imported on first use, so `import hplab` stays cheap (torch loads when
+needed). The course's tools live in `hplab.course` (the library never imports it); `hplab.lab`,
+`hplab.viz`, `hplab.timeline` and `hplab.collectives_bench` are names for its modules, as
+learners have always typed them.
 """
 
 import importlib
@@ -35,8 +37,6 @@ _MODULES = {
     "memory",
     "plan",
     "formulas",
-    "lab",
-    "viz",
     "checkpoint",
     "data",
     "precision",
@@ -50,7 +50,6 @@ _MODULES = {
     "cp",
     "moe",
     "sample",
-    "timeline",
     "config",
     "flags",
     "launch",
@@ -59,9 +58,11 @@ _MODULES = {
     "optim",
     "cli",
     "preflight",
+    "course",
 }
+_COURSE = {"lab", "viz", "timeline", "collectives_bench"}  # hplab.<name> is hplab.course.<name>
 
-__all__ = sorted(_PUBLIC) + sorted(_MODULES)
+__all__ = sorted(_PUBLIC) + sorted(_MODULES | _COURSE)
 
 
 def __getattr__(name: str):
@@ -69,6 +70,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_PUBLIC[name]), name)
     if name in _MODULES:
         return importlib.import_module(f"hplab.{name}")
+    if name in _COURSE:
+        return importlib.import_module(f"hplab.course.{name}")
     raise AttributeError(f"module 'hplab' has no attribute {name!r}")
 
 

@@ -8,9 +8,12 @@ in ONE launch (`run_check` takes several files): one 4-process launch for the ri
 2-process launch each for the buckets, the ZeRO-1 step and the tensor-parallel layers.
 """
 
+import subprocess
+import sys
+
 import pytest
 
-from hplab.check import EXERCISES, EXERCISES_DIR, SOLUTIONS_DIR, main, run_check
+from hplab.course.check import EXERCISES, EXERCISES_DIR, SOLUTIONS_DIR, main, run_check
 
 # A ring that passes whole tensors around (using the solution's own `_exchange`): right sums,
 # (n-1)·S bytes sent instead of 2(n-1)/n·S.
@@ -398,3 +401,20 @@ def test_distributed_checks_report_an_exit_and_an_endless_loop(tmp_path):
     exited, looped = run_check("tp_linear", [exits, loops], limit_s=5)
     assert [r.passed for r in exited] == [False] and "sys.exit(3)" in exited[0].message
     assert [r.passed for r in looped] == [False] and "did not finish in 5 s" in looped[0].message
+
+
+@pytest.mark.parametrize("module", ["hplab.check", "hplab.course.check"])
+def test_both_commands_run_the_checker(module):
+    """`python -m hplab.check`, the name learners type, runs the course's checker: same help."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m hplab.check [-h] name [file]")
+    assert "ring_allreduce (lab 01)" in done.stdout
+
+
+def test_the_shim_is_the_course_checker():
+    from hplab import check
+
+    assert check.main is main and check.run_check is run_check and check.EXERCISES is EXERCISES

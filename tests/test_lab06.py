@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from hplab.check import EXERCISES, EXERCISES_DIR, SOLUTIONS_DIR, main, run_check
 from hplab.config import LayoutError
+from hplab.course.check import EXERCISES, EXERCISES_DIR, SOLUTIONS_DIR, main, run_check
 from hplab.dist import coordinates
 
 # dp varies fastest (PyTorch's default DeviceMesh order of the last two dims reversed): the

@@ -1,12 +1,13 @@
 """`train.py --trace DIR`: a Chrome trace per rank of a real run, read back as a timeline, and the
-overlap of communication with backward that it measures (`hplab.timeline.hidden_fraction`)."""
+overlap of communication with backward that it measures
+(`hplab.course.timeline.hidden_fraction`)."""
 
 import json
 
 import pytest
 
+from hplab.course.timeline import hidden_fraction, read_timeline, waits
 from hplab.launch import run_distributed
-from hplab.timeline import hidden_fraction, read_timeline, waits
 
 FLAGS = ["--dp", "2", "--steps", "3", "--batch-size", "8", "--no-progress"]
 # Each process converts its profiler's clock (the CPU's time-stamp counter) to wall time on its

@@ -1,6 +1,6 @@
 """Time each collective against message size: the measurement behind lab 01's α-β model.
 
-    torchrun --nproc_per_node 4 hplab/collectives_bench.py --out collectives.json
+    torchrun --nproc_per_node 4 hplab/course/collectives_bench.py --out collectives.json
 
 Every process calls the collective on S bytes of fp32 (S = min..max in powers of two, the payload
 as `hplab.comm` counts it). A call's time is the slowest rank's (barrier, clock, call, clock); a
@@ -15,8 +15,8 @@ CommLedger, timed calls only), `demo`.
 import sys
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:  # a script: the repo, not hplab/, on sys.path
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+if __name__ == "__main__" and not __package__:  # a script: the repo, not its folder, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import argparse
 import json
@@ -91,9 +91,10 @@ def time_call(comm, op: str, *message) -> float:
     return comm.all_reduce_scalar(time.perf_counter() - start, op=dist.ReduceOp.MAX)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+    """The command line; None (and the error printed by rank 0) for impossible sizes."""
     p = argparse.ArgumentParser(
-        prog="torchrun --nproc_per_node N hplab/collectives_bench.py",
+        prog="torchrun --nproc_per_node N hplab/course/collectives_bench.py",
         description=__doc__.split("\n")[0],
     )
     for flag, default in (("--min-bytes", 2**10), ("--max-bytes", 2**22), ("--repeats", 5)):
@@ -109,10 +110,35 @@ def main(argv=None) -> int:
                 f"(got {args.min_bytes}, {args.max_bytes})",
                 file=sys.stderr,
             )
+        return None
+    return args
+
+
+def measure(comm, op: str, nbytes: int, buffer, inbox, repeats: int) -> dict:
+    """`op` on `nbytes` (whole fp32 slices for every rank), timed `repeats` times after a
+    warm-up: the best and the median call, and the ranks' mean wait for a core per second."""
+    n = comm.size
+    numel = (nbytes - nbytes % (4 * n)) // 4  # whole fp32 slices for every rank
+    message = (comm, op, buffer[:numel], buffer[: numel // n].clone(), inbox[:numel])
+    waited, wall = waited_for_a_core_s(), time.perf_counter()
+    times = [time_call(*message) for _ in range(1 + repeats)][1:]  # [0]: warm-up
+    waited = (waited_for_a_core_s() - waited) / (time.perf_counter() - wall)
+    return dict(
+        bytes=4 * numel,
+        time_s=min(times),
+        median_s=median(times),
+        core_wait=comm.all_reduce_scalar(waited) / n,
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args is None:
         return 2
 
     from hplab.dist import Mesh, init_distributed, shutdown
 
+    n = int(os.environ.get("WORLD_SIZE", 1))
     mesh = Mesh.create(dp=n, device=init_distributed())
     comm = mesh.world
     sizes = [args.min_bytes << k for k in range((args.max_bytes // args.min_bytes).bit_length())]
@@ -131,19 +157,7 @@ def main(argv=None) -> int:
         unit="size",
         file=sys.stdout,
     ):
-        numel = (nbytes - nbytes % (4 * n)) // 4  # whole fp32 slices for every rank
-        message = (comm, op, buffer[:numel], buffer[: numel // n].clone(), inbox[:numel])
-        waited, wall = waited_for_a_core_s(), time.perf_counter()
-        times = [time_call(*message) for _ in range(1 + args.repeats)][1:]  # [0]: warm-up
-        waited = (waited_for_a_core_s() - waited) / (time.perf_counter() - wall)
-        results[op].append(
-            dict(
-                bytes=4 * numel,
-                time_s=min(times),
-                median_s=median(times),
-                core_wait=comm.all_reduce_scalar(waited) / n,
-            )
-        )
+        results[op].append(measure(comm, op, nbytes, buffer, inbox, args.repeats))
     demos = [None] * n if comm.rank == 0 else None
     dist.gather_object(shown, demos, dst=0)
     if comm.rank == 0 and args.out:

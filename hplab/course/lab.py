@@ -4,7 +4,8 @@
 --steps 20 --metrics ...` (train.py launches its ranks as torchrun would) as four real processes
 (gloo on CPU, NCCL on GPUs) behind a progress bar and returns a `Run`, the metrics file with the
 views the labs plot (`run.losses`, `run.memory_bytes()`, `run.comm_bytes("all_reduce")`).
-`lab.collectives(nproc=4)` runs `hplab/collectives_bench.py` under torchrun and fits α and β.
+`lab.collectives(nproc=4)` runs `hplab/course/collectives_bench.py` under torchrun and fits α
+and β.
 
 Why processes, not threads in the kernel? That is how training really runs: the launcher sets
 `RANK`, `WORLD_SIZE` and the rendezvous address and each process joins the group from scratch.
@@ -30,13 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
-from hplab import viz  # plots; matplotlib itself loads only when one is drawn
+from hplab.course import viz  # plots; matplotlib itself loads only when one is drawn
+from hplab.course.timeline import read_timeline
 
 # in one home, hplab.formulas; lab 00 and tests call them as lab.<name>
 from hplab.formulas import alpha_beta_terms, training_flops_per_token
-from hplab.timeline import read_timeline
 
-REPO_DIR = Path(__file__).resolve().parent.parent
+REPO_DIR = Path(__file__).resolve().parents[2]
 _TQDM_COUNT = re.compile(r"(\d+)/(\d+) \[")  # rank 0's tqdm bar: "12/20 [00:03<..., loss=4.1]"
 _TQDM_LOSS = re.compile(r"loss=([0-9.]+)")
 
@@ -70,6 +71,75 @@ def _progress(label: str, show: bool):
     return draw
 
 
+def _environment() -> dict:
+    """The launched processes' environment: unbuffered output, one thread each, hplab importable."""
+    return dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO_DIR), os.environ.get("PYTHONPATH", "")]),
+    )
+
+
+def _command(nproc: int, script: str | Path, args: list[str]) -> list[str]:
+    """train.py is its own launcher (`--nproc`); any other script runs under torchrun."""
+    from hplab.launch import torchrun_command  # imports torch: only when a job is launched
+
+    if Path(script).name == "train.py":
+        return [sys.executable, str(script), "--nproc", str(nproc), *args]
+    return torchrun_command(nproc, str(script), *args)
+
+
+def _draw_tqdm(draw, output: bytearray, start: float) -> None:
+    """Redraw the progress bar from rank 0's latest tqdm line: a bar of 24 characters, the
+    loss, the seconds so far."""
+    tail = output[-400:].decode(errors="replace")
+    if counts := _TQDM_COUNT.findall(tail):
+        (done, total), loss = map(int, counts[-1]), _TQDM_LOSS.findall(tail)
+        bar = "█" * (24 * done // max(total, 1))
+        draw(
+            f"{bar:·<24} {done}/{total}"
+            + (f"  loss {loss[-1]}" if loss else "")
+            + f"  {time.monotonic() - start:.1f} s"
+        )
+
+
+def _watch(proc, label: str, draw, start: float, timeout_s: float) -> bytearray:
+    """Read `proc`'s output to its end, drawing progress; past `timeout_s` (or on an
+    interrupt) kill its whole process group."""
+    output = bytearray()
+    try:
+        while True:
+            if time.monotonic() - start > timeout_s:
+                raise LaunchError(f"{label} did not finish in {timeout_s:.0f} s and was stopped")
+            if not select.select([proc.stdout], [], [], 0.2)[0]:
+                continue
+            data = os.read(proc.stdout.fileno(), 65536)
+            if not data:
+                break
+            output += data
+            _draw_tqdm(draw, output, start)
+        proc.wait()
+    except BaseException:  # a timeout or an interrupt: kill the launcher's process group
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise
+    return output
+
+
+def _failure(text: str, label: str, returncode: int) -> LaunchError:
+    """The job's `hplab: error:` line, or its exit code and the tail of its output."""
+    errors = [line for line in text.splitlines() if line.startswith("hplab: error:")]
+    lines = [line for line in text.replace("\r", "\n").splitlines() if line.strip()]
+    return LaunchError(
+        errors[0]
+        if errors
+        else f"{label} exited with code {returncode}; its last output:\n" + "\n".join(lines[-30:])
+    )
+
+
 def launch(
     nproc: int,
     script: str | Path,
@@ -81,66 +151,21 @@ def launch(
     """Run `script` on `nproc` local processes; return (captured output, seconds). Progress
     comes from rank 0's tqdm bar. A non-zero exit raises LaunchError with the job's `hplab:
     error:` line (or the tail of its output); past `timeout_s` the whole job is killed."""
-    from hplab.launch import torchrun_command
-
-    env = dict(
-        os.environ,
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(REPO_DIR), os.environ.get("PYTHONPATH", "")]),
-    )
     label = label or f"{Path(script).name} on {nproc} processes"
-    draw, start, output = _progress(label, progress), time.monotonic(), bytearray()
-    command = (
-        [sys.executable, str(script), "--nproc", str(nproc), *args]  # its own launcher
-        if Path(script).name == "train.py"
-        else torchrun_command(nproc, str(script), *args)
-    )
+    draw, start = _progress(label, progress), time.monotonic()
     proc = subprocess.Popen(
-        command,
+        _command(nproc, script, args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=env,
+        env=_environment(),
         cwd=REPO_DIR,
         start_new_session=True,
     )  # its own process group, to kill as one
-    try:
-        while True:
-            if time.monotonic() - start > timeout_s:
-                raise LaunchError(f"{label} did not finish in {timeout_s:.0f} s and was stopped")
-            if not select.select([proc.stdout], [], [], 0.2)[0]:
-                continue
-            data = os.read(proc.stdout.fileno(), 65536)
-            if not data:
-                break
-            output += data
-            tail = output[-400:].decode(errors="replace")
-            if counts := _TQDM_COUNT.findall(tail):  # a bar of 24 characters, the loss, seconds
-                (done, total), loss = map(int, counts[-1]), _TQDM_LOSS.findall(tail)
-                bar = "█" * (24 * done // max(total, 1))
-                draw(
-                    f"{bar:·<24} {done}/{total}"
-                    + (f"  loss {loss[-1]}" if loss else "")
-                    + f"  {time.monotonic() - start:.1f} s"
-                )
-        proc.wait()
-    except BaseException:  # a timeout or an interrupt: kill the launcher's process group
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        raise
+    output = _watch(proc, label, draw, start, timeout_s)
     seconds, text = time.monotonic() - start, output.decode(errors="replace")
     if proc.returncode != 0:
         draw(f"failed after {seconds:.1f} s", final=True)
-        errors = [line for line in text.splitlines() if line.startswith("hplab: error:")]
-        lines = [line for line in text.replace("\r", "\n").splitlines() if line.strip()]
-        raise LaunchError(
-            errors[0]
-            if errors
-            else f"{label} exited with code {proc.returncode}; "
-            "its last output:\n" + "\n".join(lines[-30:])
-        )
+        raise _failure(text, label, proc.returncode)
     draw("█" * 24 + f" done in {seconds:.1f} s", final=True)
     return text, seconds
 
@@ -157,7 +182,7 @@ def _flags(options: dict) -> list[str]:
 
 def _launch_json(
     nproc: int,
-    script: str,
+    script: Path,
     args: list[str],
     out_flag: str,
     label: str,
@@ -169,7 +194,7 @@ def _launch_json(
         path = Path(tmp) / "out.json"
         output, seconds = launch(
             nproc,
-            REPO_DIR / "hplab" / script,
+            script,
             args + [out_flag, str(path)],
             label,
             progress,
@@ -214,7 +239,7 @@ class Run:
         return summary_table(self.metrics)
 
     def timeline(self) -> list[list[dict]]:
-        """Per rank, the traced spans (`hplab.timeline.read_timeline`); plot: viz.plot_timeline."""
+        """Per rank, the traced spans (`course.timeline.read_timeline`); plot: viz.plot_timeline."""
         return read_timeline(self.trace_dir)
 
     def plot_loss(self, ax=None, label: str | None = None):
@@ -253,7 +278,9 @@ def train(
     trace = tempfile.mkdtemp(prefix="hplab-trace-") if trace is True else trace or None
     args = _flags({k: v for k, v in flags.items() if k != "metrics"} | {"trace": trace})
     return Run(
-        *_launch_json(nproc, "train.py", args, "--metrics", label, progress, timeout_s),
+        *_launch_json(
+            nproc, REPO_DIR / "hplab" / "train.py", args, "--metrics", label, progress, timeout_s
+        ),
         trace_dir=trace,
     )
 
@@ -333,13 +360,13 @@ def collectives(
     timeout_s: float = 600.0,
 ) -> Collectives:
     """Time every collective on `nproc` processes for sizes from min_bytes to max_bytes
-    (powers of two); returns the measurement with α-β fits (see `hplab/collectives_bench.py`)."""
+    (powers of two); returns the measurement with α-β fits (see `collectives_bench.py`, here)."""
     args = _flags(dict(min_bytes=min_bytes, max_bytes=max_bytes, repeats=repeats))
     args += ["--ops", *ops] if ops else []
     return Collectives(
         *_launch_json(
             nproc,
-            "collectives_bench.py",
+            Path(__file__).resolve().parent / "collectives_bench.py",
             args,
             "--out",
             f"collectives on {nproc} processes",
