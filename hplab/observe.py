@@ -32,7 +32,7 @@ from hplab import cp, fsdp, moe
 from hplab.ddp import DDP
 from hplab.memory import KINDS, MemoryLedger, model_state_tensors
 from hplab.optim import WrappedOptimizer
-from hplab.schedule import COMPUTE, measured_bubble
+from hplab.schedule import COMPUTE
 
 
 class Recorder:
@@ -175,6 +175,17 @@ class MemoryWatch:
 
 
 # --- the pipeline's trace ---------------------------------------------------------------------
+
+
+def measured_bubble(trace: list[dict], origin: float = 0.0, end: float | None = None) -> float:
+    """1 - compute time / step time, from a rank's trace (times in seconds). The step runs
+    from `origin` to `end` (default: this rank's first and last event)."""
+    compute = [e for e in trace if e["kind"] in COMPUTE]
+    if not compute:
+        return 0.0
+    end = max(e["end_s"] for e in compute) if end is None else end
+    busy = sum(e["end_s"] - e["start_s"] for e in compute)
+    return 1 - busy / (end - origin)
 
 
 class PipelineTrace:

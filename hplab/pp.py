@@ -18,8 +18,9 @@ accumulated gradients are those of the mean loss over the whole batch.
 This file reads in three parts: 1. **stages**, the GPT split by layers (the tied embedding /
 LM-head copies kept equal by summing their gradients, as Megatron-LM); 2. **split backward**
 (ZB-H1): B the stage input's gradient, W the weight gradients later, for any layer; 3. the
-**executor**, which runs this rank's action list with point-to-point messages and records a
-trace. Data parallel, the tied-embedding sum and the optimizer step are the caller's.
+**executor**, which runs this rank's action list with point-to-point messages (observers, such
+as `hplab.observe`'s trace, watch each action from outside). Data parallel, the tied-embedding
+sum (`compose.finalize_grads`) and the optimizer step are the caller's.
 """
 
 from __future__ import annotations
@@ -44,8 +45,6 @@ from hplab.schedule import (  # pp.build_schedule, pp.simulate, ...: the labs' n
     add_communication,  # noqa: F401
     build_schedule,  # noqa: F401
     chunk_owner,  # noqa: F401
-    idle_between_actions,  # noqa: F401
-    measured_bubble,  # noqa: F401
     message_key,  # noqa: F401
     one_f_one_b_order,  # noqa: F401
     schedule_text,  # noqa: F401

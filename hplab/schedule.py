@@ -21,7 +21,8 @@ deadlocks, drawn, and run for real by `hplab.pp.PipelineExecutor`:
 The **bubble** is the idle time while the pipeline fills and drains (`formulas.bubble_formula`).
 This file: 1. each schedule's per-rank compute order, and the sends and receives it needs; 2. a
 simulator: the ideal timeline with given F, B, W costs, and the proof that no rank waits
-forever; 3. the same idle share, measured from a real run's timestamps. Standard library only.
+forever. (The same idle share measured from a real run's timestamps: `hplab.observe`.) Standard
+library and hplab.config only.
 """
 
 from __future__ import annotations
@@ -275,33 +276,3 @@ def simulate(
             "schedule deadlocks: " + ", ".join(f"rank {r} waits at {a}" for r, a in stuck.items())
         )
     return Simulation(timeline, max(clock))
-
-
-# --- 3. The measured bubble: the same idle share, from a real run's timestamps --------------------
-
-WAITED_S = 1e-4  # a wait for a message longer than this: the message was not there yet
-
-
-def measured_bubble(trace: list[dict], origin: float = 0.0, end: float | None = None) -> float:
-    """1 - compute time / step time, from a rank's trace (times in seconds). The step runs
-    from `origin` to `end` (default: this rank's first and last event)."""
-    compute = [e for e in trace if e["kind"] in COMPUTE]
-    if not compute:
-        return 0.0
-    end = max(e["end_s"] for e in compute) if end is None else end
-    busy = sum(e["end_s"] - e["start_s"] for e in compute)
-    return 1 - busy / (end - origin)
-
-
-def idle_between_actions(trace: list[dict], origin: float = 0.0, end: float | None = None) -> float:
-    """The share of the step (as in `measured_bubble`) this rank spent between its actions, not
-    computing, sending or waiting for a message (a later start than the first rank, Python
-    between actions, a wait for a core): the part of the bubble no schedule replay sees. A gap
-    before a wait that lasted (over WAITED_S) is left out: the message would have kept it idle."""
-    between, previous = 0.0, origin
-    for e in trace:
-        if not (e["kind"] == "recv" and e["end_s"] - e["start_s"] > WAITED_S):
-            between += max(0.0, e["start_s"] - previous)
-        previous = max(previous, e["end_s"])
-    end = max(e["end_s"] for e in trace if e["kind"] in COMPUTE) if end is None else end
-    return between / (end - origin)

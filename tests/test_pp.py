@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from hplab import pp
+from hplab.course.timeline import idle_between_actions
 from hplab.launch import run_distributed
+from hplab.observe import measured_bubble
 
 TOL = 1e-5
 STEPS = 3
@@ -155,7 +157,7 @@ def test_replay_of_a_measured_step_uses_its_stage_costs_and_message_delay():
     }
     costs = viz.simulated_costs(run["pipeline"], per_chunk=True)
     assert costs == dict(f=[1, 2], b=[1, 1], w=[0.0, 0.0], latency=0.5)
-    measured = [pp.measured_bubble(events, 0.0, 6.0) for events in trace]
+    measured = [measured_bubble(events, 0.0, 6.0) for events in trace]
     assert viz.replayed_bubbles(run) == pytest.approx(measured) == [2 / 3, 1 / 2]
     assert viz.replayed_bubbles(run, each_action=True) == pytest.approx(measured)
     plans = pp.build_schedule("interleaved", 2, 4, 2)  # a list gives each of the 4 chunks' cost
@@ -186,8 +188,8 @@ def test_idle_between_actions_is_what_no_replay_sees():
         event("B", 2, 4, 1),
         event("send", 3.9, 4.5, 1),
     ]
-    assert pp.idle_between_actions(late, 0.0, 6.5) == pytest.approx(1 / 6.5)
-    assert pp.idle_between_actions(steady) == pytest.approx(0.5 / 4)  # ends at its last B
+    assert idle_between_actions(late, 0.0, 6.5) == pytest.approx(1 / 6.5)
+    assert idle_between_actions(steady) == pytest.approx(0.5 / 4)  # ends at its last B
     assert viz.idle_shares({"pipeline": dict(trace=[late, steady])}) == pytest.approx(
         [1 / 6.5, 0.5 / 6.5]
     )

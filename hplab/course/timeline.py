@@ -19,6 +19,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from hplab.schedule import COMPUTE
+
 SPAN_KINDS = {
     "forward": "forward",
     "wait": "wait",
@@ -159,3 +161,22 @@ def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list
         recorded = json.loads((path / f"rank{rank}.json").read_text())
         result.append(times | dict(core_s=recorded.get("gloo_queued_s", 0.0)))
     return result
+
+
+# --- a pipeline's trace: the part of its bubble no replay of the schedule sees -------------
+
+WAITED_S = 1e-4  # a wait for a message longer than this: the message was not there yet
+
+
+def idle_between_actions(trace: list[dict], origin: float = 0.0, end: float | None = None) -> float:
+    """The share of the step (as in `measured_bubble`) this rank spent between its actions, not
+    computing, sending or waiting for a message (a later start than the first rank, Python
+    between actions, a wait for a core): the part of the bubble no schedule replay sees. A gap
+    before a wait that lasted (over WAITED_S) is left out: the message would have kept it idle."""
+    between, previous = 0.0, origin
+    for e in trace:
+        if not (e["kind"] == "recv" and e["end_s"] - e["start_s"] > WAITED_S):
+            between += max(0.0, e["start_s"] - previous)
+        previous = max(previous, e["end_s"])
+    end = max(e["end_s"] for e in trace if e["kind"] in COMPUTE) if end is None else end
+    return between / (end - origin)

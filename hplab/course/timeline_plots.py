@@ -110,7 +110,8 @@ def measured_actions(pipeline: dict) -> dict:
     """For pp.simulate's `own`: each action of the run's schedule (in order, its trace event)
     with its measured seconds, and each message a rank waited for (its key) with its delay, from
     its send to the end of that wait."""
-    from hplab.schedule import WAITED_S, build_schedule, input_message, message_key
+    from hplab.course.timeline import WAITED_S
+    from hplab.schedule import build_schedule, input_message, message_key
 
     p, own, sent, arrived = pipeline, {}, {}, {}
     for plan, events in zip(
@@ -221,7 +222,8 @@ def replayed_bubbles(run_or_metrics, each_action: bool = False) -> list[float]:
 def idle_shares(run_or_metrics) -> list[float]:
     """Each rank's share of the step between its actions (`idle_between_actions`): what the
     replays leave out."""
-    from hplab.schedule import COMPUTE, idle_between_actions
+    from hplab.course.timeline import idle_between_actions
+    from hplab.schedule import COMPUTE
 
     trace = _pipeline(run_or_metrics)["trace"]
     end = max(e["end_s"] for events in trace for e in events if e["kind"] in COMPUTE)
