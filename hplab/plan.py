@@ -36,7 +36,15 @@ import argparse
 import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
+
+from hplab.config import (  # plan.Layout, plan.RECOMPUTE & co.: the same objects
+    RECOMPUTE,
+    Layout,
+    LayoutError,
+    ModelConfig,
+    validate,
+)
 
 # The formulas live in hplab.formulas; `plan.model_state_bytes` & co. are the same objects.
 from hplab.formulas import (  # plan.model_state_bytes & co.
@@ -62,83 +70,61 @@ GB, GIB = 1e9, 2**30
 # --- 1. The model, the cluster and the efficiency assumptions --------------------------------
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes that decide memory and time. `dropout` and `flash_attention` change what the
-    forward pass saves for backward: the papers' models use dropout and store the s×s attention
-    matrices; hplab's own GPT has no dropout and uses `scaled_dot_product_attention`, which
-    (like FlashAttention) keeps only the output and a log-sum-exp per row."""
-
-    name: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    seq_len: int
-    vocab_size: int
-    dropout: bool = True
-    flash_attention: bool = False
-    default_batch_size: int = 8  # global batch in sequences, when the command line gives none
-    n_experts: int = 0  # E > 0: each block's MLP is E experts (a mixture), 0: dense
-    moe_top_k: int = 2  # the experts each token goes to
-
-    def num_params(self) -> int:
-        """Ψ of GPT-2: V·h + S·h + L·(12h² + 13h) + 2h, experts included (`formulas`)."""
-        return gpt_num_params(
-            self.n_layer, self.n_embd, self.vocab_size, self.seq_len, self.n_experts
-        )
+def paper_model(name: str, L: int, h: int, a: int, V: int) -> ModelConfig:
+    """A model of the papers: sequences of 2048 tokens, and a forward pass that keeps dropout
+    masks and the s×s attention matrices (no FlashAttention); GPT-2's BPE."""
+    shape = dict(n_layer=L, n_embd=h, n_head=a, n_positions=2048, vocab_size=V)
+    return ModelConfig(**shape, tokenizer="gpt2", dropout=True, flash_attention=False, name=name)
 
 
 #: [GPT-3] Table 2.1 (context 2048, GPT-2 BPE); batch sizes are the paper's tokens ÷ 2048. Two
 #: rows are inconsistent: 1.3B lists 24 heads of 128 for d_model 2048 (16 fit), 13B lists
 #: d_model 5140 (5120 = 40 × 128 fits). We use what fits. Columns: name, L, h, heads, batch.
-GPT3_PRESETS = {
-    name: ModelShape(name, L, h, a, 2048, 50257, default_batch_size=batch)
-    for name, L, h, a, batch in [
-        ("gpt3-125m", 12, 768, 12, 256),
-        ("gpt3-350m", 24, 1024, 16, 256),
-        ("gpt3-760m", 24, 1536, 16, 256),
-        ("gpt3-1.3b", 24, 2048, 16, 512),
-        ("gpt3-2.7b", 32, 2560, 32, 512),
-        ("gpt3-6.7b", 32, 4096, 32, 1024),
-        ("gpt3-13b", 40, 5120, 40, 1024),
-        ("gpt3-175b", 96, 12288, 96, 1536),
-    ]
-}
+GPT3_SIZES = [
+    ("gpt3-125m", 12, 768, 12, 256),
+    ("gpt3-350m", 24, 1024, 16, 256),
+    ("gpt3-760m", 24, 1536, 16, 256),
+    ("gpt3-1.3b", 24, 2048, 16, 512),
+    ("gpt3-2.7b", 32, 2560, 32, 512),
+    ("gpt3-6.7b", 32, 4096, 32, 1024),
+    ("gpt3-13b", 40, 5120, 40, 1024),
+    ("gpt3-175b", 96, 12288, 96, 1536),
+]
+GPT3_PRESETS = {name: paper_model(name, L, h, a, 50257) for name, L, h, a, _ in GPT3_SIZES}
 
 #: [PTD-P] Table 1 (vocabulary 51,200, sequence 2048), with the paper's global batch sizes.
 #: Columns as the paper's: name, n_head, n_embd, n_layer, global batch.
+MEGATRON_2021_SIZES = [
+    ("megatron-1.7b", 24, 2304, 24, 512),
+    ("megatron-3.6b", 32, 3072, 30, 512),
+    ("megatron-7.5b", 32, 4096, 36, 512),
+    ("megatron-18b", 48, 6144, 40, 1024),
+    ("megatron-39b", 64, 8192, 48, 1536),
+    ("megatron-76b", 80, 10240, 60, 1792),
+    ("megatron-146b", 96, 12288, 80, 2304),
+    ("megatron-310b", 128, 16384, 96, 2160),
+    ("megatron-530b", 128, 20480, 105, 2520),
+    ("megatron-1t", 160, 25600, 128, 3072),
+]
 MEGATRON_2021_PRESETS = {
-    name: ModelShape(name, L, h, a, 2048, 51200, default_batch_size=batch)
-    for name, a, h, L, batch in [
-        ("megatron-1.7b", 24, 2304, 24, 512),
-        ("megatron-3.6b", 32, 3072, 30, 512),
-        ("megatron-7.5b", 32, 4096, 36, 512),
-        ("megatron-18b", 48, 6144, 40, 1024),
-        ("megatron-39b", 64, 8192, 48, 1536),
-        ("megatron-76b", 80, 10240, 60, 1792),
-        ("megatron-146b", 96, 12288, 80, 2304),
-        ("megatron-310b", 128, 16384, 96, 2160),
-        ("megatron-530b", 128, 20480, 105, 2520),
-        ("megatron-1t", 160, 25600, 128, 3072),
-    ]
+    name: paper_model(name, L, h, a, 51200) for name, a, h, L, _ in MEGATRON_2021_SIZES
 }
 
+#: The global batch, in sequences, the planner assumes for a preset when the command line gives
+#: none (a batch is how a model is trained, not part of its description): the papers' own.
+BATCH_SIZES = {row[0]: row[-1] for row in GPT3_SIZES + MEGATRON_2021_SIZES}
+DEFAULT_BATCH_SIZE = 8  # hplab's presets, and any other model
 
-def model_presets() -> dict[str, ModelShape]:
-    """hplab's own presets (`formulas.HPLAB_PRESETS`) plus the GPT-3 and Megatron sizes."""
-    presets = {
-        name: ModelShape(
-            name,
-            c["n_layer"],
-            c["n_embd"],
-            c["n_head"],
-            c["n_positions"],
-            c["vocab_size"],
-            dropout=False,
-            flash_attention=True,
-        )
-        for name, c in HPLAB_PRESETS.items()
-    }
+
+def default_batch_size(model: ModelConfig) -> int:
+    """The preset's global batch (`BATCH_SIZES`), else 8 sequences."""
+    return BATCH_SIZES.get(model.name, DEFAULT_BATCH_SIZE)
+
+
+def model_presets() -> dict[str, ModelConfig]:
+    """hplab's own presets (`formulas.HPLAB_PRESETS`, as `hplab.models` builds them: no dropout,
+    scaled-dot-product attention) plus the GPT-3 and Megatron sizes."""
+    presets = {name: ModelConfig(**c, name=name) for name, c in HPLAB_PRESETS.items()}
     return {**presets, **GPT3_PRESETS, **MEGATRON_2021_PRESETS}
 
 
@@ -197,157 +183,51 @@ class Efficiency:
     cpu_adam_params_per_s: float = 1e9  # optimizer updates per second on the host (--offload)
 
 
-# --- 2. The layout ---------------------------------------------------------------------------
-
-RECOMPUTE = ("none", "selective", "full")
+# --- 2. The layout: `config.Layout`, checked by `config.validate` ---------------------------
 
 
-class PlanError(ValueError):
-    """A layout that cannot run; the message says why in one line."""
+class PlanError(LayoutError):
+    """What the planner cannot answer, though a run might: an unknown preset, a search without
+    GPUs, a layout outside its model (interleaved chunks of unequal layers). One line."""
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    schedule: str = "1f1b"
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
-    microbatches: int = 1  # per data-parallel rank and step
-    batch_size: int = 8  # global, in sequences
-    precision: str = "fp32"
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    offload: bool = False
-    cp: int = 1  # context parallel: ranks sharing each sequence, in hplab's zig-zag split
-    cp_style: str = "ring"  # or "ulysses"
-    ep: int = 1  # expert parallel: of the dp ranks, ep share the experts (E/ep each)
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    @property
-    def micro_batch_size(self) -> int:
-        return self.batch_size // (self.dp * self.microbatches)
-
-    def short(self) -> str:
-        chunks = f"×{self.virtual_stages}" * (self.virtual_stages > 1)
-        bits = [
-            f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero}",
-            (f"cp{self.cp}" + "-ulysses" * (self.cp_style == "ulysses")) * (self.cp > 1),
-            f"ep{self.ep}" * (self.ep > 1),
-            (self.schedule + chunks) * (self.pp > 1),
-            f"b{self.micro_batch_size}×m{self.microbatches}",
-            f"rc-{self.recompute}" * (self.recompute != "none"),
-            "sp" * self.sequence_parallel,
-            "offload" * self.offload,
-        ]
-        return " ".join(bit for bit in bits if bit)
+#: The layout's fields a plan reports, in the order of its JSON (the planner does not model
+#: `cp_split`, pricing both splits alike, nor `bucket_mb`).
+PLANNED_FIELDS = (
+    "dp",
+    "tp",
+    "pp",
+    "zero",
+    "schedule",
+    "virtual_stages",
+    "microbatches",
+    "batch_size",
+    "precision",
+    "recompute",
+    "sequence_parallel",
+    "offload",
+    "cp",
+    "cp_style",
+    "ep",
+)
 
 
-def check_layout(model: ModelShape, lay: Layout) -> None:
-    """Raise PlanError with one clear line if the layout cannot run."""
-    sizes = {**asdict(model), **asdict(lay)}
-    for name in (
-        "n_layer",
-        "n_embd",
-        "n_head",
-        "seq_len",
-        "vocab_size",
-        "dp",
-        "tp",
-        "pp",
-        "cp",
-        "ep",
-        "microbatches",
-        "virtual_stages",
-        "batch_size",
-    ):
-        if sizes[name] < 1:
-            raise PlanError(f"--{name.replace('_', '-')} must be at least 1, got {sizes[name]}")
-    L, h, a, tp, cp, E, ep = (
-        model.n_layer,
-        model.n_embd,
-        model.n_head,
-        lay.tp,
-        lay.cp,
-        model.n_experts,
-        lay.ep,
-    )
-    chunks = lay.pp * (lay.virtual_stages if lay.schedule == "interleaved" else 1)
-    why = next(
-        (
-            why
-            for bad, why in [
-                (lay.zero not in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {lay.zero}"),
-                (
-                    lay.schedule not in SCHEDULES,
-                    f"unknown schedule {lay.schedule!r}: choose one of {', '.join(SCHEDULES)}",
-                ),
-                (
-                    lay.precision not in PRECISION_BYTES,
-                    f"unknown precision {lay.precision!r}: choose fp32, bf16 or fp16",
-                ),
-                (h % a, f"n_embd={h} is not divisible by n_head={a}"),
-                (
-                    a % tp,
-                    f"n_head={a} is not divisible by tp={tp}: "
-                    "tensor parallel gives each rank whole attention heads",
-                ),
-                (
-                    lay.pp > 1 and L < chunks,
-                    f"n_layer={L} is fewer than pp×virtual stages={chunks}",
-                ),
-                (
-                    lay.schedule == "interleaved" and lay.pp > 1 and L % chunks,
-                    f"interleaved schedule needs n_layer={L} divisible by "
-                    f"pp×virtual_stages={chunks}",
-                ),
-                (
-                    lay.batch_size % (lay.dp * lay.microbatches),
-                    f"global batch {lay.batch_size} is not "
-                    f"divisible by dp×microbatches={lay.dp}×{lay.microbatches}",
-                ),
-                (
-                    lay.sequence_parallel and tp > 1 and model.seq_len % tp,
-                    f"sequence parallel needs seq_len={model.seq_len} divisible by tp={tp}",
-                ),
-                (lay.cp_style not in CP_STYLES, f"unknown context-parallel style {lay.cp_style!r}"),
-                (
-                    cp > 1 and model.seq_len % (2 * cp),
-                    f"context parallel's zig-zag split needs seq_len="
-                    f"{model.seq_len} divisible by 2×cp={2 * cp}",
-                ),
-                (
-                    lay.cp_style == "ulysses" and (a // tp) % cp,
-                    f"Ulysses needs the {a // tp} heads per "
-                    f"tensor-parallel rank divisible by cp={cp}",
-                ),
-                (
-                    E and not 1 <= model.moe_top_k <= E,
-                    f"--moe-top-k must be between 1 and the {E} experts, got {model.moe_top_k}",
-                ),
-                (
-                    ep > 1 and (not E or E % ep or lay.dp % ep),
-                    f"ep={ep} must divide the experts "
-                    f"(--moe-experts {E}) and dp={lay.dp}: it splits them over some "
-                    "data-parallel ranks",
-                ),
-            ]
-            if bad
-        ),
-        None,
-    )
-    if why:
-        raise PlanError(why)
+def check_layout(model: ModelConfig, lay: Layout) -> None:
+    """Raise LayoutError, one line, unless the layout can run at all (`config.validate`, not
+    only what hplab composes today) and the planner models it."""
+    validate(lay, model, runs=False)
+    chunks = lay.pp * lay.virtual_stages
+    if lay.schedule == "interleaved" and lay.pp > 1 and model.n_layer % chunks:
+        raise PlanError(
+            f"interleaved schedule needs n_layer={model.n_layer} divisible by "
+            f"pp×virtual_stages={chunks}"
+        )
 
 
 # --- 3. Memory: parameters per stage [ZeRO], activations per GPU [SP] ------------------------
 
 
-def params_per_stage(model: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+def params_per_stage(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
     """Parameters one GPU holds on the first and on the last pipeline stage (dense), and of
     experts on either (`experts`). Tensor parallel ([PTD-P] Sec. 2.3) splits QKV, the attention
     projection, both MLP matrices, the column-parallel biases (12h² + 7h per block) and the
@@ -374,7 +254,7 @@ def params_per_stage(model: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1) -
     }  # what ZeRO-3 gathers
 
 
-def activation_memory(model: ModelShape, lay: Layout) -> dict:
+def activation_memory(model: ModelConfig, lay: Layout) -> dict:
     """Activation bytes per GPU on the first and last pipeline stage, and for one microbatch.
     Beyond the blocks ([SP] Sec. 4.3), the first stage keeps the embedding dropout mask (sbh
     bytes, /t with sequence parallel) per microbatch in flight; the last keeps the final layer
@@ -441,7 +321,7 @@ def group_link(cluster: Cluster, size: int, stride: int, eff: Efficiency) -> tup
 
 
 def plan(
-    model: ModelShape,
+    model: ModelConfig,
     lay: Layout,
     cluster: Cluster | None = None,
     eff: Efficiency | None = None,
@@ -585,7 +465,7 @@ def plan(
         "model": model.name,
         "params": model.num_params(),
         "layout": lay.short(),
-        **asdict(lay),
+        **{k: getattr(lay, k) for k in PLANNED_FIELDS},
         "n_experts": model.n_experts,
         "moe_top_k": model.moe_top_k,
         "micro_batch_size": b,
@@ -648,7 +528,7 @@ def plan(
 
 
 def candidate_layouts(
-    model: ModelShape,
+    model: ModelConfig,
     gpus: int,
     batch_size: int,
     precision: str = "bf16",
@@ -687,13 +567,26 @@ def candidate_layouts(
             (False, True)[: 1 + (tp > 1)],
             (False, True)[: 1 + allow_offload],
         ):
-            lay = Layout(dp, tp, pp, zero, schedule, v, m, batch_size, precision, rc, sp, off)
+            lay = Layout(
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                zero=zero,
+                schedule=schedule,
+                virtual_stages=v,
+                microbatches=m,
+                batch_size=batch_size,
+                precision=precision,
+                recompute=rc,
+                sequence_parallel=sp,
+                offload=off,
+            )
             if all(getattr(lay, k) in allowed for k, allowed in fixed.items()):
                 yield lay
 
 
 def search(
-    model: ModelShape,
+    model: ModelConfig,
     gpus: int,
     cluster: Cluster | None = None,
     eff: Efficiency | None = None,
@@ -711,7 +604,7 @@ def search(
     whole on more GPUs), less ZeRO sharding, no recompute, no sequence parallel, no offload,
     the plain 1F1B schedule, bigger microbatches."""
     cluster, eff = cluster or Cluster(GPU_PRESETS["a100-80g"]), eff or Efficiency()
-    batch_size = batch_size or model.default_batch_size
+    batch_size = batch_size or default_batch_size(model)
     plans = [
         plan(model, lay, cluster, eff)
         for lay in candidate_layouts(model, gpus, batch_size, precision, fixed, allow_offload)
@@ -981,7 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--n-layer": n,
             "--n-embd": n,
             "--n-head": n,
-            "--seq-len": n,
+            "--seq-len": dict(n, dest="n_positions", metavar="SEQ_LEN"),
             "--vocab-size": n,
             "--moe-experts": dict(n, dest="n_experts", help="a mixture of this many experts"),
             "--moe-top-k": dict(n, dest="moe_top_k", help="experts per token (default 2)"),
@@ -1083,16 +976,15 @@ def _run(args) -> tuple[dict, str]:
         **{
             k: v
             for k, v in vars(args).items()
-            if v is not None and k in ModelShape.__dataclass_fields__
+            if v is not None and k in ModelConfig.__dataclass_fields__
         },
     )
-    check_layout(model, Layout())  # the model's own sizes, before any search
     precision = args.precision or (
         "bf16" if args.model.startswith(("gpt3-", "megatron-")) else "fp32"
     )
     cluster = Cluster(GPU_PRESETS[args.gpu], args.gpus_per_node, args.intra_bw, args.inter_bw)
     eff = Efficiency(**{f.name: getattr(args, "eff_" + f.name) for f in fields(Efficiency)})
-    batch = args.batch_size or model.default_batch_size
+    batch = args.batch_size or default_batch_size(model)
     if args.search:
         if not args.gpus:
             raise PlanError("--search needs --gpus N")
@@ -1109,21 +1001,21 @@ def _run(args) -> tuple[dict, str]:
     recompute = "full" if args.recompute else ("selective" if args.selective_recompute else "none")
     m = args.microbatches or (max(1, batch // dp) if pp > 1 else 1)
     lay = Layout(
-        dp,
-        tp,
-        pp,
-        args.zero,
-        args.schedule,
-        args.virtual_stages,
-        m,
-        batch,
-        precision,
-        recompute,
-        args.sequence_parallel,
-        args.offload,
-        cp,
-        args.cp_style,
-        args.ep,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero=args.zero,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        microbatches=m,
+        batch_size=batch,
+        precision=precision,
+        recompute=recompute,
+        sequence_parallel=args.sequence_parallel,
+        offload=args.offload,
+        cp=cp,
+        cp_style=args.cp_style,
+        ep=args.ep,
     )
     res = plan(model, lay, cluster, eff, args.padded)
     return res, format_plan(res)
@@ -1134,7 +1026,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         res, text = _run(args)
-    except PlanError as e:
+    except LayoutError as e:  # (PlanError too)
         parser.error(str(e))  # one line, exit code 2, like a bad flag
     print(json.dumps(res, indent=2, default=str, ensure_ascii=False) if args.json else text)
     return 0

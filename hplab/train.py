@@ -383,7 +383,8 @@ def check_machine(args, config, world_size: int) -> None:
     estimates it, cannot fit here."""
     import torch
 
-    from hplab.plan import Layout, ModelShape, PlanError, plan
+    from hplab.config import Layout
+    from hplab.plan import PlanError, plan
 
     gpus = torch.cuda.device_count() if torch.distributed.is_nccl_available() else 0
     if args.backend == "nccl" and gpus < world_size:
@@ -391,18 +392,6 @@ def check_machine(args, config, world_size: int) -> None:
             f"--backend nccl needs one GPU per process: {world_size} processes, "
             f"{gpus} GPU(s) usable by NCCL here: use --backend gloo"
         )
-    model = ModelShape(
-        args.model,
-        config.n_layer,
-        config.n_embd,
-        config.n_head,  # hplab's GPT:
-        config.n_positions,
-        config.vocab_size,
-        dropout=False,
-        flash_attention=True,
-        n_experts=config.n_experts,
-        moe_top_k=config.moe_top_k,
-    )
     layout = Layout(
         **{
             f.name: getattr(args, f.name)
@@ -412,8 +401,8 @@ def check_machine(args, config, world_size: int) -> None:
         recompute="full" if args.recompute else "none",
     )
     try:
-        planned = plan(model, layout)  # the planner's memory, checked against real runs
-    except PlanError:  # a layout it does not model (e.g. a contiguous cp split): no estimate
+        planned = plan(config, layout)  # the planner's memory, checked against real runs
+    except PlanError:  # a layout it does not model (interleaved chunks of unequal layers)
         return
     states, need = planned["model_state_bytes_per_gpu"], planned["memory_bytes_per_gpu"]
     if torch.cuda.is_available() and args.backend != "gloo":

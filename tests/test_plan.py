@@ -62,7 +62,7 @@ def test_model_state_kinds_follow_the_contract():
 
 def test_gpt2_parameter_count_is_exact():
     # Ψ = V·h + S·h + L·(12h² + 13h) + 2h; GPT-2 small has 124,439,808 parameters (HF count)
-    gpt2 = P.ModelShape("gpt2", 12, 768, 12, 1024, 50257)
+    gpt2 = P.ModelConfig(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)
     assert gpt2.num_params() == 124_439_808
     # tensor and pipeline parallel split them without losing any (tied head counted once)
     stage = P.params_per_stage(gpt2, tp=1, pp=1)
@@ -320,16 +320,16 @@ def test_cli_text_report_and_search(capsys):
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--model", "tiny", "--tp", "3"], "not divisible by tp=3"),
+        (["--model", "tiny", "--tp", "3"], "do not split over 3 tensor-parallel ranks"),
         (["--model", "tiny", "--dp", "2", "--gpus", "3"], "dp×cp×tp×pp"),
-        (["--model", "gpt2", "--cp", "5"], "divisible by 2×cp=10"),
-        (["--model", "gpt2", "--cp", "8", "--cp-style", "ulysses"], "12 heads per tensor-parallel"),
+        (["--model", "gpt2", "--cp", "5"], "a multiple of 10"),
+        (["--model", "gpt2", "--cp", "8", "--cp-style", "ulysses"], "rank: 12) over 8 context"),
         (["--model", "gpt2", "--moe-experts", "8", "--dp", "8", "--ep", "3"], "must divide"),
-        (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "dp=2"),
-        (["--model", "gpt2", "--dp", "2", "--ep", "2"], "--moe-experts 0"),
-        (["--model", "gpt2", "--moe-experts", "4", "--moe-top-k", "5"], "between 1 and the 4"),
+        (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "--dp 2"),
+        (["--model", "gpt2", "--dp", "2", "--ep", "2"], "--moe-experts (0)"),
+        (["--model", "gpt2", "--moe-experts", "4", "--moe-top-k", "5"], "number of experts, 4"),
         (["--model", "gpt2", "--cp", "0"], "positive"),
-        (["--model", "tiny", "--dp", "3", "--batch-size", "8"], "not divisible"),
+        (["--model", "tiny", "--dp", "3", "--batch-size", "8"], "does not split over dp=3"),
         (["--model", "no-such-model"], "unknown model"),
         (["--model", "gpt2", "--search"], "--gpus"),
         (["--zero", "5"], "--zero"),
@@ -358,8 +358,8 @@ def test_module_runs_and_imports_no_torch():
 # --- context parallel and experts (issue 12): hand-computed cases -----------------------------
 # A toy MoE GPT: L=2, h=8, 2 heads, S=16, V=32, E=4 experts, top-2. Dense GPT-2 would have
 # Ψ = 32·8 + 16·8 + 2·(12·64 + 13·8) + 2·8 = 2144; one MLP is 8·64 + 5·8 = 552 parameters.
-MOE = P.ModelShape(
-    "toy-moe", 2, 8, 2, 16, 32, dropout=False, flash_attention=True, n_experts=4, moe_top_k=2
+MOE = P.ModelConfig(
+    vocab_size=32, n_positions=16, n_embd=8, n_layer=2, n_head=2, n_experts=4, name="toy-moe"
 )
 
 

@@ -124,7 +124,7 @@ def test_planner_matches_a_real_run(zero, tmp_path):
             ("n_layer", "n_layer"),
             ("n_embd", "n_embd"),
             ("n_head", "n_head"),
-            ("seq_len", "seq_len"),
+            ("n_positions", "seq_len"),
         )
         if cfg.get(f)
     }
