@@ -7,10 +7,12 @@ comparison tables printed.
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from hplab import plan as P
+from hplab.plan.search import _best, _neighbours
 
 GIB = 2**30
 
@@ -196,7 +198,7 @@ def test_pipeline_first_stage_holds_the_whole_model_in_1f1b():
     embed = 2048 * 12288 / 8  # embedding dropout mask, one per microbatch in flight
     first = P.activation_memory(m, base)["first_stage_bytes"]
     assert first == pytest.approx(m.n_layer * per_layer + 8 * embed)
-    inter = P.activation_memory(m, P.replace(base, schedule="interleaved", virtual_stages=4))
+    inter = P.activation_memory(m, replace(base, schedule="interleaved", virtual_stages=4))
     assert inter["first_stage_bytes"] == pytest.approx(
         (m.n_layer * per_layer + 8 * embed) * (1 + 7 / (8 * 4))
     )
@@ -263,7 +265,7 @@ def test_slow_inter_node_links_keep_zero_at_stage_1():
     w = res["winner"]
     assert w["zero"] <= 1 and not w["tp_crosses_nodes"]
     for stage in (2, 3):
-        alt = P._best(P._neighbours(w, res["_all"], "zero", stage))
+        alt = _best(_neighbours(w, res["_all"], "zero", stage))
         assert alt["step_time_s"] > 1.5 * w["step_time_s"]
 
 
@@ -379,7 +381,7 @@ def test_moe_parameters_split_into_dense_and_experts():
 
 def test_moe_flops_count_only_the_top_k_experts():
     B, s, h, L, E, k = 3, MOE.seq_len, MOE.n_embd, MOE.n_layer, 4, 2
-    dense = P.flops_per_step(P.replace(MOE, n_experts=0), B)["model_flops"]
+    dense = P.flops_per_step(replace(MOE, n_experts=0), B)["model_flops"]
     extra = 3 * L * B * s * (16 * h * h * (k - 1) + 2 * h * E)  # k MLPs instead of 1, router
     assert P.flops_per_step(MOE, B)["model_flops"] == dense + extra
 
@@ -428,15 +430,15 @@ def test_expert_all_to_all_bytes_per_step():
     per_layer = 8 * 4 + 4 * slots * 8 * 4  # counts (E int64); dispatch + combine, fwd + bwd
     got = P.plan(MOE, lay)
     assert got["ep_all_to_all_bytes_per_step"] == layers * per_layer
-    assert P.plan(MOE, P.replace(lay, recompute="full"))[
-        "ep_all_to_all_bytes_per_step"
-    ] == layers * (per_layer + 8 * 4 + 2 * slots * 8 * 4)  # the forward's exchanges again
+    assert P.plan(MOE, replace(lay, recompute="full"))["ep_all_to_all_bytes_per_step"] == layers * (
+        per_layer + 8 * 4 + 2 * slots * 8 * 4
+    )  # the forward's exchanges again
     # seconds: bus factor (ep-1)/ep of the bytes over β, (ep-1) latency steps per all-to-all
     bw, alpha, _ = P.group_link(P.Cluster(P.GPU_PRESETS["a100-80g"]), 4, 1, P.Efficiency())
     assert got["ep_comm_s"] == pytest.approx(
         3 / 4 * layers * per_layer / bw + layers * 5 * 3 * alpha
     )
-    assert P.plan(MOE, P.replace(lay, ep=1))["ep_all_to_all_bytes_per_step"] == 0
+    assert P.plan(MOE, replace(lay, ep=1))["ep_all_to_all_bytes_per_step"] == 0
 
 
 def test_cli_shows_context_and_expert_parallel(capsys):
