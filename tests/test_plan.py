@@ -7,7 +7,7 @@ comparison tables printed.
 import json
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
@@ -330,7 +330,8 @@ def test_cli_text_report_and_search(capsys):
         (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "--dp 2"),
         (["--model", "gpt2", "--dp", "2", "--ep", "2"], "--moe-experts (0)"),
         (["--model", "gpt2", "--moe-experts", "4", "--moe-top-k", "5"], "number of experts, 4"),
-        (["--model", "gpt2", "--cp", "0"], "positive"),
+        (["--model", "gpt2", "--cp", "0"], "at least 1"),
+        (["--model", "gpt2", "--n-layer", "0"], "positive"),
         (["--model", "tiny", "--dp", "3", "--batch-size", "8"], "does not split over dp=3"),
         (["--model", "no-such-model"], "unknown model"),
         (["--model", "gpt2", "--search"], "--gpus"),
@@ -343,6 +344,23 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_cli_layout_flags_are_the_one_layouts(capsys):
+    # the planner's layout flags come from config.Layout (flags.add_flags), as train.py's do
+    dests = {action.dest for action in P.build_parser()._actions}
+    assert {f.name for f in fields(P.Layout)} - dests == {"bucket_mb"}  # (not modelled)
+    modes = {}
+    for flags in (
+        [],
+        ["--recompute"],
+        ["--recompute", "selective"],
+        ["--selective-recompute"],
+        ["--recompute", "--selective-recompute"],
+    ):
+        P.main(["--model", "tiny", "--json", *flags])
+        modes[" ".join(flags)] = json.loads(capsys.readouterr().out)["recompute"]
+    assert list(modes.values()) == ["none", "full", "selective", "selective", "full"]
 
 
 def test_module_runs_and_imports_no_torch():

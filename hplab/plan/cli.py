@@ -8,7 +8,8 @@ import json
 from dataclasses import fields, replace
 
 from hplab.config import Layout, LayoutError, ModelConfig
-from hplab.formulas import CP_STYLES, PRECISION_BYTES, SCHEDULES, model_state_bytes
+from hplab.flags import add_flags
+from hplab.formulas import model_state_bytes
 from hplab.plan.estimate import PlanError, plan
 from hplab.plan.presets import (
     GB,
@@ -20,6 +21,8 @@ from hplab.plan.presets import (
 )
 from hplab.plan.search import TIME_PARTS, search
 
+MODEL_FIELDS = {f.name for f in fields(ModelConfig)}
+LAYOUT_FIELDS = [f.name for f in fields(Layout)]
 DESCRIPTION = (
     "The planner: how much memory a layout needs on each GPU, how long a step takes, and why."
 )
@@ -121,59 +124,51 @@ def _positive(kind):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m hplab.plan", description=DESCRIPTION)
-    ap.error = lambda message: ap.exit(2, f"hplab.plan: error: {message}\n")  # one line, exit 2
+#: The planner's own defaults for layout flags, where it decides more than `Layout` does.
+LAYOUT_DEFAULTS = dict(dp=None, microbatches=None, batch_size=None, precision=None)
+LAYOUT_HELPS = dict(
+    dp="data-parallel size (default: --gpus ÷ (cp × tp × pp), else 1)",
+    microbatches="microbatches per step (default: one sequence each with --pp, else 1)",
+    batch_size="global batch, in sequences (default: the preset's, else 8)",
+    precision="parameters and activations (default: fp32 for hplab's presets, bf16 for the others)",
+    offload="optimizer state and its step on the host",
+    cp_split="the sequence's cut over --cp (the planner prices both alike: it does not model "
+    "the causal mask's uneven work)",
+)
+
+
+def _model_flags() -> dict:
+    """The model: a preset, and the sizes that override it (as hplab/train.py names them)."""
+    n, preset = dict(type=_positive(int)), dict(action=argparse.BooleanOptionalAction, default=None)
+    return {
+        "--model": dict(
+            default="gpt2",
+            help="preset: hplab's tiny/gpt2/gpt2-medium, "
+            "gpt3-125m ... gpt3-175b, megatron-1.7b ... megatron-1t",
+        ),
+        "--n-layer": n,
+        "--n-embd": n,
+        "--n-head": n,
+        "--seq-len": dict(n, dest="n_positions", metavar="SEQ_LEN"),
+        "--vocab-size": n,
+        "--moe-experts": dict(n, dest="n_experts", help="a mixture of this many experts"),
+        "--moe-top-k": dict(n, dest="moe_top_k", help="experts per token (default 2)"),
+        "--dropout": dict(preset, help="count dropout masks (default: as the preset)"),
+        "--flash-attention": dict(
+            preset, help="attention keeps no s×s matrices (default: as the preset)"
+        ),
+        "--params": dict(
+            type=_positive(float),
+            help="only the model-state memory of this many "
+            "parameters (with --dp, --zero, --precision)",
+        ),
+    }
+
+
+def _planner_flags() -> dict[str, dict]:
+    """The cluster, the efficiency assumptions (`Efficiency`'s fields) and the output."""
     n, real, on = dict(type=_positive(int)), dict(type=_positive(float)), dict(action="store_true")
-    preset = dict(action=argparse.BooleanOptionalAction, default=None)
-    for title, flags in {
-        "model (as hplab/train.py)": {
-            "--model": dict(
-                default="gpt2",
-                help="preset: hplab's tiny/gpt2/gpt2-medium, "
-                "gpt3-125m ... gpt3-175b, megatron-1.7b ... megatron-1t",
-            ),
-            "--n-layer": n,
-            "--n-embd": n,
-            "--n-head": n,
-            "--seq-len": dict(n, dest="n_positions", metavar="SEQ_LEN"),
-            "--vocab-size": n,
-            "--moe-experts": dict(n, dest="n_experts", help="a mixture of this many experts"),
-            "--moe-top-k": dict(n, dest="moe_top_k", help="experts per token (default 2)"),
-            "--dropout": dict(preset, help="count dropout masks (default: as the preset)"),
-            "--flash-attention": dict(
-                preset, help="attention keeps no s×s matrices (default: as the preset)"
-            ),
-            "--params": dict(
-                real,
-                help="only the model-state memory of this many "
-                "parameters (with --dp, --zero, --precision)",
-            ),
-        },
-        "layout (as hplab/train.py)": {
-            "--dp": n,
-            "--tp": dict(n, default=1),
-            "--pp": dict(n, default=1),
-            "--cp": dict(n, default=1),
-            "--cp-style": dict(default="ring", choices=CP_STYLES),
-            "--ep": dict(n, default=1, help="expert parallel, among the --dp ranks"),
-            "--zero": dict(type=int, default=0, choices=(0, 1, 2, 3)),
-            "--schedule": dict(default="1f1b", choices=SCHEDULES),
-            "--virtual-stages": dict(n, default=1),
-            "--microbatches": n,
-            "--batch-size": dict(n, help="global, in sequences"),
-            "--precision": dict(
-                choices=tuple(PRECISION_BYTES),
-                help="default: fp32 for hplab's presets, bf16 for the others",
-            ),
-            "--recompute": dict(on, help="full activation recompute"),
-            "--selective-recompute": dict(on, help="recompute only the attention scores [SP]"),
-            "--sequence-parallel": on,
-            "--offload": dict(on, help="optimizer state on the host"),
-            "--padded": dict(
-                on, help="ZeRO shards padded to a multiple of dp, as hplab allocates them"
-            ),
-        },
+    return {
         "cluster": {
             "--gpu": dict(default="a100-80g", choices=tuple(GPU_PRESETS)),
             "--gpus": dict(n, help="total GPUs (required with --search)"),
@@ -194,53 +189,99 @@ def build_parser() -> argparse.ArgumentParser:
             "--top": dict(n, default=10),
             "--json": on,
         },
-    }.items():
-        group = ap.add_argument_group(title)
-        for flag, kwargs in flags.items():
-            group.add_argument(flag, **kwargs)
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The planner's flags: the model's as today, the layout's from `config.Layout` (as
+    hplab/train.py derives its own), then the cluster, efficiency and output."""
+    ap = argparse.ArgumentParser(prog="python -m hplab.plan", description=DESCRIPTION)
+    ap.error = lambda message: ap.exit(2, f"hplab.plan: error: {message}\n")  # one line, exit 2
+    _add_group(ap, "model (as hplab/train.py)", _model_flags())
+    layout = ap.add_argument_group("layout (as hplab/train.py)")
+    add_flags(layout, Layout, LAYOUT_DEFAULTS, skip=("bucket_mb",), helps=LAYOUT_HELPS)
+    layout.add_argument(
+        "--selective-recompute", action="store_true", help="the same as --recompute selective"
+    )
+    layout.add_argument(
+        "--padded",
+        action="store_true",
+        help="ZeRO shards padded to a multiple of dp, as hplab allocates them",
+    )
+    for title, flags in _planner_flags().items():
+        _add_group(ap, title, flags)
     return ap
+
+
+def _add_group(ap: argparse.ArgumentParser, title: str, flags: dict) -> None:
+    group = ap.add_argument_group(title)
+    for flag, kwargs in flags.items():
+        group.add_argument(flag, **kwargs)
+
+
+def _model_states(args) -> tuple[dict, str]:
+    """--params: the model states of a bare parameter count, per GPU [ZeRO Sec. 5]."""
+    dp, precision = args.dp or 1, args.precision or "bf16"
+    st = model_state_bytes(
+        args.params / (args.tp * args.pp), dp, args.zero, precision, args.offload, args.padded
+    )
+    res = {
+        "params": args.params,
+        "dp": dp,
+        "tp": args.tp,
+        "pp": args.pp,
+        "zero": args.zero,
+        "precision": precision,
+        **st,
+        "cpu_offload_bytes": st["cpu_bytes"],
+        "model_state_bytes_per_gpu": st["total_bytes"],
+    }
+    rows = _rows(
+        [(k[:-6].replace("cpu", "on host"), x) for k, x in st.items() if x or k != "cpu_bytes"],
+        8,
+    )
+    title = (
+        f"model states of Ψ = {args.params:.4g} parameters, {precision}, "
+        f"ZeRO-{args.zero} over dp={dp} (per GPU) [ZeRO Sec. 5]"
+    )
+    return res, "\n".join([title, *rows])
+
+
+def _model(args) -> ModelConfig:
+    """The preset, with the sizes the flags give."""
+    presets = model_presets()
+    if args.model not in presets:
+        raise PlanError(f"unknown model preset {args.model!r}: choose one of {', '.join(presets)}")
+    sizes = {k: v for k, v in vars(args).items() if v is not None and k in MODEL_FIELDS}
+    return replace(presets[args.model], **sizes)
+
+
+def _layout(args, batch: int, precision: str) -> Layout:
+    """The layout the flags give, with the planner's defaults for --dp (what --gpus leaves)
+    and --microbatches (one sequence each with a pipeline)."""
+    tp, pp, cp = args.tp, args.pp, args.cp
+    dp = args.dp or (args.gpus // (cp * tp * pp) if args.gpus else 1)
+    if args.gpus and dp * cp * tp * pp != args.gpus:
+        raise PlanError(f"dp×cp×tp×pp = {dp}×{cp}×{tp}×{pp} ≠ --gpus {args.gpus}")
+    recompute = args.recompute
+    if args.selective_recompute and recompute == "none":  # (--recompute's mode wins)
+        recompute = "selective"
+    given = {name: getattr(args, name) for name in LAYOUT_FIELDS if hasattr(args, name)}
+    given |= dict(
+        dp=dp,
+        microbatches=args.microbatches or (max(1, batch // dp) if pp > 1 else 1),
+        batch_size=batch,
+        precision=precision,
+        recompute=recompute,
+    )
+    return Layout(**given)
 
 
 def _run(args) -> tuple[dict, str]:
     """The result of the command line (its JSON) and the report for humans."""
-    if args.params is not None:  # model states of a bare parameter count
-        dp, precision = args.dp or 1, args.precision or "bf16"
-        st = model_state_bytes(
-            args.params / (args.tp * args.pp), dp, args.zero, precision, args.offload, args.padded
-        )
-        res = {
-            "params": args.params,
-            "dp": dp,
-            "tp": args.tp,
-            "pp": args.pp,
-            "zero": args.zero,
-            "precision": precision,
-            **st,
-            "cpu_offload_bytes": st["cpu_bytes"],
-            "model_state_bytes_per_gpu": st["total_bytes"],
-        }
-        rows = _rows(
-            [(k[:-6].replace("cpu", "on host"), x) for k, x in st.items() if x or k != "cpu_bytes"],
-            8,
-        )
-        return res, "\n".join(
-            [
-                f"model states of Ψ = {args.params:.4g} parameters, {precision}, "
-                f"ZeRO-{args.zero} over dp={dp} (per GPU) [ZeRO Sec. 5]",
-                *rows,
-            ]
-        )
-    presets = model_presets()
-    if args.model not in presets:
-        raise PlanError(f"unknown model preset {args.model!r}: choose one of {', '.join(presets)}")
-    model = replace(
-        presets[args.model],
-        **{
-            k: v
-            for k, v in vars(args).items()
-            if v is not None and k in ModelConfig.__dataclass_fields__
-        },
-    )
+    if args.params is not None:
+        return _model_states(args)
+    model = _model(args)
     precision = args.precision or (
         "bf16" if args.model.startswith(("gpt3-", "megatron-")) else "fp32"
     )
@@ -256,30 +297,7 @@ def _run(args) -> tuple[dict, str]:
         res["ranking"] = res["ranking"][: args.top]
         # the headline numbers of the winner, at top level for notebooks
         return {**res, **{k: res["winner"][k] for k in HEADLINE if res["winner"]}}, text
-    tp, pp, cp = args.tp, args.pp, args.cp
-    dp = args.dp or (args.gpus // (cp * tp * pp) if args.gpus else 1)
-    if args.gpus and dp * cp * tp * pp != args.gpus:
-        raise PlanError(f"dp×cp×tp×pp = {dp}×{cp}×{tp}×{pp} ≠ --gpus {args.gpus}")
-    recompute = "full" if args.recompute else ("selective" if args.selective_recompute else "none")
-    m = args.microbatches or (max(1, batch // dp) if pp > 1 else 1)
-    lay = Layout(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        zero=args.zero,
-        schedule=args.schedule,
-        virtual_stages=args.virtual_stages,
-        microbatches=m,
-        batch_size=batch,
-        precision=precision,
-        recompute=recompute,
-        sequence_parallel=args.sequence_parallel,
-        offload=args.offload,
-        cp=cp,
-        cp_style=args.cp_style,
-        ep=args.ep,
-    )
-    res = plan(model, lay, cluster, eff, args.padded)
+    res = plan(model, _layout(args, batch, precision), cluster, eff, args.padded)
     return res, format_plan(res)
 
 

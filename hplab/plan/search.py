@@ -99,29 +99,8 @@ def search(
             f"{model.n_head} heads evenly: change --gpus or --batch-size"
         )
     feasible = sorted((p for p in plans if p["fits"]), key=lambda p: p["step_time_s"])
-    winner = None
-    if feasible:
-        fastest = feasible[0]["step_time_s"]
-        ties = [p for p in feasible if p["step_time_s"] <= fastest * (1 + tie)]
-        roomy = [
-            p
-            for p in ties
-            if p["memory_bytes_per_gpu"] <= comfortable_memory * p["usable_bytes_per_gpu"]
-        ]
-        winner = min(
-            roomy or ties,
-            key=lambda p: (
-                p["tp"] * p["pp"],
-                p["zero"],
-                RECOMPUTE.index(p["recompute"]),
-                p["sequence_parallel"],
-                p["offload"],
-                p["schedule"] != "1f1b",
-                p["virtual_stages"],
-                -p["micro_batch_size"],
-            ),
-        )
-        feasible.sort(key=lambda p: p is not winner)  # the winner first, the rest by time
+    winner = _winner(feasible, tie, comfortable_memory)
+    feasible.sort(key=lambda p: p is not winner)  # the winner first, the rest by time
     return {
         "model": model.name,
         "params": model.num_params(),
@@ -137,6 +116,37 @@ def search(
         "explanation": explain(winner, plans, gpus, batch_size),
         "_all": plans,
     }
+
+
+def simplicity(p: dict) -> tuple:
+    """What the winner has least of, in this order: model-parallel ranks (the model stays
+    whole on more GPUs), ZeRO sharding, recompute, sequence parallel, offload, a schedule other
+    than plain 1F1B, model chunks per rank; and the most of: sequences per microbatch."""
+    return (
+        p["tp"] * p["pp"],
+        p["zero"],
+        RECOMPUTE.index(p["recompute"]),
+        p["sequence_parallel"],
+        p["offload"],
+        p["schedule"] != "1f1b",
+        p["virtual_stages"],
+        -p["micro_batch_size"],
+    )
+
+
+def _winner(feasible: list[dict], tie: float, comfortable_memory: float) -> dict | None:
+    """The simplest of the plans within `tie` of the fastest (`feasible`, sorted by time),
+    among those that leave headroom if any do."""
+    if not feasible:
+        return None
+    fastest = feasible[0]["step_time_s"]
+    ties = [p for p in feasible if p["step_time_s"] <= fastest * (1 + tie)]
+    roomy = [
+        p
+        for p in ties
+        if p["memory_bytes_per_gpu"] <= comfortable_memory * p["usable_bytes_per_gpu"]
+    ]
+    return min(roomy or ties, key=simplicity)
 
 
 TIME_PARTS = {
