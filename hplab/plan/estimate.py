@@ -81,7 +81,9 @@ class Throughput:
     hfu: float
 
 
-def throughput(model: ModelConfig, lay: Layout, cluster: Cluster, flops, step: float):
+def throughput(
+    model: ModelConfig, lay: Layout, cluster: Cluster, flops: dict, step: float
+) -> Throughput:
     """`flops`: formulas.flops_per_step of the global batch; `step`: seconds per step."""
     peak = cluster.gpu.peak_tflops[lay.precision] * 1e12
     tflops = flops["hardware_flops"] / (step * lay.gpus) / 1e12

@@ -61,7 +61,13 @@ class Compute:
 
 
 def compute_time(
-    model: ModelConfig, lay: Layout, cluster: Cluster, eff: Efficiency, flops, stage, acts
+    model: ModelConfig,
+    lay: Layout,
+    cluster: Cluster,
+    eff: Efficiency,
+    flops: dict,
+    stage: dict,
+    acts: dict,
 ) -> Compute:
     """FLOPs ÷ achievable FLOP/s, plus element-wise passes over the activations. `flops`:
     formulas.flops_per_step; `stage`, `acts`: params_per_stage, activation_memory."""
@@ -87,7 +93,7 @@ class Traffic:
 
     seconds: float
     crosses_nodes: bool
-    bytes: float = 0.0
+    bytes_sent: float = 0.0
 
 
 def tensor_parallel(
@@ -248,7 +254,13 @@ class Links:
 
 
 def step_time(
-    model: ModelConfig, lay: Layout, cluster: Cluster, eff: Efficiency, flops, stage, acts
+    model: ModelConfig,
+    lay: Layout,
+    cluster: Cluster,
+    eff: Efficiency,
+    flops: dict,
+    stage: dict,
+    acts: dict,
 ) -> tuple[StepTime, Links]:
     """m microbatches of compute and tp/cp/ep traffic, the bubble on top of them, pipeline
     sends, exposed data-parallel traffic and offload."""
@@ -272,8 +284,8 @@ def step_time(
         tp_comm_s=m * tp.seconds,
         cp_comm_s=m * cp.seconds,
         ep_comm_s=m * ep.seconds,
-        cp_bytes_per_step=m * cp.bytes,
-        ep_all_to_all_bytes_per_step=m * ep.bytes,
+        cp_bytes_per_step=m * cp.bytes_sent,
+        ep_all_to_all_bytes_per_step=m * ep.bytes_sent,
         bubble_s=bubble_s,
         bubble_ratio=pipe.bubble_ratio,
         bubble_fraction=pipe.bubble_fraction,
