@@ -3,7 +3,7 @@
 Everything hplab measures has a formula from the papers next to it: the pipeline bubble, the
 cost of a collective, a GPT's parameters and FLOPs, the bytes of its model states and
 activations, for the library and the labs alike; only the standard library is imported.
-The sources ([ZeRO], [PTD-P], [SP], [ZB], [Ring]) are cited in plan.py.
+The sources ([ZeRO], [PTD-P], [SP], [ZB], [Ring]) are cited in hplab/plan/__init__.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 
 # --- 1. Pipeline schedules and the bubble  [PTD-P] Sec. 2.2, [ZB] ---------------------------------
 
-#: The pipeline schedules hplab runs (pp.py), plans (plan.py) and accepts (--schedule).
+#: The pipeline schedules hplab runs (pp.py), plans (plan/) and accepts (--schedule).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -157,7 +157,7 @@ def training_flops_per_token(num_params: int, n_layer: int, n_embd: int, seq_len
 
 def flops_per_step(model, batch_size: int, recompute: str = "none") -> dict:
     """Floating-point operations of one training step on the whole global batch B, for a
-    `model` with sizes n_layer, n_embd, seq_len, vocab_size (`plan.ModelShape`).
+    `model` with sizes n_layer, n_embd, seq_len, vocab_size (`config.ModelConfig`).
 
     [PTD-P] Appendix: a block's forward costs 24·B·s·h² (the four matrix multiplies) plus
     4·B·s²·h (scores and their product with V); the LM head 2·B·s·h·V. Backward costs twice

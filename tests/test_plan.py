@@ -7,10 +7,12 @@ comparison tables printed.
 import json
 import subprocess
 import sys
+from dataclasses import fields, replace
 
 import pytest
 
 from hplab import plan as P
+from hplab.plan.search import _best, _neighbours
 
 GIB = 2**30
 
@@ -62,7 +64,7 @@ def test_model_state_kinds_follow_the_contract():
 
 def test_gpt2_parameter_count_is_exact():
     # Ψ = V·h + S·h + L·(12h² + 13h) + 2h; GPT-2 small has 124,439,808 parameters (HF count)
-    gpt2 = P.ModelShape("gpt2", 12, 768, 12, 1024, 50257)
+    gpt2 = P.ModelConfig(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)
     assert gpt2.num_params() == 124_439_808
     # tensor and pipeline parallel split them without losing any (tied head counted once)
     stage = P.params_per_stage(gpt2, tp=1, pp=1)
@@ -196,7 +198,7 @@ def test_pipeline_first_stage_holds_the_whole_model_in_1f1b():
     embed = 2048 * 12288 / 8  # embedding dropout mask, one per microbatch in flight
     first = P.activation_memory(m, base)["first_stage_bytes"]
     assert first == pytest.approx(m.n_layer * per_layer + 8 * embed)
-    inter = P.activation_memory(m, P.replace(base, schedule="interleaved", virtual_stages=4))
+    inter = P.activation_memory(m, replace(base, schedule="interleaved", virtual_stages=4))
     assert inter["first_stage_bytes"] == pytest.approx(
         (m.n_layer * per_layer + 8 * embed) * (1 + 7 / (8 * 4))
     )
@@ -263,7 +265,7 @@ def test_slow_inter_node_links_keep_zero_at_stage_1():
     w = res["winner"]
     assert w["zero"] <= 1 and not w["tp_crosses_nodes"]
     for stage in (2, 3):
-        alt = P._best(P._neighbours(w, res["_all"], "zero", stage))
+        alt = _best(_neighbours(w, res["_all"], "zero", stage))
         assert alt["step_time_s"] > 1.5 * w["step_time_s"]
 
 
@@ -320,16 +322,17 @@ def test_cli_text_report_and_search(capsys):
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--model", "tiny", "--tp", "3"], "not divisible by tp=3"),
+        (["--model", "tiny", "--tp", "3"], "do not split over 3 tensor-parallel ranks"),
         (["--model", "tiny", "--dp", "2", "--gpus", "3"], "dp×cp×tp×pp"),
-        (["--model", "gpt2", "--cp", "5"], "divisible by 2×cp=10"),
-        (["--model", "gpt2", "--cp", "8", "--cp-style", "ulysses"], "12 heads per tensor-parallel"),
+        (["--model", "gpt2", "--cp", "5"], "a multiple of 10"),
+        (["--model", "gpt2", "--cp", "8", "--cp-style", "ulysses"], "rank: 12) over 8 context"),
         (["--model", "gpt2", "--moe-experts", "8", "--dp", "8", "--ep", "3"], "must divide"),
-        (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "dp=2"),
-        (["--model", "gpt2", "--dp", "2", "--ep", "2"], "--moe-experts 0"),
-        (["--model", "gpt2", "--moe-experts", "4", "--moe-top-k", "5"], "between 1 and the 4"),
-        (["--model", "gpt2", "--cp", "0"], "positive"),
-        (["--model", "tiny", "--dp", "3", "--batch-size", "8"], "not divisible"),
+        (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "--dp 2"),
+        (["--model", "gpt2", "--dp", "2", "--ep", "2"], "--moe-experts (0)"),
+        (["--model", "gpt2", "--moe-experts", "4", "--moe-top-k", "5"], "number of experts, 4"),
+        (["--model", "gpt2", "--cp", "0"], "at least 1"),
+        (["--model", "gpt2", "--n-layer", "0"], "positive"),
+        (["--model", "tiny", "--dp", "3", "--batch-size", "8"], "does not split over dp=3"),
         (["--model", "no-such-model"], "unknown model"),
         (["--model", "gpt2", "--search"], "--gpus"),
         (["--zero", "5"], "--zero"),
@@ -341,6 +344,23 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_cli_layout_flags_are_the_one_layouts(capsys):
+    # the planner's layout flags come from config.Layout (flags.add_flags), as train.py's do
+    dests = {action.dest for action in P.build_parser()._actions}
+    assert {f.name for f in fields(P.Layout)} - dests == {"bucket_mb"}  # (not modelled)
+    modes = {}
+    for flags in (
+        [],
+        ["--recompute"],
+        ["--recompute", "selective"],
+        ["--selective-recompute"],
+        ["--recompute", "--selective-recompute"],
+    ):
+        P.main(["--model", "tiny", "--json", *flags])
+        modes[" ".join(flags)] = json.loads(capsys.readouterr().out)["recompute"]
+    assert list(modes.values()) == ["none", "full", "selective", "selective", "full"]
 
 
 def test_module_runs_and_imports_no_torch():
@@ -358,8 +378,8 @@ def test_module_runs_and_imports_no_torch():
 # --- context parallel and experts (issue 12): hand-computed cases -----------------------------
 # A toy MoE GPT: L=2, h=8, 2 heads, S=16, V=32, E=4 experts, top-2. Dense GPT-2 would have
 # Ψ = 32·8 + 16·8 + 2·(12·64 + 13·8) + 2·8 = 2144; one MLP is 8·64 + 5·8 = 552 parameters.
-MOE = P.ModelShape(
-    "toy-moe", 2, 8, 2, 16, 32, dropout=False, flash_attention=True, n_experts=4, moe_top_k=2
+MOE = P.ModelConfig(
+    vocab_size=32, n_positions=16, n_embd=8, n_layer=2, n_head=2, n_experts=4, name="toy-moe"
 )
 
 
@@ -379,7 +399,7 @@ def test_moe_parameters_split_into_dense_and_experts():
 
 def test_moe_flops_count_only_the_top_k_experts():
     B, s, h, L, E, k = 3, MOE.seq_len, MOE.n_embd, MOE.n_layer, 4, 2
-    dense = P.flops_per_step(P.replace(MOE, n_experts=0), B)["model_flops"]
+    dense = P.flops_per_step(replace(MOE, n_experts=0), B)["model_flops"]
     extra = 3 * L * B * s * (16 * h * h * (k - 1) + 2 * h * E)  # k MLPs instead of 1, router
     assert P.flops_per_step(MOE, B)["model_flops"] == dense + extra
 
@@ -428,15 +448,15 @@ def test_expert_all_to_all_bytes_per_step():
     per_layer = 8 * 4 + 4 * slots * 8 * 4  # counts (E int64); dispatch + combine, fwd + bwd
     got = P.plan(MOE, lay)
     assert got["ep_all_to_all_bytes_per_step"] == layers * per_layer
-    assert P.plan(MOE, P.replace(lay, recompute="full"))[
-        "ep_all_to_all_bytes_per_step"
-    ] == layers * (per_layer + 8 * 4 + 2 * slots * 8 * 4)  # the forward's exchanges again
+    assert P.plan(MOE, replace(lay, recompute="full"))["ep_all_to_all_bytes_per_step"] == layers * (
+        per_layer + 8 * 4 + 2 * slots * 8 * 4
+    )  # the forward's exchanges again
     # seconds: bus factor (ep-1)/ep of the bytes over β, (ep-1) latency steps per all-to-all
     bw, alpha, _ = P.group_link(P.Cluster(P.GPU_PRESETS["a100-80g"]), 4, 1, P.Efficiency())
     assert got["ep_comm_s"] == pytest.approx(
         3 / 4 * layers * per_layer / bw + layers * 5 * 3 * alpha
     )
-    assert P.plan(MOE, P.replace(lay, ep=1))["ep_all_to_all_bytes_per_step"] == 0
+    assert P.plan(MOE, replace(lay, ep=1))["ep_all_to_all_bytes_per_step"] == 0
 
 
 def test_cli_shows_context_and_expert_parallel(capsys):

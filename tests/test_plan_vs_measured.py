@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -124,11 +125,11 @@ def test_planner_matches_a_real_run(zero, tmp_path):
             ("n_layer", "n_layer"),
             ("n_embd", "n_embd"),
             ("n_head", "n_head"),
-            ("seq_len", "seq_len"),
+            ("n_positions", "seq_len"),
         )
         if cfg.get(f)
     }
-    model = P.replace(model, **over)
+    model = replace(model, **over)
     dp = int(cfg.get("dp", 4))
     batch = int(cfg.get("batch_size") or dp)
     micro = int(cfg.get("microbatches") or 1)
@@ -206,7 +207,7 @@ def test_planner_matches_an_expert_parallel_run(tmp_path):
         "2",
         nproc=2,
     )
-    model = P.replace(_tiny(), n_experts=4, moe_top_k=2)
+    model = replace(_tiny(), n_experts=4, moe_top_k=2)
     lay = P.Layout(dp=2, ep=2, batch_size=2, precision=metrics["config"]["precision"])
     planned = P.plan(model, lay)
     sent = [comm["ep"]["all_to_all"]["bytes"] for comm in metrics["comm_by_group"]]
@@ -229,13 +230,13 @@ def test_planner_matches_an_expert_parallel_run(tmp_path):
 
 def test_moe_activation_bytes_of_one_forward_pass():
     """Each token's k = 2 expert slots, in this process (no expert parallel), within 2 %."""
-    cfg = P.replace(gpt.PRESETS["tiny"], n_experts=4, moe_top_k=2)
+    cfg = replace(gpt.PRESETS["tiny"], n_experts=4, moe_top_k=2)
     model = gpt.build_model(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, cfg.n_positions))
     ledger = memory.MemoryLedger()
     with ledger.track_activations(exclude=list(model.parameters())):
         model(idx, idx)
-    shape = P.replace(_tiny(), n_experts=4, moe_top_k=2)
+    shape = replace(_tiny(), n_experts=4, moe_top_k=2)
     planned = P.plan(shape, P.Layout(batch_size=2))["activation_bytes_per_microbatch"]
     print(f"\ntiny, 4 experts top-2: measured {ledger.activation_bytes} planned {planned:.0f}")
     assert abs(planned / ledger.activation_bytes - 1) <= ACTIVATION_TOLERANCE
