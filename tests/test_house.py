@@ -69,7 +69,6 @@ def test_strategy_files_together():
     assert total <= STRATEGY_LINES, f"the strategy files hold {total} lines"
 
 
-@pytest.mark.xfail(strict=True, reason="the house issue splits train.py and plan.py")
 def test_no_library_file_too_long():
     long = {str(p.relative_to(REPO)): lines(p) for p in library_files()}
     assert {p: n for p, n in long.items() if n > FILE_LINES} == {}
@@ -80,7 +79,6 @@ def test_no_course_file_too_long():
     assert {p: n for p, n in long.items() if n > FILE_LINES} == {}
 
 
-@pytest.mark.xfail(strict=True, reason="the house issue splits the long functions")
 def test_no_function_too_long():
     long = {}
     for path in LIBRARY.rglob("*.py"):
