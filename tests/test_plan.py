@@ -327,7 +327,7 @@ def test_cli_text_report_and_search(capsys):
         (["--model", "gpt2", "--cp", "5"], "a multiple of 10"),
         (["--model", "gpt2", "--cp", "8", "--cp-style", "ulysses"], "rank: 12) over 8 context"),
         (["--model", "gpt2", "--moe-experts", "8", "--dp", "8", "--ep", "3"], "must divide"),
-        (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "--dp 2"),
+        (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "--dp (2)"),
         (["--model", "gpt2", "--dp", "2", "--ep", "2"], "--moe-experts (0)"),
         (["--model", "gpt2", "--moe-experts", "4", "--moe-top-k", "5"], "number of experts, 4"),
         (["--model", "gpt2", "--cp", "0"], "at least 1"),

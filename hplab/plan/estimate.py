@@ -4,12 +4,12 @@ Sources: see `hplab.plan`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hplab.config import Layout, LayoutError, ModelConfig, validate
 from hplab.formulas import flops_per_step
 from hplab.plan.memory import activation_memory, memory_per_gpu, params_per_stage
-from hplab.plan.presets import GPU_PRESETS, Cluster, Efficiency
+from hplab.plan.presets import DEFAULT_BATCH_SIZE, GPU_PRESETS, Cluster, Efficiency
 from hplab.plan.time import step_time
 
 
@@ -111,6 +111,8 @@ def plan(
     `time.StepTime`, `time.Links` and `Throughput`. Sizes in bytes, times in seconds.
     `padded`: ZeRO shards padded to a multiple of dp, as hplab allocates them."""
     cluster, eff = cluster or Cluster(GPU_PRESETS["a100-80g"]), eff or Efficiency()
+    if lay.batch_size is None:  # a layout that fixes no batch: the planner's default
+        lay = replace(lay, batch_size=DEFAULT_BATCH_SIZE)
     check_layout(model, lay)
     stage = params_per_stage(model, lay.tp, lay.pp, lay.ep)
     acts = activation_memory(model, lay)
