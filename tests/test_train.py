@@ -70,6 +70,28 @@ def test_config_file_gives_defaults_and_flags_override(tmp_path, capsys, monkeyp
     assert code == 2 and "none.toml not found" in err
 
 
+def test_layout_flags_are_the_layouts_fields(tmp_path, capsys, monkeypatch):
+    """train.py's layout flags come from config.Layout's fields (as the planner's do), and a
+    recipe's `recompute` is a bare --recompute (true) or its mode; selective is refused in one
+    line until hplab's models have it."""
+    from dataclasses import fields
+
+    from hplab.cli import build_parser, parse_args
+    from hplab.config import Layout
+
+    parser = build_parser()
+    assert {f.name for f in fields(Layout)} <= {a.dest for a in parser._actions}
+    assert parser.get_default("batch_size") == 16 and parser.get_default("dp") is None
+    recipe = tmp_path / "recipe.toml"
+    for value, mode in (("true", "full"), ("false", "none"), ('"full"', "full")):
+        recipe.write_text(f"recompute = {value}\n")
+        assert parse_args(["--config", str(recipe)]).recompute == mode
+    recipe.write_text('recompute = "selective"\n')
+    code, err = run_main(capsys, monkeypatch, "--nproc", "1", "--config", str(recipe))
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("hplab: error: --recompute selective: not supported: selective"), err
+
+
 def test_layout_is_checked_under_torchrun_environment_too(capsys, monkeypatch):
     code, err = run_main(capsys, monkeypatch, "--dp", "2", env={"WORLD_SIZE": "3", "RANK": "0"})
     assert code == 2
