@@ -39,6 +39,7 @@ from hplab.config import Layout, check_experts, check_mesh, check_sizes_and_choi
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HPLAB_TIMEOUT_S", 120))
 TIMEOUT = timedelta(seconds=DEFAULT_TIMEOUT_S)  # of every group: set by init_distributed
+DEVICE = torch.device("cpu")  # this rank's device: set by init_distributed
 
 
 # --- start-up ------------------------------------------------------------------------------
@@ -62,22 +63,56 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     )
 
 
+def choose_backend(
+    asked: str | None, local_rank: int, local_world_size: int, gpus: int, existing: str | None
+) -> tuple[str, torch.device, str | None]:
+    """(backend, device, note): one backend and one kind of device for the whole job, decided
+    alike on every rank from what it sees of its own machine. NCCL when each of the machine's
+    `local_world_size` ranks has its own GPU (device: the GPU numbered like the local rank);
+    otherwise gloo on the CPU, with a note saying why when there are GPUs, just too few. A group
+    that exists already keeps its backend; `asked` ("gloo" or "nccl") overrides the choice."""
+    backend = existing or asked or ("nccl" if 0 < local_world_size <= gpus else "gloo")
+    if backend == "nccl" and gpus < local_world_size:
+        raise RuntimeError(
+            f"NCCL needs a GPU per process on each machine: {local_world_size} processes here, "
+            f"{gpus} GPU(s): use --backend gloo"
+        )
+    note = None
+    if backend == "gloo" and not (existing or asked) and gpus:
+        note = (
+            f"{local_world_size} processes on this machine but {gpus} GPU(s): every rank runs "
+            "on the CPU with gloo (NCCL needs one GPU per process)"
+        )
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    return backend, device, note
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
-    """Join the process group described by torchrun's environment; return this rank's device:
-    its own GPU when each local rank can have one, else the CPU. Without torchrun it forms a
-    group of one. `backend` overrides the choice (e.g. "gloo" on a GPU machine)."""
-    if not dist.is_initialized():
+    """Join the process group described by torchrun's environment; return this rank's device
+    (`choose_backend`). Without torchrun it forms a group of one. On NCCL, a `wait()` blocks
+    until the work is done or the group's timeout has passed (TORCH_NCCL_BLOCKING_WAIT), so a
+    frozen or lost peer ends the job with one line, as on gloo, and NCCL records each
+    collective's own time on the GPU (TORCH_NCCL_ENABLE_TIMING) for the ledger."""
+    existing = dist.get_backend() if dist.is_initialized() else None
+    if existing is None:
         if "LOCAL_RANK" in os.environ:  # a worker of torchrun or of `train.py --nproc`
             die_with_launcher()
         for key, value in torchrun_env(0, 1, free_port()).items():  # a group of one
             os.environ.setdefault(key, value)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    on_gpu = backend != "gloo" and local_rank < torch.cuda.device_count()  # 0 without CUDA
-    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
-    backend = backend or ("nccl" if on_gpu else "gloo")
-    if on_gpu:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count()  # (0 without CUDA)
+    backend, device, note = choose_backend(backend, local_rank, local_world, gpus, existing)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    global DEVICE
+    DEVICE = device
+    if existing is None:
+        if note and local_rank == 0:
+            print(f"hplab: {note}", file=sys.stderr)
+        if backend == "nccl":
+            for key in ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ENABLE_TIMING"):
+                os.environ.setdefault(key, "1")
         global TIMEOUT
         TIMEOUT = timedelta(seconds=timeout_s)
         import_before_the_group_exists()
@@ -85,6 +120,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         atexit.unregister(shutdown)  # once, however often we start
         atexit.register(shutdown)
     return device
+
+
+def current_device() -> torch.device:
+    """The device `init_distributed` chose for this rank (the CPU before it ran)."""
+    return DEVICE
 
 
 def new_group(ranks: list[int]):
@@ -189,7 +229,7 @@ class Mesh:
         self.dp_size, self.tp_size, self.pp_size, self.cp_size = dp, tp, pp, cp
         self.dp_rank, self.tp_rank, self.pp_rank = coordinates(self.rank, dp, tp, pp, cp)
         self.cp_rank = (self.rank // tp) % cp
-        self.device, self.ledger = device or torch.device("cpu"), ledger or CommLedger()
+        self.device, self.ledger = device or current_device(), ledger or CommLedger()
         self.world = Communicator(dist.group.WORLD, "world", self.ledger, device=self.device)
         self.groups = group_ranks(dp, tp, pp, cp)
         # ep: each dp group cut into blocks of ep ranks; edp: the same place in every block

@@ -25,6 +25,7 @@ from hplab import checkpoint
 from hplab.cli import build_parser, layout_of, optim_of
 from hplab.config import Layout, LayoutError, ModelConfig, OptimConfig, resolve_dp, validate
 from hplab.data import TokenDataset
+from hplab.dist import choose_backend
 from hplab.metrics import is_metrics_file
 from hplab.models.gpt import config_from_preset
 from hplab.observe import is_trace_folder
@@ -69,6 +70,13 @@ def check_switches(args) -> None:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
     if args.init_from and args.resume:
         raise ValueError("--init-from starts a new run, --resume continues one: give one of them")
+    cut = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "cp") if getattr(args, k) > 1]
+    cut += ["--zero 3"] * (args.zero == 3) + ["--moe-experts"] * bool(args.moe_experts)
+    if args.compile and cut:
+        raise ValueError(
+            f"--compile compiles each block's forward whole, with data parallel and ZeRO-1/2 "
+            f"only: drop --compile or {' '.join(cut)}"
+        )
 
 
 def settle_lr_schedule(args) -> None:
@@ -176,24 +184,28 @@ def check_writable(flag: str, path: Path) -> None:
 
 
 def check_machine(args, model: ModelConfig, layout: Layout, world_size: int) -> None:
-    """Refuse --backend nccl without a GPU per process, and a run whose memory, as the planner
-    estimates it, cannot fit here."""
+    """Refuse --backend nccl without a GPU per process on this machine (its LOCAL_WORLD_SIZE
+    under torchrun: a job of many machines counts its own), and a run whose memory, as the
+    planner estimates it, cannot fit on the device each process will use."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     gpus = torch.cuda.device_count() if torch.distributed.is_nccl_available() else 0
-    if args.backend == "nccl" and gpus < world_size:
+    asked = None if args.backend == "auto" else args.backend
+    if asked == "nccl" and gpus < local:
         raise ValueError(
-            f"--backend nccl needs one GPU per process: {world_size} processes, "
+            f"--backend nccl needs one GPU per process: {local} processes on this machine, "
             f"{gpus} GPU(s) usable by NCCL here: use --backend gloo"
         )
+    _, device, _ = choose_backend(asked, 0, local, gpus, None)
     try:
         planned = plan(model, layout)  # the planner's memory, checked against real runs
     except LayoutError:  # a layout it does not model (e.g. unequal interleaved chunks)
         return
     states, need = planned["model_state_bytes_per_gpu"], planned["memory_bytes_per_gpu"]
-    if torch.cuda.is_available() and args.backend != "gloo":
+    if device.type == "cuda":
         have, per = torch.cuda.get_device_properties(0).total_memory, "per GPU"
     else:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world_size
-        per = f"per process ({world_size} share this machine's memory)"
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
+        per = f"per process ({local} share this machine's memory)"
     if need > have:
         raise ValueError(
             f"this run needs about {need / 2**30:.1f} GiB per process (estimated: model states "
