@@ -55,6 +55,11 @@ TRAINING_FLAGS = {
         type=NONNEGATIVE, default=0.0, help="clip gradients to this global L2 norm (0: off)"
     ),
     "--seed": dict(type=int, default=0),
+    "--compile": dict(
+        on,
+        help="torch.compile each block's forward (faster on a GPU; the first step pays for "
+        "compiling); with data parallel and ZeRO-1/2",
+    ),
 }
 OUTPUT_FLAGS = {
     "--metrics": dict(help="write the metrics JSON here (rank 0)"),

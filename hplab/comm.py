@@ -38,6 +38,9 @@ from torch.profiler import record_function
 
 from hplab.formulas import bus_factor  # the factors above, in one home
 
+#: What gloo and NCCL say when a peer has gone (NCCL: once its communicator was aborted).
+LOST_PEER = ("connection", "remote process exited", "network error", "communicator was aborted")
+
 
 class CommTimeout(RuntimeError):
     """A collective that cannot complete: it timed out (a peer froze or crashed, or ranks
@@ -49,7 +52,7 @@ class OpStats:
     calls: int = 0
     bytes: int = 0
     bus_bytes: float = 0.0
-    time_s: float = 0.0  # time the caller spent blocked in the call or its wait()
+    time_s: float = 0.0  # CPU: the caller blocked in the call or its wait(); GPU: its own time
 
 
 class CommLedger:
@@ -102,17 +105,19 @@ class CommLedger:
 
 
 class Pending:
-    """The handle of an asynchronous collective: call `wait()` before using its result."""
+    """The handle of an asynchronous collective: call `wait()` before using its result.
+    `share`: its part of a work it shares with others (a batch NCCL ran as one)."""
 
-    def __init__(self, work, comm: Communicator, op: str):
-        self.work, self.comm, self.op = work, comm, op
+    def __init__(self, work, comm: Communicator, op: str, share: float = 1.0):
+        self.work, self.comm, self.op, self.share = work, comm, op, share
 
     def wait(self) -> None:
         if self.work is None:
             return
         start = time.perf_counter()
         self.comm._guard(self.op, self.work.wait, f"wait {self.op} {self.comm.name}")
-        self.comm.ledger.add_time(self.op, self.comm.name, time.perf_counter() - start)
+        seconds = self.comm.work_seconds(self.work, time.perf_counter() - start)
+        self.comm.ledger.add_time(self.op, self.comm.name, seconds * self.share)
         self.work = None
 
     def is_completed(self) -> bool:
@@ -155,9 +160,9 @@ class Communicator:
             text = str(err).lower()
             why = (
                 "timed out: a peer probably crashed or called collectives in a different order"
-                if "timed out" in text or "timeout" in text
+                if "timed out" in text or "timeout" in text or "timing out" in text
                 else "lost its connection: a peer process ended"
-                if "connection" in text
+                if any(sign in text for sign in LOST_PEER)
                 else None
             )
             if why:
@@ -167,14 +172,34 @@ class Communicator:
             raise
 
     def _run(self, op: str, nbytes: int, call, async_op: bool):
+        """Launch a collective and count it. On a GPU every call is launched asynchronously and
+        a synchronous one waited for at once: its time is then the GPU's (`work_seconds`)."""
         if self.size == 1:
             return Pending(None, self, op) if async_op else None
+        on_gpu = self.device.type == "cuda"
         start = time.perf_counter()
         label = f"{op} {self.name} {nbytes:,} B"  # its range in a timeline
-        work = self._guard(op, lambda: call(async_op), label)
-        seconds = time.perf_counter() - start
-        self.ledger.record(op, self.name, nbytes, self.size, seconds)
-        return Pending(work, self, op) if async_op else None
+        work = self._guard(op, lambda: call(async_op or on_gpu), label)
+        launched = 0.0 if on_gpu else time.perf_counter() - start  # GPU: counted at the wait
+        self.ledger.record(op, self.name, nbytes, self.size, launched)
+        pending = Pending(work, self, op)
+        if async_op:
+            return pending
+        if on_gpu:
+            pending.wait()
+        return None
+
+    def work_seconds(self, work, waited_s: float) -> float:
+        """The ledger's time of a finished call. On the CPU, how long the caller was blocked
+        in it (gloo does the work then). On a GPU the host only queues work: the collective's
+        own time on the device instead, which NCCL measures with CUDA events
+        (TORCH_NCCL_ENABLE_TIMING, set by `dist.init_distributed`), else the wait's."""
+        if self.device.type != "cuda":
+            return waited_s
+        try:
+            return work._get_duration() / 1e3  # (milliseconds)
+        except (RuntimeError, AttributeError):  # timing not enabled for this group
+            return waited_s
 
     # -- the seven operations --
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -257,6 +282,30 @@ class Communicator:
             ),
             async_op,
         )
+
+    def send_and_recv(self, ops: list[tuple[str, torch.Tensor, int]]) -> list[Pending]:
+        """Post sends and receives together, `ops` = [("send" | "recv", tensor, group-rank peer)],
+        as one batch (`dist.batch_isend_irecv`); returns a Pending per op. NCCL may hold a send
+        until its receive is posted, and runs one rank's point-to-point calls in the order they
+        were posted: two ranks that each send to the other before receiving would wait forever.
+        Posted together, they cannot (NCCL starts the batch as one group)."""
+        if self.size == 1 or not ops:
+            return [Pending(None, self, kind) for kind, _, _ in ops]
+        p2p = [
+            dist.P2POp(
+                dist.isend if kind == "send" else dist.irecv, t, self.ranks[peer], self.group
+            )
+            for kind, t, peer in ops
+        ]
+        start = time.perf_counter()
+        label = " + ".join(f"{kind} {self.name} {t.nbytes:,} B" for kind, t, _ in ops)
+        works = self._guard("send_and_recv", lambda: dist.batch_isend_irecv(p2p), label)
+        launched = 0.0 if self.device.type == "cuda" else time.perf_counter() - start
+        for kind, t, _ in ops:
+            self.ledger.record(kind, self.name, t.nbytes, self.size, launched / len(ops))
+        if len(works) != len(ops):  # NCCL ran the batch as one work: each op waits for it
+            return [Pending(works[0], self, kind, 1 / len(ops)) for kind, _, _ in ops]
+        return [Pending(work, self, kind) for work, (kind, _, _) in zip(works, ops, strict=True)]
 
     def all_to_all_single(
         self,

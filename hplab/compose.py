@@ -106,11 +106,12 @@ def parallelize(
     if layout.pp > 1:  # the pipeline split: this rank's stages (the other layers are freed)
         stages = pp.build_stages(gpt, mesh.pp_rank, layout.pp, layout.virtual_stages)
         pp.free_unowned_parameters(gpt, stages)
-        schedule = pp.build_schedule(
+        plans = pp.build_schedule(
             layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages
         )
+        links = pp.message_links(mesh, plans)  # one communicator each way (NCCL's order)
         pipeline = pp.PipelineExecutor(
-            stages, schedule[mesh.pp_rank], mesh.pp, precision.param_dtype
+            stages, plans[mesh.pp_rank], mesh.pp, links, precision.param_dtype
         )
         tied_comm = pp.tied_embedding_group(mesh)
     gpt.recompute = layout.recompute == "full"  # recompute: a flag the blocks read
@@ -177,10 +178,13 @@ def finish_gradient_sync(model: nn.Module) -> None:
 
 
 def _all_reduce_grads(grads: list[torch.Tensor], comm, scale: float = 1.0) -> None:
-    """Sum `grads` over `comm` as one message, times `scale`, in place."""
-    flat = _flatten_dense_tensors(grads)
+    """Sum `grads` over `comm` as one message, times `scale`, in place. The message is built on
+    the communicator's device: offloaded optimizer shards keep their gradients on the host,
+    and NCCL reduces only GPU tensors."""
+    flat = _flatten_dense_tensors(grads).to(comm.device)
     comm.all_reduce(flat)
-    torch._foreach_copy_(grads, _unflatten_dense_tensors(flat.mul_(scale), grads))
+    summed = flat.mul_(scale).to(grads[0].device)  # (one copy back, where they live)
+    torch._foreach_copy_(grads, _unflatten_dense_tensors(summed, grads))
 
 
 @torch.no_grad()
@@ -215,7 +219,7 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None)
         for t in group["params"] if group.get("tied") else ():
             if t.grad is None:
                 t.grad = torch.zeros_like(t)
-            tied_comm.all_reduce(t.grad)
+            _all_reduce_grads([t.grad], tied_comm)
 
 
 @torch.no_grad()
@@ -223,14 +227,16 @@ def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
     """Scale the stepped gradients so the whole model's gradient has L2 norm ≤ max_norm; return
     the norm. Each element counts once: here unless a rank with a lower coordinate holds the
     same numbers (`replicated_over`; ZeRO and FSDP shards are disjoint over dp)."""
-    squares, grads = 0.0, []
+    counted, grads = [], []
     for group in stepped_groups(optimizer):
         for t in (t for t in group["params"] if t.grad is not None):
             grads.append(t.grad)
             families = set(group.get("replicated_over", ("dp", "tp"))) | {"cp"}  # all: cp
             families -= {"dp"} if getattr(t, "dp_sharded", False) else set()
             if all(getattr(mesh, f"{family}_rank") == 0 for family in families):
-                squares += float(t.grad.float().pow(2).sum())
+                counted.append(t.grad.float().pow(2).sum())
+    # each tensor's sum of squares in fp32, added up in fp64: one host sync, not one per tensor
+    squares = float(torch.stack(counted).double().sum()) if counted else 0.0
     norm = mesh.world.all_reduce_scalar(squares) ** 0.5
     if norm > max_norm:
         torch._foreach_mul_(grads, max_norm / (norm + 1e-6))

@@ -128,15 +128,11 @@ def pairs_computed(rank: int, size: int, split: str, n: int) -> int:
 
 
 def _pass_on(t: torch.Tensor, comm: Communicator):
-    """Post the send of `t` to the next rank and a receive from the previous one: (the buffer
-    being filled, the two pending operations). Even ranks send first, odd ones receive first:
-    even where a send blocks until its receive is posted, no ring stalls."""
+    """Post the send of `t` to the next rank and a receive from the previous one, together
+    (every rank sends while it receives: posted apart, NCCL's sends could wait for each other
+    around the ring): (the buffer being filled, the two pending operations)."""
     buffer, me, n = torch.empty_like(t), comm.rank, comm.size
-    ops = [
-        lambda: comm.send(t, (me + 1) % n, async_op=True),
-        lambda: comm.recv(buffer, (me - 1) % n, async_op=True),
-    ]
-    return buffer, [post() for post in (ops if me % 2 == 0 else ops[::-1])]
+    return buffer, comm.send_and_recv([("send", t, (me + 1) % n), ("recv", buffer, (me - 1) % n)])
 
 
 def _around_the_ring(kv: torch.Tensor, comm: Communicator):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hplab import cp, fsdp, moe
+from hplab.clock import clock_for
 from hplab.ddp import DDP
 from hplab.memory import KINDS, MemoryLedger, model_state_tensors
 from hplab.optim import WrappedOptimizer
@@ -189,38 +190,43 @@ def measured_bubble(trace: list[dict], origin: float = 0.0, end: float | None = 
 
 
 class PipelineTrace:
-    """When each of this rank's actions ran in the last step: `trace`, a list of {kind, microbatch,
-    chunk, start_s, end_s}, seconds from the step's start (the executor's hooks); kinds F, B, W,
-    send, and recv (a wait for a message)."""
+    """When each of this rank's actions ran in the last step (the executor's hooks): kinds F, B,
+    W, send, and recv (a wait for a message). `actions` holds the clock's marks as they come
+    (on a GPU, CUDA events the stream stamps when it gets there); `trace()` reads them as
+    {kind, microbatch, chunk, start_s, end_s}, seconds from the step's start."""
 
-    def __init__(self, executor):
-        self.trace, self.start = [], 0.0
+    def __init__(self, executor, clock=None):
+        self.clock = clock or clock_for(executor.comm.device)
+        self.actions, self.start, self.host_start = [], None, 0.0
         executor.observers.append(self._action)
 
     @contextlib.contextmanager
     def _action(self, kind: str, action, stage):
-        start = time.perf_counter()
+        begin = self.clock.mark()
         if kind == "run":
-            self.trace, self.start = [], start
+            self.actions, self.start, self.host_start = [], begin, time.perf_counter()
         yield
         if kind != "run":
-            end = time.perf_counter()
-            self.trace.append(
-                dict(
-                    kind=kind,
-                    microbatch=action.microbatch,
-                    chunk=action.chunk,
-                    start_s=start - self.start,
-                    end_s=end - self.start,
-                )
-            )
+            where = dict(kind=kind, microbatch=action.microbatch, chunk=action.chunk)
+            self.actions.append({**where, "start": begin, "end": self.clock.mark()})
+
+    def trace(self) -> list[dict]:
+        seconds = functools.partial(self.clock.seconds, self.start)
+        return [
+            {k: v for k, v in e.items() if k not in ("start", "end")}
+            | {"start_s": seconds(e["start"]), "end_s": seconds(e["end"])}
+            for e in self.actions
+        ]
 
     def report(self, comm, memory: MemoryWatch) -> dict:
-        """The last step's trace, its times from the earliest stage's start (one clock, one
-        machine), the measured bubble and the most microbatches (and bytes) in flight."""
-        shift = self.start - comm.all_reduce_scalar(self.start, op=dist.ReduceOp.MIN)
+        """The last step's trace, its times from the earliest stage's start (the host's clock
+        when each rank began the step: one machine), the measured bubble and the most
+        microbatches (and bytes) in flight."""
+        mine = self.host_start
+        shift = mine - comm.all_reduce_scalar(mine, op=dist.ReduceOp.MIN)
         trace = [
-            {**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift} for e in self.trace
+            {**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift}
+            for e in self.trace()
         ]
         end = max((e["end_s"] for e in trace if e["kind"] in COMPUTE), default=0.0)
         end = comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)
@@ -281,24 +287,26 @@ class AttentionMeter:
     meter.step():`), its forward seconds on this rank, the seconds of them blocked in the cp
     group's calls (the ledger's time), and the query-key pairs attended (all heads, layers)."""
 
-    def __init__(self, model, comm, style: str, split: str):
+    def __init__(self, model, comm, style: str, split: str, clock=None):
         self.per_step = {"attention_s": [], "attention_blocked_s": [], "attention_pairs": []}
         self.now = dict.fromkeys(self.per_step, 0)  # (calls outside a step count nowhere)
         self.comm, self.style, self.split = comm, style, split
+        self.clock, self.spans = clock or clock_for(comm.device), []  # this step's (start, end)
         for block in model.transformer.h:
             block.attn.attend = functools.partial(self._timed, block.attn.attend)
 
     @contextlib.contextmanager
     def step(self):
-        self.now = dict.fromkeys(self.per_step, 0)
+        self.now, self.spans = dict.fromkeys(self.per_step, 0), []
         yield
+        self.now["attention_s"] = sum(self.clock.seconds(*span) for span in self.spans)
         for key, value in self.now.items():
             self.per_step[key].append(value)
 
     def _timed(self, attend, q, k, v):
         comm, (b, heads, n, _) = self.comm, q.shape
-        start, was, y = time.perf_counter(), self._blocked_s(), attend(q, k, v)
-        self.now["attention_s"] += time.perf_counter() - start
+        start, was, y = self.clock.mark(), self._blocked_s(), attend(q, k, v)
+        self.spans.append((start, self.clock.mark()))
         self.now["attention_blocked_s"] += self._blocked_s() - was
         self.now["attention_pairs"] += b * (  # ring: all heads; Ulysses: heads/N, the sequence
             heads * cp.pairs_computed(comm.rank, comm.size, self.split, n)

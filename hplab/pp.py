@@ -112,6 +112,29 @@ def free_unowned_parameters(gpt, stages: list[Stage]) -> None:
             p.requires_grad_(False)
 
 
+def message_links(mesh, plans: list[list[Action]]) -> dict[tuple[int, int], Communicator]:
+    """One communicator per direction the pipeline's messages travel: (sending, receiving
+    pipeline rank) → a group of those two ranks. NCCL runs the sends and receives of one
+    communicator between two ranks one after the other, in the order each rank posted them,
+    and a send may wait for its receive: with one communicator for both directions, rank r's
+    activation for r+1 queues behind the gradient it awaits from r+1, while r+1's gradient
+    queues behind the activation it awaits from r (1F1B's steady state: both are sent at
+    once), and both wait for ever. With one each way, each is a queue in which the sends and
+    the receives meet in order (`schedule.add_communication` posts a peer's receives in the
+    order it sends). Every rank creates every group, in the same order (torch.distributed
+    requires it), for the links `plans` (every rank's) use."""
+    sends = ((r, a.peer) for r, plan in enumerate(plans) for a in plan if a.kind[:4] == "send")
+    used = sorted(set(sends))
+    links = {}
+    for ranks in mesh.groups["pp"]:
+        for sender, receiver in used:
+            pair = [ranks[sender], ranks[receiver]]
+            group = new_group(pair)
+            if mesh.rank in pair:
+                links[sender, receiver] = Communicator(group, "pp", mesh.ledger, pair, mesh.device)
+    return links
+
+
 def tied_embedding_group(mesh):
     """A communicator between the first and the last rank of this rank's pipeline, for the tied
     embedding / LM-head gradient (Megatron's "embedding group"). Every rank creates every group
@@ -253,9 +276,9 @@ class PipelineExecutor:
     `observer(kind, action, stage)` and returns a context manager wrapped around the whole
     step ("run"), each wait for a message ("recv"), computation (F, B, W) and "send"."""
 
-    def __init__(self, stages: list[Stage], plan: list[Action], comm, dtype=torch.float32):
+    def __init__(self, stages: list[Stage], plan: list[Action], comm, links, dtype=torch.float32):
         self.stages = {s.chunk: s for s in stages}
-        self.plan, self.comm, self.dtype = plan, comm, dtype
+        self.plan, self.comm, self.links, self.dtype = plan, comm, links, dtype
         self.split_backward = any(a.kind == "W" for a in plan)
         self.release = "W" if self.split_backward else "B"  # frees a microbatch's activations
         self.loss_scale = 1.0  # fp16: the loss is multiplied by this before backward
@@ -274,10 +297,10 @@ class PipelineExecutor:
         with self.observed("run", None):
             for a in self.plan:
                 step.sends = [s for s in step.sends if not s[1].is_completed()]  # delivered
-                message = self.wait_for_input(a, step)
                 if a.kind.startswith("recv"):  # post the receive now, wait for it when needed
                     self.post_receive(a, step)
                     continue
+                message = self.wait_for_input(a, step)
                 with self.observed("send" if a.kind.startswith("send") else a.kind, a):
                     {"F": self.forward, "B": self.backward, "W": self.weight}.get(
                         a.kind, self.send
@@ -329,26 +352,28 @@ class PipelineExecutor:
     def send(self, a: Action, step: _Step, _) -> None:
         key = (a.microbatch, a.chunk)
         tensor = step.stage_out[key].detach() if a.kind == "send_act" else step.input_grads.pop(key)
-        step.sends.append((tensor, self.comm.send(tensor, a.peer, async_op=True)))
+        link = self.links[self.comm.rank, a.peer]  # (this rank at 0, the peer at 1)
+        step.sends.append((tensor, link.send(tensor, 1, async_op=True)))
 
     def post_receive(self, a: Action, step: _Step) -> None:
         shape = (*step.inputs[0].shape, next(iter(self.stages.values())).gpt.config.n_embd)
         buffer = torch.empty(shape, dtype=self.dtype, device=step.inputs[0].device)
-        step.received[message_key(a)] = (buffer, self.comm.recv(buffer, a.peer, async_op=True))
+        link = self.links[a.peer, self.comm.rank]  # (the peer at 0, this rank at 1)
+        step.received[message_key(a)] = (buffer, link.recv(buffer, 0, async_op=True))
 
     @torch.no_grad()
     def forward_only(self, microbatches: list) -> list[float]:
         """Evaluation: each (x, y) microbatch through every chunk in order, a blocking message per
         hop; nothing kept, traced or counted. The losses, on the last chunk's rank (else [])."""
-        p, losses = self.comm.size, []
+        p, me, losses = self.comm.size, self.comm.rank, []
         last = p * len(self.stages) - 1  # (every rank holds as many chunks)
         for x, y in microbatches:
             for c in range(last + 1):  # chunk c-1 ran on rank (c-1) mod p, c runs on c mod p
                 if c - 1 in self.stages:
-                    self.comm.send(x, chunk_owner(c, p))
+                    self.links[me, chunk_owner(c, p)].send(x, 1)
                 elif c in self.stages and c > 0:
                     x = x.new_empty((*y.shape, self.stages[c].gpt.config.n_embd), dtype=self.dtype)
-                    self.comm.recv(x, chunk_owner(c - 1, p))
+                    self.links[chunk_owner(c - 1, p), me].recv(x, 0)
                 if c in self.stages:
                     x = self.stages[c](x)
             if last in self.stages:  # x: the logits

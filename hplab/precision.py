@@ -82,7 +82,8 @@ class MixedPrecision:
         shard, so the verdict is reduced (max) over the group."""
         if self.scaler is None:
             return False
-        local = float(any(not bool(torch.isfinite(g).all()) for g in grads if g is not None))
+        finite = [torch.isfinite(g).all() for g in grads if g is not None]
+        local = float(not torch.stack(finite).all()) if finite else 0.0  # (one host sync)
         if comm is not None:
             local = comm.all_reduce_scalar(local, op=torch.distributed.ReduceOp.MAX)
         return local > 0

@@ -37,6 +37,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: import hplab 
     here = Path(__file__).resolve().parent  # (no stdlib name among hplab's modules)
     sys.path[:] = [str(here.parent)] + [p for p in sys.path if p not in ("", str(here))]
 
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -92,6 +93,8 @@ def run(args) -> dict | None:
     layout = job.layout
     mesh = Mesh(layout.dp, layout.tp, layout.pp, device, cp=layout.cp, ep=layout.ep)
     par = parallelize(build_model(job.model, args.seed).to(device), mesh, layout, job.optim)
+    for block in par.gpt.transformer.h if args.compile else ():  # (their hooks stay eager)
+        block.forward = torch.compile(block.forward)
     first_step = checkpoint.restore(par, job.saved, bool(args.resume)) if job.saved else 0
     watch = Observers(par, args.trace, range(first_step, args.steps))
     steps, evals = train(par, job, args, range(first_step, args.steps), watch)

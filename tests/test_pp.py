@@ -346,14 +346,15 @@ def exec_run(mesh, schedule, layers, tp_plan=False):
     pp.free_unowned_parameters(model, stages)
     params = {n: p for n, p in model.named_parameters() if p.numel() > 0}
     assert all(p.grad is None for p in params.values())
-    plan = pp.build_schedule(schedule, mesh.pp_size, EXEC_M)[mesh.pp_rank]
-    executor = pp.PipelineExecutor(stages, plan, mesh.pp)
+    plans = pp.build_schedule(schedule, mesh.pp_size, EXEC_M)
+    plan = plans[mesh.pp_rank]
+    executor = pp.PipelineExecutor(stages, plan, mesh.pp, pp.message_links(mesh, plans))
     watched = PipelineTrace(executor)
     compute = [a.kind for a in plan if a.kind in pp.COMPUTE]
     during = {}
 
     def now():  # the compute action running: the next one the trace has not finished
-        return compute[sum(e["kind"] in pp.COMPUTE for e in watched.trace)]
+        return compute[sum(e["kind"] in pp.COMPUTE for e in watched.actions)]
 
     hooks = [
         p.register_post_accumulate_grad_hook(lambda p, n=n: during.setdefault(n, set()).add(now()))

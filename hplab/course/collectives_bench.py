@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from hplab.clock import clock_for
 from hplab.observe import waited_for_a_core_s
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv", "ring_step")
@@ -41,10 +42,11 @@ def one_call(comm, op: str, big, small, inbox) -> None:
     if op == "send_recv":  # partners 0↔1, 2↔3, ...
         if r ^ 1 < n:
             (comm.send if r % 2 == 0 else comm.recv)(big, r ^ 1)
-    elif op == "ring_step":
-        sending = comm.send(big, (r + 1) % n, async_op=True)
-        comm.recv(inbox, (r - 1) % n)
-        sending.wait()
+    elif op == "ring_step":  # posted together: lone sends on every rank could wait for ever
+        for pending in comm.send_and_recv(
+            [("send", big, (r + 1) % n), ("recv", inbox, (r - 1) % n)]
+        ):
+            pending.wait()
     else:
         {
             "all_reduce": lambda: comm.all_reduce(big),
@@ -77,18 +79,21 @@ def inside(comm, op: str, *message) -> list[str]:
         {
             e.key
             for e in prof.key_averages()
-            if e.key.startswith("gloo:")
+            if e.key.startswith(("gloo:", "nccl"))  # gloo's events, NCCL's kernels
             or e.key in ("aten::clone", "aten::copy_", "aten::cat", "aten::add_")
         }
     )
 
 
-def time_call(comm, op: str, *message) -> float:
-    """Seconds of one call, as the slowest rank saw it."""
+def time_call(comm, op: str, *message, clock=None) -> float:
+    """Seconds of one call, as the slowest rank saw it, on the device's clock (`hplab.clock`:
+    on a GPU, CUDA events around the work, not the host's queueing of it)."""
+    clock = clock or clock_for(comm.device)
     comm.barrier()
-    start = time.perf_counter()
+    start = clock.mark()
     one_call(comm, op, *message)
-    return comm.all_reduce_scalar(time.perf_counter() - start, op=dist.ReduceOp.MAX)
+    seconds = clock.seconds(start, clock.mark())
+    return comm.all_reduce_scalar(seconds, op=dist.ReduceOp.MAX)
 
 
 def parse_args(argv=None):

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import timeit
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -377,24 +376,50 @@ def collectives(
 
 
 # --- a small measurement the labs need: this machine's matmul FLOP/s -------------------------
-def measure_peak_flops(n: int = 512, repeats: int = 10, threads: int | None = 1) -> float:
-    """FLOP/s of an n×n fp32 matmul (2n³ FLOPs) on this process's device, best of `repeats`.
-    CPUs publish no "peak FLOP/s" the way GPU data sheets do, so a laptop's MFU is measured
-    against what a large matmul reaches; `threads=1` matches each training process."""
+def measure_peak_flops(
+    n: int = 512, repeats: int = 10, threads: int | None = 1, device="cpu", dtype=None, clock=None
+) -> float:
+    """FLOP/s of an n×n matmul (2n³ FLOPs) on `device` in `dtype` (fp32 by default), the best
+    of `repeats`, timed by that device's clock (`hplab.clock`: CUDA events on a GPU, where a
+    call returns before its work is done). CPUs publish no "peak FLOP/s" the way GPU data
+    sheets do, so a laptop's MFU is measured against what a large matmul reaches; `threads=1`
+    matches each training process."""
     import torch
 
-    previous = torch.get_num_threads()
+    from hplab.clock import clock_for
+
+    clock, previous = clock or clock_for(device), torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        best = min(timeit.repeat(lambda: a @ b, number=1, repeat=repeats + 1))  # 1 more: a warm-up
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        times = []
+        for _ in range(repeats + 1):  # (1 more: a warm-up)
+            start = clock.mark()
+            a @ b
+            times.append(clock.seconds(start, clock.mark()))
     finally:
         torch.set_num_threads(previous)
-    return 2 * n**3 / best
+    return 2 * n**3 / min(times[1:])
 
 
-def mfu(run: Run, peak_flops_per_process: float) -> float:
-    """Model FLOPs utilisation: model FLOPs per second / (processes × peak FLOP/s)."""
+def peak_of(run: Run) -> float:
+    """The matmul peak of the device `run` trained on, in its precision: 512² fp32 on one CPU
+    thread, 8192² on a GPU (its own GPU: a CPU's peak would not be the run's)."""
+    import torch
+
+    device = run.metrics.get("device", "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LaunchError("this run trained on a GPU: measure its peak on a machine with one")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.config.get("precision"))
+    if device == "cuda":
+        return measure_peak_flops(8192, device=device, dtype=dtype, threads=None)
+    return measure_peak_flops(512, device=device, dtype=dtype)
+
+
+def mfu(run: Run, peak_flops_per_process: float | None = None) -> float:
+    """Model FLOPs utilisation: model FLOPs per second / (processes × peak FLOP/s); the peak
+    measured on the run's own device (`peak_of`) unless given."""
+    peak = peak_flops_per_process or peak_of(run)
     m = run.metrics["model"]
     flops = training_flops_per_token(m["num_params"], m["n_layer"], m["n_embd"], m["n_positions"])
-    return run.tokens_per_s * flops / (run.world_size * peak_flops_per_process)
+    return run.tokens_per_s * flops / (run.world_size * peak)

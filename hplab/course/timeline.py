@@ -11,6 +11,10 @@
 An asynchronous collective runs on gloo's threads while the caller computes on; its wait is only
 where the caller needed the result. `hidden_fraction` measures that overlap from the spans.
 gloo runs a reduce-scatter as an all-reduce of the whole input (its event: gloo:all_reduce).
+
+On a GPU the trace also holds the device's own kernels: NCCL's (`ncclDevKernel_AllReduce_...`)
+are the collectives as they really ran, the others the computation (kind "kernel"); there the
+overlap is NCCL's kernels running beside compute kernels, whatever the host did meanwhile.
 """
 
 from __future__ import annotations
@@ -30,6 +34,30 @@ SPAN_KINDS = {
 }
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier")
 RUN_AS = {"all_reduce": ("all_reduce", "reduce_scatter")}  # gloo reduce-scatters by all-reducing
+#: NCCL's kernel names (ncclDevKernel_AllReduce_Sum_f32_RING_LL, ...) → the operation
+NCCL_OPS = {
+    "allreduce": "all_reduce",
+    "reducescatter": "reduce_scatter",
+    "allgather": "all_gather",
+    "broadcast": "broadcast",
+    "sendrecv": "send",
+    "send": "send",
+    "recv": "recv",
+}
+
+
+def kind_of(event: dict) -> tuple[str | None, str]:
+    """(its span kind, its name) of one profiler event: hplab's ranges and autograd's by their
+    names; on a GPU, NCCL's kernels as `comm` (named like gloo's events: `gloo:all_reduce`
+    becomes `nccl:all_reduce`) and every other kernel as `kernel`."""
+    name = event["name"]
+    if event.get("cat") == "kernel":
+        kernel = name.lower().removeprefix("ncclkernel_").removeprefix("nccldevkernel_")
+        if not name.lower().startswith("nccl"):
+            return "kernel", name
+        op = next((op for key, op in NCCL_OPS.items() if kernel.startswith(key)), "all_reduce")
+        return "comm", f"nccl:{op}"
+    return next((k for p, k in SPAN_KINDS.items() if name.startswith(p)), None), name
 
 
 def read_timeline(directory) -> list[list[dict]]:
@@ -41,8 +69,6 @@ def read_timeline(directory) -> list[list[dict]]:
     read = lambda rank: json.loads((Path(directory) / f"rank{rank}.json").read_text())  # noqa
     world = read(0).get("distributedInfo", {}).get("world_size", 1)
     ranks = [[e for e in read(rank)["traceEvents"] if e.get("ph") == "X"] for rank in range(world)]
-    if any(e.get("cat") == "kernel" for events in ranks for e in events):
-        raise ValueError(f"{directory}: GPU traces are not read here; open them in ui.perfetto.dev")
     t0 = min((e["ts"] for events in ranks for e in events), default=0.0)
     return [_spans(sorted(events, key=lambda e: e["ts"]), t0) for events in ranks]
 
@@ -51,8 +77,7 @@ def _spans(events: list[dict], t0: float) -> list[dict]:
     """One rank's spans from its events in time order; t0: the time (µs) they count from."""
     spans, launches, numbers = [], [], Counter()
     for e in events:
-        name = e["name"]
-        kind = next((k for p, k in SPAN_KINDS.items() if name.startswith(p)), None)
+        kind, name = kind_of(e)
         if kind is None and e.get("cat") == "user_annotation" and name.startswith(COMM_OPS):
             kind = "launch"  # the Communicator's range: "all_reduce dp 262,144 B"
             launches.append((name, e["ts"]))
@@ -106,16 +131,21 @@ def seconds(spans: list[dict], kinds=("forward", "backward")) -> float:
     return _length(_union(s for s in spans if s["kind"] in kinds))
 
 
-def hidden_fraction(spans: list[dict], during=("backward",), ops=COMM_OPS) -> float:
+def hidden_fraction(spans: list[dict], during=None, ops=COMM_OPS) -> float:
     """Of the time this rank's communication (collectives of `ops`; not the scalar all-reduces of
     hplab's own bookkeeping) ran, the share during which it also computed `during` rather than
     waiting or launching: |comm ∩ (compute − waits)| / |comm|, on one rank's spans from
-    `read_timeline`. Collectives that overlap each other count once."""
+    `read_timeline`. Collectives that overlap each other count once. `during`: the backward
+    pass on a CPU trace; on a GPU trace the compute kernels, and the host's waits do not count
+    (the device computes while the host waits)."""
+    gpu = any(s["kind"] == "kernel" for s in spans)
+    during = during or (("kernel",) if gpu else ("backward",))
     comm = _union(s for s in spans if s["kind"] == "comm" and s["name"].split()[0] in ops)
     if not comm:
         raise ValueError(f"no communication of {', '.join(ops)} in this timeline")
     computing = _intersect(comm, _union(s for s in spans if s["kind"] in during))
-    waiting = _intersect(computing, _union(s for s in spans if s["kind"] in ("wait", "launch")))
+    host_waits = () if gpu else ("wait", "launch")
+    waiting = _intersect(computing, _union(s for s in spans if s["kind"] in host_waits))
     return (_length(computing) - _length(waiting)) / _length(comm)
 
 
@@ -130,6 +160,11 @@ def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list
     and `hidden_s`, the time the call ran with every rank there while this rank was not blocked
     (it computed), and `core_s`, gloo's threads' wait for a core over the steps (schedstat)."""
     timeline, path = read_timeline(directory), Path(directory)
+    if any(s["kind"] == "kernel" for spans in timeline for s in spans):
+        raise ValueError(
+            f"{directory}: a GPU trace: its collectives run on the device, not on gloo's "
+            "threads; take its overlap with hidden_fraction"
+        )
     comm = [
         [s for s in spans if s["kind"] == "comm" and s["name"].split()[0] in ops]
         for spans in timeline

@@ -45,7 +45,8 @@ EXERCISES = {
         "lab01_ring_allreduce.py",
         4,
         check_ring,
-        "did a send wait for a receive that never came? start sends with async_op=True",
+        "did a send wait for a receive that never came? post each step's send and receive "
+        'together: comm.send_and_recv([("send", ...), ("recv", ...)])',
     ),
     "buckets": Exercise("02", "lab02_buckets.py", 2, check_buckets, SAME_ORDER),
     "zero1": Exercise("03", "lab03_zero1.py", 2, check_zero1, SAME_ORDER),
