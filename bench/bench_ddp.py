@@ -108,8 +108,8 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
                 step(x, y)
         dist.barrier()  # every rank's trace is written
         spans = read_timeline(trace_dir)[rank]
-        result.update(
-            hidden_fraction=hidden_fraction(spans, ops=("all_reduce",)),
+        result.update(  # (one process: nothing to all-reduce, nothing to hide)
+            hidden_fraction=hidden_fraction(spans, ops=("all_reduce",)) if n > 1 else None,
             buckets=len(wrapped.buckets),
         )
     gathered = [None] * n
@@ -162,6 +162,7 @@ def main() -> None:
         default=[25.0, 1.0],
         help="bucket sizes to compare (both implementations use the same)",
     )
+    p.add_argument("--results", default=str(ROOT / "bench" / "results" / "ddp.json"))
     p.add_argument("--worker"), p.add_argument("--model"), p.add_argument("--out")
     args = p.parse_args()
     if args.worker:
@@ -194,7 +195,9 @@ def main() -> None:
                 "hplab_peak_bytes": med("hplab", "peak_bytes"),
                 "torch_peak_bytes": med("torch", "peak_bytes"),
                 "peak_memory_ratio": med("hplab", "peak_bytes") / med("torch", "peak_bytes"),
-                "allreduce_hidden_fraction": med("hplab", "hidden_fraction"),
+                "allreduce_hidden_fraction": None
+                if args.nproc == 1
+                else med("hplab", "hidden_fraction"),
                 "allreduce_hidden_fraction_per_rank": [r["hidden_fraction"] for r in ours_all],
                 "buckets": ours["buckets"],
             }
@@ -209,7 +212,7 @@ def main() -> None:
         "machine": f"{os.cpu_count()} CPU cores",
         "rows": rows,
     }
-    path = ROOT / "bench" / "results" / "ddp.json"
+    path = Path(args.results)
     path.write_text(json.dumps(results, indent=1))
     print(
         "| model | params | bucket | tokens/s hplab | tokens/s PyTorch | ratio | peak mem ratio "
@@ -221,7 +224,7 @@ def main() -> None:
             f"| {r['model']} | {r['num_params'] / 1e6:.2f} M | {r['bucket_mb']:g} MiB "
             f"| {r['hplab_tokens_per_s']:,.0f} "
             f"| {r['torch_tokens_per_s']:,.0f} | {r['tokens_per_s_ratio']:.2f} "
-            f"| {r['peak_memory_ratio']:.2f} | {100 * r['allreduce_hidden_fraction']:.0f}% "
+            f"| {r['peak_memory_ratio']:.2f} | {100 * (r['allreduce_hidden_fraction'] or 0):.0f}% "
             f"({r['buckets']} bucket{'s' if r['buckets'] > 1 else ''}) |"
         )
     print(f"\nwritten to {path}")

@@ -75,9 +75,9 @@ def hplab_engine(schedule, v):
             str(PER_MICROBATCH * MICROBATCHES),
         ]
     )
-    engine = parallelize(
-        build_model(model_config(), seed=0), Mesh.create(pp=WORLD), layout_of(args), optim_of(args)
-    )
+    mesh = Mesh.create(pp=WORLD)  # on the device init_distributed chose: a GPU each, or the CPU
+    model = build_model(model_config(), seed=0).to(mesh.device)
+    engine = parallelize(model, mesh, layout_of(args), optim_of(args))
     # measured as train.py measures a run: the trace, then every forward's saved activations
     trace, memory = PipelineTrace(engine.pipeline), MemoryWatch(engine)
     return engine, lambda: trace.report(engine.mesh.pp, memory)
@@ -94,7 +94,7 @@ def torch_1f1b():
     from hplab.precision import MixedPrecision
 
     mesh = Mesh.create(pp=WORLD)
-    model = build_model(model_config(), seed=0)
+    model = build_model(model_config(), seed=0).to(mesh.device)
     (stage,) = pp.build_stages(model, mesh.pp_rank, WORLD)
     pp.free_unowned_parameters(model, [stage])
     tied = pp.tied_embedding_group(mesh)
@@ -124,8 +124,10 @@ def _worker():
     import torch.distributed as dist
 
     from hplab.compose import train_step
+    from hplab.dist import current_device
 
-    data = batches(WARMUP_STEPS + TIMED_STEPS)
+    device = current_device()  # a GPU per rank where there are enough, else the CPU
+    data = [(x.to(device), y.to(device)) for x, y in batches(WARMUP_STEPS + TIMED_STEPS)]
     out = {"throughput": {}, "bubble": {}}
 
     # 1. hplab 1F1B vs torch Schedule1F1B, alternating step by step
@@ -163,7 +165,7 @@ def main() -> dict:
     from hplab.course.viz import simulated_costs
     from hplab.launch import run_distributed
 
-    results = run_distributed(_worker, WORLD, timeout_s=900)
+    results = run_distributed(_worker, WORLD, backend=None, timeout_s=900)  # NCCL on GPUs
     throughput = results[0]["throughput"]
     summary = {
         "world_size": WORLD,

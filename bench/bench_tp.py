@@ -24,7 +24,6 @@ import copy
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,10 +39,13 @@ SHAPES = {"mlp": dict(n_embd=256), "block": dict(n_embd=256, n_head=8)}
 
 
 def _timed(fn, x) -> float:
-    xi = x.clone().requires_grad_()
-    start = time.perf_counter()
+    """Seconds of one forward + backward on the device's clock (CUDA events on a GPU)."""
+    from hplab.clock import clock_for
+
+    xi, clock = x.clone().requires_grad_(), clock_for(x.device)
+    start = clock.mark()
     fn(xi).sum().backward()
-    return time.perf_counter() - start
+    return clock.seconds(start, clock.mark())
 
 
 def _max_rel(a, b) -> float:
@@ -72,16 +74,17 @@ def _pair(kind: str, comm):
     from hplab.models.gpt import Block, GPTConfig
 
     torch.manual_seed(0)
-    T, mesh = comm.size, init_device_mesh("cpu", (comm.size,))
+    T, mesh = comm.size, init_device_mesh(comm.device.type, (comm.size,))
     if kind == "mlp":
         h = SHAPES["mlp"]["n_embd"]
         ref = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU("tanh"), nn.Linear(4 * h, h))
+        ref = ref.to(comm.device)
         ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
         tp.parallelize(ours, comm, {"0": tp.ColumnParallelLinear, "2": tp.RowParallelLinear})
         parallelize_module(theirs, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         return ref, ours, theirs
     config = GPTConfig(**SHAPES["block"], n_layer=1, n_positions=SEQ)
-    ref = Block(config)
+    ref = Block(config).to(comm.device)
     for p in ref.parameters():  # non-trivial biases and norms, so every piece is checked
         nn.init.normal_(p, 0.0, 0.05 if p.dim() > 1 else 0.2)
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
@@ -109,6 +112,7 @@ def _pair(kind: str, comm):
 def _throughput(kind: str, comm, steps: int) -> dict:
     ref, ours, theirs = _pair(kind, comm)
     x = torch.randn(BATCH, SEQ, SHAPES[kind]["n_embd"], generator=torch.Generator().manual_seed(1))
+    x = x.to(comm.device)
     with torch.no_grad():
         want = ref(x)
         check = {"hplab": _max_rel(ours(x), want), "dtensor": _max_rel(theirs(x), want)}
@@ -143,7 +147,7 @@ def _param_bytes(comm) -> list[dict]:
             from dataclasses import replace
 
             config = replace(config, vocab_size=2049)
-        model = build_model(config, 0)
+        model = build_model(config, 0).to(comm.device)
         full = {n: p.numel() * 4 for n, p in model.named_parameters()}
         tp.parallelize(model, comm, tp.GPT_PLAN)
         split_names = {n for n, p in model.named_parameters() if tp.is_split(p)}
@@ -152,7 +156,8 @@ def _param_bytes(comm) -> list[dict]:
         expected = (sum(full[n] for n in split_names) + padding) // comm.size + sum(
             b for n, b in full.items() if n not in split_names
         )
-        measured = MemoryLedger().measure({"params": list(model.parameters())})["params"]
+        ledger = MemoryLedger(comm.device)
+        measured = ledger.measure({"params": list(model.parameters())})["params"]
         out.append(
             {
                 "model": name,
@@ -173,12 +178,12 @@ def _activations_and_comm(comm, ledger) -> dict:
     config = GPTConfig(n_embd=256, n_head=8, n_layer=1, n_positions=SEQ, vocab_size=512)
     activations, comm_per_block = {}, {}
     for name in ("one process", "tp", "tp + sequence parallel"):
-        model = build_model(config, 0)
+        model = build_model(config, 0).to(comm.device)
         if name != "one process":
             tp.parallelize(model, comm, tp.GPT_PLAN, sequence_parallel=name.endswith("parallel"))
         s = SEQ // comm.size if name.endswith("parallel") else SEQ
-        hidden = torch.randn(BATCH, s, config.n_embd, requires_grad=True)
-        memory = MemoryLedger()
+        hidden = torch.randn(BATCH, s, config.n_embd, device=comm.device, requires_grad=True)
+        memory = MemoryLedger(comm.device)
         ledger.reset()
         with memory.track_activations(exclude=list(model.parameters()) + [hidden]):
             y = model.transformer.h[0](hidden)
@@ -256,7 +261,7 @@ def main() -> None:
     from hplab.launch import run_distributed
 
     steps = 5 if args.quick else 20
-    result = run_distributed(worker, WORLD, steps)[0]
+    result = run_distributed(worker, WORLD, steps, backend=None)[0]  # NCCL when each has a GPU
     result["config"] = {
         "world": WORLD,
         "batch": BATCH,

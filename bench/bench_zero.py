@@ -205,6 +205,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="global batch in sequences")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--pairs", default=",".join(PAIRS), help="which comparisons, e.g. zero1")
+    p.add_argument("--results", default=str(ROOT / "bench" / "results" / "zero.json"))
     p.add_argument("--worker"), p.add_argument("--model"), p.add_argument("--out")
     args = p.parse_args()
     if args.worker:
@@ -249,7 +250,7 @@ def main() -> None:
         "machine": f"{os.cpu_count()} CPU cores",
         "rows": rows,
     }
-    path = ROOT / "bench" / "results" / "zero.json"
+    path = Path(args.results)
     path.write_text(json.dumps(results, indent=1))
     print(
         "| model | params | hplab | PyTorch | tokens/s hplab | tokens/s PyTorch | ratio "

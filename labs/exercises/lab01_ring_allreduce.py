@@ -19,14 +19,16 @@ Each rank sends 2(n - 1) chunks of S/n bytes: 2(n-1)/n · S in all, whatever n i
 counts your bytes in the CommLedger and refuses anything else than send/recv.
 
 Deadlock: if every rank first calls a blocking send, all of them may wait for a receiver that
-never comes. Start the send asynchronously, receive, then wait for the send:
+never comes. An asynchronous send first is not enough either: NCCL runs a rank's sends and
+receives in the order they were posted and may hold a send until its receive is posted, so
+with every rank sending first, every send waits. Post each step's send and receive together:
 
-    pending = comm.send(chunk, dst=right, async_op=True)
-    comm.recv(buffer, src=left)
-    pending.wait()
+    for pending in comm.send_and_recv([("send", chunk, right), ("recv", buffer, left)]):
+        pending.wait()
 
-`comm` is a `hplab.comm.Communicator`: `comm.size`, `comm.rank`, `comm.send(tensor, dst,
-async_op)`, `comm.recv(tensor, src, async_op)`; peers are ranks within the group.
+`comm` is a `hplab.comm.Communicator`: `comm.size`, `comm.rank`, `comm.send_and_recv(ops)`
+(and `comm.send(tensor, dst, async_op)`, `comm.recv(tensor, src, async_op)`); peers are ranks
+within the group.
 """
 
 import torch

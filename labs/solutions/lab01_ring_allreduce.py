@@ -5,13 +5,14 @@ import torch
 
 def _exchange(comm, outgoing, receive_like, right, left) -> torch.Tensor:
     """Send `outgoing` to the right while receiving a tensor shaped like `receive_like` from
-    the left; the send is asynchronous, so no rank waits for a receiver that is itself sending.
-    Empty chunks (a tensor smaller than n) are not sent: both ends know their size."""
+    the left, both posted together (`comm.send_and_recv`): every rank sends at the same time,
+    and on NCCL a send may wait until its receive is posted, so a lone send first would leave
+    every rank waiting for the others. Empty chunks (a tensor smaller than n) are not sent:
+    both ends know their size."""
     incoming = torch.empty_like(receive_like)
-    pending = comm.send(outgoing, dst=right, async_op=True) if outgoing.numel() else None
-    if incoming.numel():
-        comm.recv(incoming, src=left)
-    if pending is not None:
+    ops = [("send", outgoing, right)] * bool(outgoing.numel())
+    ops += [("recv", incoming, left)] * bool(incoming.numel())
+    for pending in comm.send_and_recv(ops):
         pending.wait()
     return incoming
 
