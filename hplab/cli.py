@@ -91,6 +91,12 @@ OUTPUT_FLAGS = {
     ),
     "--config": dict(help="a recipe file from configs/"),
     "--backend": dict(default="auto", choices=["auto", "gloo", "nccl"]),
+    "--link": dict(
+        metavar="BANDWIDTH[,LATENCY]",
+        help="emulate a network link between the ranks, e.g. 20MB/s,200us: each collective "
+        "and message then takes α + bytes/β more, asleep (hplab.link; default: HPLAB_LINK, "
+        "else none)",
+    ),
     "--nproc": dict(
         type=COUNT,
         help="launch N local processes yourself (checks the flags first, then starts and "

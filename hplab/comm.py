@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from hplab import link
 from hplab.formulas import bus_factor  # the factors above, in one home
 
 #: What gloo and NCCL say when a peer has gone (NCCL: once its communicator was aborted).
@@ -106,22 +107,34 @@ class CommLedger:
 
 class Pending:
     """The handle of an asynchronous collective: call `wait()` before using its result.
-    `share`: its part of a work it shares with others (a batch NCCL ran as one)."""
+    `share`: its part of a work it shares with others (a batch NCCL ran as one). `wire`: the
+    bytes it puts on an emulated link (`hplab.link`), which `wait()` then waits out."""
 
-    def __init__(self, work, comm: Communicator, op: str, share: float = 1.0):
+    def __init__(self, work, comm: Communicator, op: str, share=1.0, wire: float | None = None):
         self.work, self.comm, self.op, self.share = work, comm, op, share
+        self.link = (
+            link.Transfer(work, wire)
+            if link.QUEUE and work is not None and wire is not None
+            else None
+        )
+        if self.link:
+            self.work = self.link.work
 
     def wait(self) -> None:
         if self.work is None:
             return
         start = time.perf_counter()
         self.comm._guard(self.op, self.work.wait, f"wait {self.op} {self.comm.name}")
+        if self.link:
+            self.link.wait()
         seconds = self.comm.work_seconds(self.work, time.perf_counter() - start)
         self.comm.ledger.add_time(self.op, self.comm.name, seconds * self.share)
         self.work = None
 
     def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
+        if self.work is None:
+            return True
+        return self.work.is_completed() and (not self.link or self.link.is_through())
 
 
 OPEN_COMMUNICATORS: weakref.WeakSet[Communicator] = weakref.WeakSet()
@@ -176,16 +189,17 @@ class Communicator:
         a synchronous one waited for at once: its time is then the GPU's (`work_seconds`)."""
         if self.size == 1:
             return Pending(None, self, op) if async_op else None
-        on_gpu = self.device.type == "cuda"
+        on_gpu, emulated = self.device.type == "cuda", link.QUEUE is not None
         start = time.perf_counter()
         label = f"{op} {self.name} {nbytes:,} B"  # its range in a timeline
-        work = self._guard(op, lambda: call(async_op or on_gpu), label)
+        work = self._guard(op, lambda: call(async_op or on_gpu or emulated), label)
         launched = 0.0 if on_gpu else time.perf_counter() - start  # GPU: counted at the wait
         self.ledger.record(op, self.name, nbytes, self.size, launched)
-        pending = Pending(work, self, op)
+        wire = None if op == "send" else nbytes * bus_factor(op, self.size)  # (a recv waits)
+        pending = Pending(work, self, op, wire=wire)
         if async_op:
             return pending
-        if on_gpu:
+        if on_gpu or emulated:
             pending.wait()
         return None
 
@@ -305,7 +319,10 @@ class Communicator:
             self.ledger.record(kind, self.name, t.nbytes, self.size, launched / len(ops))
         if len(works) != len(ops):  # NCCL ran the batch as one work: each op waits for it
             return [Pending(works[0], self, kind, 1 / len(ops)) for kind, _, _ in ops]
-        return [Pending(work, self, kind) for work, (kind, _, _) in zip(works, ops, strict=True)]
+        return [
+            Pending(work, self, kind, wire=t.nbytes if kind == "recv" else None)
+            for work, (kind, t, _) in zip(works, ops, strict=True)
+        ]
 
     def all_to_all_single(
         self,

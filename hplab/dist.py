@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hplab import link
 from hplab.comm import OPEN_COMMUNICATORS, CommLedger, Communicator
 from hplab.config import Layout, check_experts, check_mesh, check_sizes_and_choices
 
@@ -107,6 +108,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         torch.cuda.set_device(device)
     global DEVICE
     DEVICE = device
+    link.use(os.environ.get("HPLAB_LINK") or None)  # an emulated link for every rank, or none
     if existing is None:
         if note and local_rank == 0:
             print(f"hplab: {note}", file=sys.stderr)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hplab import checkpoint
+from hplab import checkpoint, link
 from hplab.cli import build_parser, layout_of, optim_of
 from hplab.config import Layout, LayoutError, ModelConfig, OptimConfig, resolve_dp, validate
 from hplab.data import TokenDataset
@@ -68,6 +68,10 @@ def check_switches(args) -> None:
     args.no_decay_bias_norm = args.weight_decay > 0 and not args.decay_bias_norm  # (as the seeds)
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
+    source = "--link" if args.link else "HPLAB_LINK"
+    args.link = args.link or os.environ.get("HPLAB_LINK") or None
+    if args.link:  # (LinkError: one line) in the metrics as the library spells it
+        args.link = str(link.parse(args.link, source))
     if args.init_from and args.resume:
         raise ValueError("--init-from starts a new run, --resume continues one: give one of them")
     cut = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "cp") if getattr(args, k) > 1]

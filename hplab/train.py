@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from hplab import checkpoint, metrics
+from hplab import checkpoint, link, metrics
 from hplab.cli import in_flags, parse_args
 from hplab.compose import evaluate, parallelize, train_step
 from hplab.data import get_batch, global_batch_indices, shard_for_rank
@@ -90,6 +90,7 @@ def run(args) -> dict | None:
     """This rank's whole run (steps 1 to 6 above); the metrics on rank 0, None elsewhere."""
     job = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
     device = init_distributed(None if args.backend == "auto" else args.backend)
+    link.use(args.link)  # an emulated network between the ranks, or none
     layout = job.layout
     mesh = Mesh(layout.dp, layout.tp, layout.pp, device, cp=layout.cp, ep=layout.ep)
     par = parallelize(build_model(job.model, args.seed).to(device), mesh, layout, job.optim)

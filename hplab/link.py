@@ -1,0 +1,149 @@
+"""An emulated link: the time a real network takes, on a laptop whose own "network" is free.
+
+On one machine gloo's messages cross loopback: the CPU cores that compute also move the bytes,
+and moving them costs little next to computing. Over NVLink or a network card, bytes move
+beside the computation, at a rate that makes communication cost about as much as compute. With
+`--link BANDWIDTH[,LATENCY]` (or the HPLAB_LINK environment variable), e.g. `--link 20MB/s,200us`,
+every rank gets such a link:
+
+    a collective        α + (its bus bytes)/β      bus bytes: the nccl-tests convention, an
+                                                   all-reduce's 2(n−1)/n·S (formulas.bus_factor)
+    a message           α + (its payload)/β        the receiver waits for it
+
+The real data still moves through gloo (or NCCL), so every result is bit for bit the one
+without a link; the link's time starts when that real transfer is done, which on loopback is
+when the last rank launched it (on a GPU: when the host queued it). A rank's transfers queue on
+its link one after the other (`Queue`), and a `wait()` sleeps the time out, using no core, as a
+network card moves bytes without the CPU. Off by default, and then nothing is paid: `Pending`
+(hplab.comm) makes a `Transfer` only when this process has a link.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+PER_SECOND = {"s": 1, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
+
+
+class LinkError(ValueError):
+    """A --link that cannot be read; the message shows one that can."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """β (bytes per second) and α (seconds) of every rank's link."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+    def cost(self, nbytes: float) -> float:
+        """α + n/β: the seconds `nbytes` take on this link."""
+        return self.latency + nbytes / self.bandwidth
+
+    def __str__(self) -> str:
+        return f"{self.bandwidth / 1e6:g}MB/s,{self.latency * 1e6:g}us"
+
+
+def parse(text: str, source: str = "--link") -> Link:
+    """`20MB/s,200us` → Link(20e6, 200e-6). Bandwidth in B/s, kB/s, MB/s, GB/s (or KiB/s,
+    MiB/s, GiB/s); the latency in s, ms, us or ns (default 0). `source` names the text in an
+    error: the flag, or HPLAB_LINK."""
+    bandwidth, _, latency = text.replace(" ", "").partition(",")
+    rate = re.fullmatch(r"([0-9.eE+-]+)([kKmMgG]i?)?B/s", bandwidth)
+    delay = re.fullmatch(r"([0-9.eE+-]+)(s|ms|us|µs|ns)", latency or "0s")
+    try:
+        beta = float(rate[1]) * UNITS[(rate[2] or "").lower()]
+        alpha = float(delay[1]) / PER_SECOND[delay[2]]
+    except (TypeError, ValueError):
+        raise LinkError(
+            f"{source} {text!r}: give a bandwidth and, after a comma, a latency, e.g. "
+            "--link 20MB/s,200us"
+        ) from None
+    if not (0 < beta < float("inf") and 0 <= alpha < float("inf")):
+        raise LinkError(f"{source} {text!r}: the bandwidth must be positive, the latency ≥ 0")
+    return Link(beta, alpha)
+
+
+class Queue:
+    """One rank's link: its transfers one after the other."""
+
+    def __init__(self, link: Link):
+        self.link, self.free_at, self.lock = link, 0.0, threading.Lock()
+
+    def transfer(self, ready_at: float, nbytes: float) -> float:
+        """When `nbytes`, ready at `ready_at` (time.perf_counter), are through."""
+        with self.lock:
+            start = max(ready_at, self.free_at)
+            self.free_at = start + self.link.cost(nbytes)
+            return self.free_at
+
+
+def sleep_until(moment: float) -> None:
+    """Sleep (using no core) until time.perf_counter() reaches `moment`."""
+    delay = moment - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+class Transfer:
+    """One transfer on this rank's link: when gloo or NCCL is done with `work`, the link takes
+    its `nbytes` in turn; `wait()` (after the work's) sleeps until the link is through."""
+
+    def __init__(self, work, nbytes: float):
+        self.queue, self.work = QUEUE, work
+        self.through_at, self.on_the_link = 0.0, threading.Event()
+        try:
+            work.get_future().then(lambda _: self._to_the_link(nbytes))
+        except RuntimeError:  # gloo's send and recv have no future: a thread waits for them
+            self.work = WaitedByThread(work, lambda: self._to_the_link(nbytes))
+
+    def _to_the_link(self, nbytes: float) -> None:
+        self.through_at = self.queue.transfer(time.perf_counter(), nbytes)
+        self.on_the_link.set()
+
+    def wait(self) -> None:
+        self.on_the_link.wait()
+        sleep_until(self.through_at)
+
+    def is_through(self) -> bool:
+        return self.on_the_link.is_set() and self.through_at <= time.perf_counter()
+
+
+class WaitedByThread:
+    """A work whose one `wait()` (gloo's send and recv allow only one) a thread makes as soon
+    as it is posted, to note when it is done; the caller's `wait()` waits for that thread."""
+
+    def __init__(self, work, then):
+        self.error, self.done = None, threading.Event()
+        threading.Thread(target=self._wait, args=(work, then), daemon=True).start()
+
+    def _wait(self, work, then) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:  # (the caller's wait raises it)
+            self.error = err
+        then()
+        self.done.set()
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error:
+            raise self.error
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+QUEUE: Queue | None = None  # this process's link (None: no emulation)
+
+
+def use(link: Link | str | None) -> None:
+    """Give this rank `link` (a Link, its text, or None for none); `train.py` calls it with
+    --link, or HPLAB_LINK when the flag is not given."""
+    global QUEUE
+    link = parse(link) if isinstance(link, str) else link
+    QUEUE = Queue(link) if link else None
