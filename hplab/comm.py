@@ -110,13 +110,9 @@ class Pending:
     `share`: its part of a work it shares with others (a batch NCCL ran as one). `wire`: the
     bytes it puts on an emulated link (`hplab.link`), which `wait()` then waits out."""
 
-    def __init__(self, work, comm: Communicator, op: str, share=1.0, wire: float | None = None):
+    def __init__(self, work, comm: Communicator, op: str, share=1.0, wire=None, ticket=None):
         self.work, self.comm, self.op, self.share = work, comm, op, share
-        self.link = (
-            link.Transfer(work, wire)
-            if link.QUEUE and work is not None and wire is not None
-            else None
-        )
+        self.link = link.Transfer(work, wire, ticket, op) if ticket and wire is not None else None
         if self.link:
             self.work = self.link.work
 
@@ -184,7 +180,16 @@ class Communicator:
                 ) from None
             raise
 
-    def _run(self, op: str, nbytes: int, call, async_op: bool):
+    def _stamp(self, op: str, peer: int | None) -> tuple:
+        """Note this launch on the emulated link's board: a collective's among the group, a
+        message's between its sender and its receiver."""
+        if peer is None:
+            return link.QUEUE.board.stamp(f"{self.name}{self.ranks}", self.size, self.rank)
+        src, dst = (self.rank, peer) if op == "send" else (peer, self.rank)
+        channel = f"{self.name}{self.ranks}:{src}>{dst}"
+        return link.QUEUE.board.stamp(channel, 2, int(op != "send"))
+
+    def _run(self, op: str, nbytes: int, call, async_op: bool, peer: int | None = None):
         """Launch a collective and count it. On a GPU every call is launched asynchronously and
         a synchronous one waited for at once: its time is then the GPU's (`work_seconds`)."""
         if self.size == 1:
@@ -192,11 +197,12 @@ class Communicator:
         on_gpu, emulated = self.device.type == "cuda", link.QUEUE is not None
         start = time.perf_counter()
         label = f"{op} {self.name} {nbytes:,} B"  # its range in a timeline
+        ticket = self._stamp(op, peer) if emulated else None
         work = self._guard(op, lambda: call(async_op or on_gpu or emulated), label)
         launched = 0.0 if on_gpu else time.perf_counter() - start  # GPU: counted at the wait
         self.ledger.record(op, self.name, nbytes, self.size, launched)
         wire = None if op == "send" else nbytes * bus_factor(op, self.size)  # (a recv waits)
-        pending = Pending(work, self, op, wire=wire)
+        pending = Pending(work, self, op, wire=wire, ticket=ticket)
         if async_op:
             return pending
         if on_gpu or emulated:
@@ -284,6 +290,7 @@ class Communicator:
                 tensor, dst=self.ranks[dst], group=self.group
             ),
             async_op,
+            peer=dst,
         )
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
@@ -295,6 +302,7 @@ class Communicator:
                 tensor, src=self.ranks[src], group=self.group
             ),
             async_op,
+            peer=src,
         )
 
     def send_and_recv(self, ops: list[tuple[str, torch.Tensor, int]]) -> list[Pending]:
@@ -313,6 +321,7 @@ class Communicator:
         ]
         start = time.perf_counter()
         label = " + ".join(f"{kind} {self.name} {t.nbytes:,} B" for kind, t, _ in ops)
+        tickets = [self._stamp(kind, peer) if link.QUEUE else None for kind, _, peer in ops]
         works = self._guard("send_and_recv", lambda: dist.batch_isend_irecv(p2p), label)
         launched = 0.0 if self.device.type == "cuda" else time.perf_counter() - start
         for kind, t, _ in ops:
@@ -320,8 +329,8 @@ class Communicator:
         if len(works) != len(ops):  # NCCL ran the batch as one work: each op waits for it
             return [Pending(works[0], self, kind, 1 / len(ops)) for kind, _, _ in ops]
         return [
-            Pending(work, self, kind, wire=t.nbytes if kind == "recv" else None)
-            for work, (kind, t, _) in zip(works, ops, strict=True)
+            Pending(work, self, kind, wire=t.nbytes if kind == "recv" else None, ticket=ticket)
+            for work, (kind, t, _), ticket in zip(works, ops, tickets, strict=True)
         ]
 
     def all_to_all_single(

@@ -20,10 +20,17 @@ network card moves bytes without the CPU. Off by default, and then nothing is pa
 
 from __future__ import annotations
 
+import atexit
+import os
 import re
+import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 PER_SECOND = {"s": 1, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
@@ -69,16 +76,21 @@ def parse(text: str, source: str = "--link") -> Link:
 
 
 class Queue:
-    """One rank's link: its transfers one after the other."""
+    """One rank's link: its transfers one after the other, and the launch board they start
+    from."""
 
-    def __init__(self, link: Link):
+    def __init__(self, link: Link, job: str):
         self.link, self.free_at, self.lock = link, 0.0, threading.Lock()
+        self.board = Board(job)
+        self.log: list | None = None  # a list: (what, start, end) of each transfer (a trace)
 
-    def transfer(self, ready_at: float, nbytes: float) -> float:
+    def transfer(self, ready_at: float, nbytes: float, what: str = "") -> float:
         """When `nbytes`, ready at `ready_at` (time.perf_counter), are through."""
         with self.lock:
             start = max(ready_at, self.free_at)
             self.free_at = start + self.link.cost(nbytes)
+            if self.log is not None:
+                self.log.append((what, start, self.free_at))
             return self.free_at
 
 
@@ -89,20 +101,61 @@ def sleep_until(moment: float) -> None:
         time.sleep(delay)
 
 
+class Board:
+    """When each rank launched each transfer, shared by this machine's ranks: a memory-mapped
+    file per channel (a group's collectives, or one direction of a pair's messages), a row
+    per member, a column per transfer in launch order. One machine, one clock:
+    time.perf_counter is the machine's monotonic clock in every process."""
+
+    SLOTS = 4096  # columns reused in turn: far more than can be in flight at once
+
+    def __init__(self, job: str):
+        self.job, self.tables, self.launches = job, {}, Counter()
+        self.folder = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
+
+    def stamp(self, channel: str, members: int, me: int) -> tuple:
+        """Note now as member `me`'s launch of the channel's next transfer; its ticket."""
+        table = self.tables.get(channel)
+        if table is None:
+            table = self.tables[channel] = self._open(channel, members)
+        slot = self.launches[channel] % self.SLOTS
+        self.launches[channel] += 1
+        table[me, slot] = time.perf_counter()
+        return table, slot
+
+    @staticmethod
+    def last_launch(ticket: tuple) -> float:
+        """When the last member launched it (call once the real transfer is done)."""
+        table, slot = ticket
+        return float(table[:, slot].max())
+
+    def _open(self, channel: str, members: int) -> np.ndarray:
+        name = re.sub(r"[^\w.-]", "_", f"hplab-link-{self.job}-{channel}-{members}")
+        path = self.folder / name
+        with open(path, "a+b") as f:  # every member opens it; the first one sizes it
+            if f.seek(0, 2) < members * self.SLOTS * 8:
+                f.truncate(members * self.SLOTS * 8)
+        table = np.memmap(path, dtype=np.float64, mode="r+", shape=(members, self.SLOTS))
+        atexit.register(lambda: path.unlink(missing_ok=True))  # (the map outlives the name)
+        return table
+
+
 class Transfer:
     """One transfer on this rank's link: when gloo or NCCL is done with `work`, the link takes
     its `nbytes` in turn; `wait()` (after the work's) sleeps until the link is through."""
 
-    def __init__(self, work, nbytes: float):
+    def __init__(self, work, nbytes: float, ticket: tuple, what: str = ""):
         self.queue, self.work = QUEUE, work
         self.through_at, self.on_the_link = 0.0, threading.Event()
+        then = lambda *_: self._to_the_link(nbytes, ticket, what)  # noqa: E731
         try:
-            work.get_future().then(lambda _: self._to_the_link(nbytes))
+            work.get_future().then(then)
         except RuntimeError:  # gloo's send and recv have no future: a thread waits for them
-            self.work = WaitedByThread(work, lambda: self._to_the_link(nbytes))
+            self.work = WaitedByThread(work, then)
 
-    def _to_the_link(self, nbytes: float) -> None:
-        self.through_at = self.queue.transfer(time.perf_counter(), nbytes)
+    def _to_the_link(self, nbytes: float, ticket: tuple, what: str) -> None:
+        """Done for real (so every member has launched it): on the link from the last launch."""
+        self.through_at = self.queue.transfer(Board.last_launch(ticket), nbytes, what)
         self.on_the_link.set()
 
     def wait(self) -> None:
@@ -146,4 +199,5 @@ def use(link: Link | str | None) -> None:
     --link, or HPLAB_LINK when the flag is not given."""
     global QUEUE
     link = parse(link) if isinstance(link, str) else link
-    QUEUE = Queue(link) if link else None
+    job = f"{os.environ.get('MASTER_PORT', '')}-{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    QUEUE = Queue(link, job) if link else None

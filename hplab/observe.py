@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hplab import cp, fsdp, moe
+from hplab import cp, fsdp, link, moe
 from hplab.clock import clock_for
 from hplab.ddp import DDP
 from hplab.memory import KINDS, MemoryLedger, model_state_tensors
@@ -60,6 +60,9 @@ class Recorder:
             self.profiler = profile()  # the CPU, and the GPU where there is one
             self.profiler.start()
             self.queued = waited_for_a_core_s("gloo")
+            self.clock = clock_anchor()
+            if link.QUEUE:  # an emulated link: note its transfers for the trace
+                link.QUEUE.log = []
         with record_function(f"step {step}") if step in self.window else contextlib.nullcontext():
             yield
         if step in self.window[-1:]:
@@ -70,6 +73,34 @@ class Recorder:
                 hook.remove()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.profiler.export_chrome_trace(str(self.path))
+            if link.QUEUE:
+                add_link_transfers(self.path, link.QUEUE.log, self.clock)
+                link.QUEUE.log = None
+
+
+def clock_anchor() -> float:
+    """A range named after time.perf_counter() (µs) in the trace being recorded: it ties the
+    profiler's clock to Python's, to place what hplab timed itself."""
+    from torch.profiler import record_function
+
+    now = time.perf_counter() * 1e6
+    with record_function(f"hplab clock {now:.1f}"):
+        return now
+
+
+def add_link_transfers(path: Path, transfers: list, anchor_us: float) -> None:
+    """Write the emulated link's transfers (what, start, end; hplab.link) into the Chrome trace
+    at `path`, as events `link:<op>` on a row of their own, placed by the clock anchor."""
+    trace = json.loads(path.read_text())
+    marks = [e for e in trace["traceEvents"] if e.get("name", "").startswith("hplab clock")]
+    offset = marks[0]["ts"] - anchor_us if marks else 0.0
+    pid = marks[0]["pid"] if marks else 0
+    trace["traceEvents"] += [
+        dict(ph="X", cat="link", name=f"link:{what}", pid=pid, tid="link", ts=s * 1e6 + offset)
+        | dict(dur=(e - s) * 1e6)
+        for what, s, e in transfers
+    ]
+    path.write_text(json.dumps(trace))
 
 
 def waited_for_a_core_s(thread_name: str = "") -> float:

@@ -50,6 +50,11 @@ def preflight(args, world_size: int) -> Run:
     if args.dp is None:
         args.dp = resolve_dp(world_size, args.tp, args.pp, args.cp)
     check_switches(args)
+    if args.link and int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size:
+        raise ValueError(
+            "--link emulates a network between the processes of one machine; this job spans "
+            "machines, whose network is real: drop --link (and HPLAB_LINK)"
+        )
     settle_lr_schedule(args)
     saved, model = model_of(args)
     layout = layout_of(args)

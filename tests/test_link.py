@@ -60,10 +60,16 @@ def test_parse_refuses_in_one_line(text, says):
 
 
 def test_queue_takes_transfers_one_after_the_other():
-    queue = link.Queue(link.Link(1e6, 1e-3))  # 1 MB/s, 1 ms
-    assert queue.transfer(10.0, 1000) == pytest.approx(10.002)  # α + 1 kB/β
-    assert queue.transfer(10.0, 1000) == pytest.approx(10.004)  # behind the first
-    assert queue.transfer(20.0, 0) == pytest.approx(20.001)  # an idle link: from its ready time
+    queue = link.Queue(link.Link(1e6, 1e-3), job="test")  # 1 MB/s, 1 ms
+    queue.log = []
+    assert queue.transfer(10.0, 1000, "a") == pytest.approx(10.002)  # α + 1 kB/β
+    assert queue.transfer(10.0, 1000, "b") == pytest.approx(10.004)  # behind the first
+    assert queue.transfer(20.0, 0, "c") == pytest.approx(20.001)  # idle: from its ready time
+    assert [(w, round(s, 6), round(e, 6)) for w, s, e in queue.log] == [
+        ("a", 10.0, 10.002),
+        ("b", 10.002, 10.004),
+        ("c", 20.0, 20.001),
+    ]
 
 
 # -- measured on two processes -------------------------------------------------------------
@@ -247,9 +253,18 @@ def train_cli(tmp_path, *flags, env=None):
 
 
 def test_train_records_the_link_and_refuses_a_bad_one(tmp_path):
-    done = train_cli(tmp_path, "--metrics", "m.json", env={"HPLAB_LINK": "20MB/s,200us"})
+    from hplab.course.timeline import read_timeline
+
+    flags = ("--metrics", "m.json", "--trace", "tr", "--steps", "3", "--bucket-mb", "0.02")
+    done = train_cli(tmp_path, *flags, env={"HPLAB_LINK": "20MB/s,200us"})
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "m.json").read_text())["config"]["link"] == "20MB/s,200us"
+    # the trace shows the link's transfers as the collectives, each after its launch
+    for spans in read_timeline(tmp_path / "tr"):
+        comm = [s for s in spans if s["kind"] == "comm"]
+        assert comm and all(s["name"].startswith("all_reduce dp") for s in comm), comm
+        assert all(s["launched_s"] <= s["start_s"] + 1e-3 for s in comm)
+        assert min(s["end_s"] - s["start_s"] for s in comm) >= 200e-6 * 0.9  # α at least
     bad = train_cli(tmp_path, "--link", "20 miles")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
@@ -259,3 +274,12 @@ def test_train_records_the_link_and_refuses_a_bad_one(tmp_path):
     bad_env = train_cli(tmp_path, env={"HPLAB_LINK": "0MB/s"})
     assert bad_env.returncode == 2
     assert "HPLAB_LINK" in bad_env.stderr and "positive" in bad_env.stderr
+
+
+def test_a_job_across_machines_refuses_the_link(monkeypatch):
+    from hplab.cli import parse_args
+    from hplab.preflight import preflight
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 4 processes, 2 on this machine
+    with pytest.raises(ValueError, match="one machine"):
+        preflight(parse_args(["--dp", "4", "--link", "1GB/s"]), 4)

@@ -7,6 +7,8 @@
     autograd::engine::...      backward: autograd's own event per function it evaluates
     all_reduce dp 4,096 B      the Communicator's range around a launch (and `wait all_reduce dp`)
     gloo:all_reduce            gloo's thread: the collective from launch to completion
+    link:all_reduce            under --link: the emulated link's transfer (hplab.link), in
+                               place of gloo's (which only moved the bytes on loopback)
 
 An asynchronous collective runs on gloo's threads while the caller computes on; its wait is only
 where the caller needed the result. `hidden_fraction` measures that overlap from the spans.
@@ -31,6 +33,7 @@ SPAN_KINDS = {
     "step": "step",
     "autograd::engine::evaluate_function:": "backward",
     "gloo:": "comm",
+    "link:": "comm",  # under an emulated link (train.py --link): its transfers, not gloo's
 }
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "barrier")
 RUN_AS = {"all_reduce": ("all_reduce", "reduce_scatter")}  # gloo reduce-scatters by all-reducing
@@ -76,9 +79,14 @@ def read_timeline(directory) -> list[list[dict]]:
 def _spans(events: list[dict], t0: float) -> list[dict]:
     """One rank's spans from its events in time order; t0: the time (µs) they count from."""
     spans, launches, numbers = [], [], Counter()
+    linked = any(e["name"].startswith("link:") for e in events)
     for e in events:
         kind, name = kind_of(e)
-        if kind is None and e.get("cat") == "user_annotation" and name.startswith(COMM_OPS):
+        if linked and name.startswith("gloo:"):  # the link's transfer is the collective
+            continue
+        on_the_link = not (linked and name.startswith("all_reduce_scalar"))  # (bookkeeping)
+        launch_range = e.get("cat") == "user_annotation" and name.startswith(COMM_OPS)
+        if kind is None and launch_range and on_the_link:
             kind = "launch"  # the Communicator's range: "all_reduce dp 262,144 B"
             launches.append((name, e["ts"]))
         if kind == "step":
