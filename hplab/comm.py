@@ -112,7 +112,9 @@ class Pending:
 
     def __init__(self, work, comm: Communicator, op: str, share=1.0, wire=None, ticket=None):
         self.work, self.comm, self.op, self.share = work, comm, op, share
-        self.link = link.Transfer(work, wire, ticket, op) if ticket and wire is not None else None
+        on_gpu = comm.device.type == "cuda"
+        transfer = ticket and wire is not None
+        self.link = link.Transfer(work, wire, ticket, op, on_gpu) if transfer else None
         if self.link:
             self.work = self.link.work
 

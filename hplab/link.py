@@ -141,25 +141,32 @@ class Board:
 
 
 class Transfer:
-    """One transfer on this rank's link: when gloo or NCCL is done with `work`, the link takes
-    its `nbytes` in turn; `wait()` (after the work's) sleeps until the link is through."""
+    """One transfer on this rank's link: when gloo is done with `work`, the link takes its
+    `nbytes` in turn; `wait()` (after the work's) sleeps until the link is through. On a GPU
+    NCCL's future completes when the work is queued, before the other ranks need have launched:
+    there (`on_gpu`) the link takes it at the wait, which blocks until the work is done."""
 
-    def __init__(self, work, nbytes: float, ticket: tuple, what: str = ""):
-        self.queue, self.work = QUEUE, work
+    def __init__(self, work, nbytes: float, ticket: tuple, what: str = "", on_gpu=False):
+        self.queue, self.work, self.on_gpu = QUEUE, work, on_gpu
         self.through_at, self.on_the_link = 0.0, threading.Event()
-        then = lambda *_: self._to_the_link(nbytes, ticket, what)  # noqa: E731
+        self.then = lambda *_: self._to_the_link(nbytes, ticket, what)
+        if on_gpu:
+            return
         try:
-            work.get_future().then(then)
+            work.get_future().then(self.then)
         except RuntimeError:  # gloo's send and recv have no future: a thread waits for them
-            self.work = WaitedByThread(work, then)
+            self.work = WaitedByThread(work, self.then)
 
     def _to_the_link(self, nbytes: float, ticket: tuple, what: str) -> None:
         """Done for real (so every member has launched it): on the link from the last launch."""
-        self.through_at = self.queue.transfer(Board.last_launch(ticket), nbytes, what)
-        self.on_the_link.set()
+        if not self.on_the_link.is_set():
+            self.through_at = self.queue.transfer(Board.last_launch(ticket), nbytes, what)
+            self.on_the_link.set()
 
     def wait(self) -> None:
-        self.on_the_link.wait()
+        """Call after the work's own wait."""
+        if self.on_gpu or not self.on_the_link.wait(timeout=5):  # (gloo's callback: at once)
+            self.then()
         sleep_until(self.through_at)
 
     def is_through(self) -> bool:

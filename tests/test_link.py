@@ -283,3 +283,27 @@ def test_a_job_across_machines_refuses_the_link(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 4 processes, 2 on this machine
     with pytest.raises(ValueError, match="one machine"):
         preflight(parse_args(["--dp", "4", "--link", "1GB/s"]), 4)
+
+
+def test_on_a_gpu_the_link_takes_a_transfer_at_its_wait():
+    """NCCL's future completes when the work is queued, before the other ranks need have
+    launched: on a GPU the link reads the board at the wait (which blocks until done)."""
+
+    class QueuedOnTheGpu:
+        def get_future(self):
+            done = torch.futures.Future()
+            done.set_result(None)
+            return done
+
+    link.use(link.Link(1e6, 0.0))  # 1 kB: 1 ms
+    try:
+        ticket = link.QUEUE.board.stamp("gpu-test", 2, 0)
+        transfer = link.Transfer(QueuedOnTheGpu(), 1000, ticket, "all_reduce", on_gpu=True)
+        assert not transfer.on_the_link.is_set()
+        table, slot = ticket
+        table[1, slot] = time.perf_counter() + 0.05  # the other rank launches 50 ms later
+        start = time.perf_counter()
+        transfer.wait()
+        assert time.perf_counter() - start == pytest.approx(0.051, abs=0.01)
+    finally:
+        link.use(None)
