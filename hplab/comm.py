@@ -199,8 +199,14 @@ class Communicator:
         on_gpu, emulated = self.device.type == "cuda", link.QUEUE is not None
         start = time.perf_counter()
         label = f"{op} {self.name} {nbytes:,} B"  # its range in a timeline
-        ticket = self._stamp(op, peer) if emulated else None
-        work = self._guard(op, lambda: call(async_op or on_gpu or emulated), label)
+        ticket = None
+
+        def launch():  # the link's stamp inside the launch's range: in a trace, a transfer
+            nonlocal ticket  # never starts before the launch it belongs to
+            ticket = self._stamp(op, peer) if emulated else None
+            return call(async_op or on_gpu or emulated)
+
+        work = self._guard(op, launch, label)
         launched = 0.0 if on_gpu else time.perf_counter() - start  # GPU: counted at the wait
         self.ledger.record(op, self.name, nbytes, self.size, launched)
         wire = None if op == "send" else nbytes * bus_factor(op, self.size)  # (a recv waits)
@@ -323,8 +329,14 @@ class Communicator:
         ]
         start = time.perf_counter()
         label = " + ".join(f"{kind} {self.name} {t.nbytes:,} B" for kind, t, _ in ops)
-        tickets = [self._stamp(kind, peer) if link.QUEUE else None for kind, _, peer in ops]
-        works = self._guard("send_and_recv", lambda: dist.batch_isend_irecv(p2p), label)
+        tickets = [None] * len(ops)
+
+        def launch():  # the link's stamps inside the launch's range, as in _run
+            if link.QUEUE:
+                tickets[:] = [self._stamp(kind, peer) for kind, _, peer in ops]
+            return dist.batch_isend_irecv(p2p)
+
+        works = self._guard("send_and_recv", launch, label)
         launched = 0.0 if self.device.type == "cuda" else time.perf_counter() - start
         for kind, t, _ in ops:
             self.ledger.record(kind, self.name, t.nbytes, self.size, launched / len(ops))
