@@ -33,14 +33,6 @@ gates (`run_experts`, step by step); autograd runs through the exchanges (an all
 backward is the reverse all-to-all). An expert's replicas live on the ranks with the same ep
 coordinate (the expert-data-parallel group, dp/ep ranks): `sync_gradients` averages expert
 gradients there and everything else over the whole dp group.
-
-**The same switches elsewhere** (train.py; Megatron-LM; DeepSpeed-MoE's `MoE(...)`; torchtitan):
-experts `--moe-experts`; `--num-experts`; `num_experts=`; `MoEArgs(num_experts=)`. top-k
-`--moe-top-k`; `--moe-router-topk`; `k=`; `MoEArgs(top_k=)`. expert parallel `--ep`;
-`--expert-model-parallel-size`; `ep_size=`; `--parallelism.expert_parallel_degree`. balance loss
-`--moe-aux-coef`; `--moe-aux-loss-coeff` (z-loss `--moe-z-loss-coeff`); returns `l_aux` for you
-to add; none. capacity `--moe-capacity-factor`; `--moe-expert-capacity-factor` (both dropless by
-default); `capacity_factor=` and `drop_tokens=`; none.
 """
 
 from __future__ import annotations
