@@ -286,6 +286,41 @@ def activation_bytes_per_layer(
     return outside / (t if sequence_parallel else 1) + (inside + scores) / t
 
 
+def tensor_parallel_activation_bytes(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    n_layer: int,
+    vocab_size: int,
+    t: int = 1,
+    sequence_parallel: bool = False,
+    act_bytes: int = 4,
+) -> dict:
+    """Bytes hplab's GPT (no dropout, fused attention) saves for backward on one tensor-parallel
+    rank in one forward pass of b sequences of s tokens, by part. Per block, Korthikanti et al.'s
+    sbh·(34 + 5as/h) ([SP] Table 2, `activation_bytes_per_layer`) without dropout masks and
+    with fused attention (no a·s² scores, one fp32 log-sum-exp per row), in fp32:
+        no parallelism       4·sbh·(4 + 12) + 4·asb
+        tensor parallel      4·sbh·(4 + 12/t) + 4·asb/t
+        + sequence parallel  4·sbh·(4 + 12)/t + 4·asb/t
+    Beyond the blocks: the final layer norm's and the LM head's inputs (2·sbh elements, /t with
+    sequence parallel) and the fp32 logits, 4·s·b·V/t bytes. With t > 1 hplab's vocab-parallel
+    loss (`tp.vocab_parallel_cross_entropy`) also keeps exp(logits − max) for backward: another
+    4·s·b·V/t (Megatron computes it in place and keeps one)."""
+    sp_div = t if sequence_parallel else 1
+    per_layer = activation_bytes_per_layer(
+        s, b, h, a, t, sequence_parallel, act_bytes=act_bytes, dropout=False, flash_attention=True
+    )
+    logits = 4 * s * b * vocab_size / t
+    return {
+        "blocks": n_layer * per_layer,
+        "head inputs": 2 * s * b * h * act_bytes / sp_div,
+        "logits": logits,
+        "loss's exp (vocab parallel)": logits if t > 1 else 0.0,
+    }
+
+
 # --- 5. The learning-rate schedule ----------------------------------------------------------------
 LR_DECAYS = ("constant", "linear", "cosine")
 

@@ -28,6 +28,22 @@ def ring_all_reduce(tensor, comm):
     return tensor.copy_(total)
 """
 
+# Not a ring, though it moves a ring's bytes and sums right: every rank sends chunk j straight
+# to rank j, then its finished chunk to every other rank (using the solution's `_exchange`).
+RING_ALL_PAIRS = """
+
+def ring_all_reduce(tensor, comm):
+    n, r = comm.size, comm.rank
+    chunks = tensor.view(-1).tensor_split(n)
+    for s in range(1, n):
+        to, frm = (r + s) % n, (r - s) % n
+        chunks[r].add_(_exchange(comm, chunks[to], chunks[r], to, frm))
+    for s in range(1, n):
+        to, frm = (r + s) % n, (r - s) % n
+        chunks[frm].copy_(_exchange(comm, chunks[r], chunks[frm], to, frm))
+    return tensor
+"""
+
 # exercise -> {mistake: [(text in the solution, what replaces it), ...]}; ("", text) appends.
 WRONG = {
     "memory": {
@@ -44,6 +60,16 @@ WRONG = {
             )
         ],
         "whole_tensor": [("", RING_WHOLE_TENSOR)],
+        "all_pairs": [("", RING_ALL_PAIRS)],
+        "to_the_left": [
+            ("right, left = (r + 1) % n, (r - 1) % n", "right, left = (r - 1) % n, (r + 1) % n")
+        ],
+        "chunk_order": [  # sends chunk (r + s) at step s: not the one that came from the left
+            (
+                "_exchange(comm, chunks[(r - s) % n], mine",
+                "_exchange(comm, chunks[(r + s) % n], mine",
+            )
+        ],
     },
     "buckets": {
         "forward_order": [("for p in reversed(params):", "for p in params:")],
@@ -246,6 +272,18 @@ def test_ring_names_the_builtin_and_the_whole_tensor_ring(outcomes):
     # right sums, but 3·S bytes per rank on 4 ranks instead of 1.5·S
     message = failed(outcomes, "ring_allreduce", "whole_tensor")
     assert "sent 12,000 bytes" in message and "6,000" in message
+
+
+def test_ring_checker_requires_a_ring(outcomes):
+    # the all-pairs exchange moves a ring's bytes and sums right, and is still no ring
+    message = failed(outcomes, "ring_allreduce", "all_pairs")
+    assert "this is not a ring" in message and "only to the next rank (r+1) % n" in message
+    message = failed(outcomes, "ring_allreduce", "to_the_left")
+    assert "sent to rank 3: this is not a ring" in message  # rank 0's left neighbour
+    message = failed(outcomes, "ring_allreduce", "chunk_order")
+    assert "reduce-scatter step 1" in message and "not the ring's chunk order" in message
+    assert "the result is not the sum" not in message  # the cause, not the symptom
+    assert all(r.passed for r in outcomes["ring_allreduce"]["solution"].values())
 
 
 def test_buckets_need_reverse_order_and_overlap(outcomes):

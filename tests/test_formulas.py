@@ -96,3 +96,38 @@ def test_collective_time_of_several_calls():
     assert F.collective_time_s("all_to_all", 8e9, 4, 1e9, 1e-6, calls=5) == pytest.approx(
         3 / 4 * 8 + 5 * 3 * 1e-6
     )
+
+
+def test_tensor_parallel_activations_at_t1_are_the_planners_and_measured():
+    """At t = 1 the tensor-parallel formula is the planner's count and what one forward pass
+    saves (the 2-rank runs are checked against it in lab 04)."""
+    import torch
+
+    from hplab import plan
+    from hplab.memory import MemoryLedger
+    from hplab.models.gpt import build_model, config_from_preset
+
+    s, b, h, a, L, V = 64, 8, 64, 4, 4, 2048
+    parts = F.tensor_parallel_activation_bytes(s, b, h, a, L, V)
+    lay = plan.Layout(batch_size=b, precision="fp32")
+    planned = plan.activation_memory(plan.model_presets()["tiny"], lay)
+    assert sum(parts.values()) == planned["per_microbatch_model_bytes"]
+    model, tokens = build_model(config_from_preset("tiny")), torch.randint(0, V, (b, s + 1))
+    ledger = MemoryLedger()
+    with ledger.track_activations(exclude=list(model.parameters())):
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    assert abs(ledger.activation_bytes / sum(parts.values()) - 1) < 0.01
+
+
+def test_tensor_parallel_activations_split_as_table_2():
+    s, b, h, a, L, V, t = 64, 8, 64, 4, 4, 2048, 2
+    one = F.tensor_parallel_activation_bytes(s, b, h, a, L, V)
+    tp = F.tensor_parallel_activation_bytes(s, b, h, a, L, V, t)
+    sp = F.tensor_parallel_activation_bytes(s, b, h, a, L, V, t, sequence_parallel=True)
+    sbh = s * b * h
+    assert tp["blocks"] == L * (4 * sbh * (4 + 12 / t) + 4 * a * s * b / t)
+    assert sp["blocks"] == one["blocks"] / t  # sequence parallel cuts every block tensor
+    assert sp["head inputs"] == tp["head inputs"] / t == one["head inputs"] / t
+    assert tp["logits"] == one["logits"] / t == tp["loss's exp (vocab parallel)"]
+    assert one["loss's exp (vocab parallel)"] == 0

@@ -6,10 +6,11 @@ Every process calls the collective on S bytes of fp32 (S = min..max in powers of
 as `hplab.comm` counts it). A call's time is the slowest rank's (barrier, clock, call, clock); a
 size reports the best of `--repeats` calls after a warm-up, the least disturbed by the machine (4
 processes on 2 cores often wait for a core), the median, and `core_wait`: the seconds a rank
-spent waiting for a free core per second of those calls, averaged over the ranks. Rank 0
-writes JSON: `world_size`, `backend`, `repeats`, `results` {op: [{bytes, time_s, median_s,
-core_wait}]}, `runs` {op: what the backend ran inside one call}, `ledger` (rank 0's
-CommLedger, timed calls only), `demo`.
+spent waiting for a free core per second of those calls, averaged over the ranks. Under an
+emulated link (`--link 20MB/s,1ms`, or HPLAB_LINK) every call also pays the link's
+α + (bus bytes)/β (`hplab.link`). Rank 0 writes JSON: `world_size`, `backend`, `link` (its
+text, or null), `repeats`, `results` {op: [{bytes, time_s, median_s, core_wait}]}, `runs` {op:
+what the backend ran inside one call}, `ledger` (rank 0's CommLedger, timed calls only), `demo`.
 """
 
 import sys
@@ -106,6 +107,7 @@ def parse_args(argv=None):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     p.add_argument("--out", help="write the JSON here (rank 0)")
+    p.add_argument("--link", help="an emulated link, BANDWIDTH[,LATENCY] (default: HPLAB_LINK)")
     args = p.parse_args(argv)
     n = int(os.environ.get("WORLD_SIZE", 1))
     if args.min_bytes < 4 * n or args.max_bytes < args.min_bytes:
@@ -141,10 +143,13 @@ def main(argv=None) -> int:
     if args is None:
         return 2
 
+    from hplab import link
     from hplab.dist import Mesh, init_distributed, shutdown
 
     n = int(os.environ.get("WORLD_SIZE", 1))
     mesh = Mesh.create(dp=n, device=init_distributed())
+    if args.link:
+        link.use(args.link)
     comm = mesh.world
     sizes = [args.min_bytes << k for k in range((args.max_bytes // args.min_bytes).bit_length())]
     buffer = torch.ones(args.max_bytes // 4, device=comm.device)
@@ -171,6 +176,7 @@ def main(argv=None) -> int:
                 {
                     "world_size": n,
                     "backend": dist.get_backend(),
+                    "link": (args.link or os.environ.get("HPLAB_LINK")) if link.QUEUE else None,
                     "repeats": args.repeats,
                     "results": results,
                     "runs": runs,

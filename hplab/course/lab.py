@@ -291,29 +291,35 @@ class AlphaBetaFit:
 
     op: str
     n: int
-    alpha_s: float  # latency of one step of the algorithm
+    alpha_s: float  # latency of one step of the algorithm (of one call under a link)
     beta_bytes_per_s: float  # link bandwidth
     max_relative_error: float  # of the model against the measured points
+    steps: int | None = None  # α's per call (None: the ring's, `alpha_beta_terms`)
 
     def predict(self, nbytes) -> np.ndarray:
         steps, factor = alpha_beta_terms(self.op, self.n)
+        steps = self.steps or steps
         return steps * self.alpha_s + factor * np.asarray(nbytes, float) / self.beta_bytes_per_s
 
     def formula(self) -> str:
         steps, factor = alpha_beta_terms(self.op, self.n)
+        steps = self.steps or steps
         return (
             f"T = {steps}·α + {factor:.2f}·S/β,  α = {self.alpha_s * 1e6:.0f} µs, "
             f"β = {self.beta_bytes_per_s / 1e9:.2f} GB/s"
         )
 
 
-def fit_alpha_beta(op: str, n: int, sizes, times) -> AlphaBetaFit:
+def fit_alpha_beta(op: str, n: int, sizes, times, per_call: bool = False) -> AlphaBetaFit:
     """Least squares on *relative* error (the sizes span decades): find a, b ≥ 0 with
-    T ≈ a + b·S, then α = a / steps and β = factor / b."""
+    T ≈ a + b·S, then α = a / steps and β = factor / b. `per_call`: one α per call, as an
+    emulated link charges it (hplab.link: α + bus bytes / β), not one per ring step."""
     S, T = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
     (a, b), *_ = np.linalg.lstsq(np.stack([1 / T, S / T], axis=1), np.ones_like(T), rcond=None)
     (a, b), (steps, factor) = (max(a, 1e-9), max(b, 1e-15)), alpha_beta_terms(op, n)
-    return AlphaBetaFit(op, n, a / steps, factor / b, float(np.max(np.abs(a + b * S - T) / T)))
+    steps = 1 if per_call else steps
+    error = float(np.max(np.abs(a + b * S - T) / T))
+    return AlphaBetaFit(op, n, a / steps, factor / b, error, steps)
 
 
 @dataclass
@@ -326,6 +332,7 @@ class Collectives:
 
     world_size = property(lambda self: self.data["world_size"])
     ops = property(lambda self: list(self.data["results"]))
+    link = property(lambda self: self.data.get("link"))  # the emulated link's text, or None
 
     def sizes(self, op: str) -> list[int]:
         return [r["bytes"] for r in self.data["results"][op]]
@@ -338,7 +345,9 @@ class Collectives:
         return self.data["ledger"].get(op, {})
 
     def fit(self, op: str) -> AlphaBetaFit:
-        return fit_alpha_beta(op, self.world_size, self.sizes(op), self.times(op))
+        """α and β fitted to `op`'s times: α per ring step, or per call under a link."""
+        sizes, times = self.sizes(op), self.times(op)
+        return fit_alpha_beta(op, self.world_size, sizes, times, per_call=bool(self.link))
 
     def bus_bandwidth(self, op: str) -> list[float]:
         """nccl-tests' bus bandwidth: factor · S / T, comparable across operations."""
@@ -357,10 +366,12 @@ def collectives(
     ops: list[str] | None = None,
     progress: bool = True,
     timeout_s: float = 600.0,
+    link: str | None = None,
 ) -> Collectives:
     """Time every collective on `nproc` processes for sizes from min_bytes to max_bytes
-    (powers of two); returns the measurement with α-β fits (see `collectives_bench.py`, here)."""
-    args = _flags(dict(min_bytes=min_bytes, max_bytes=max_bytes, repeats=repeats))
+    (powers of two), under an emulated `link` ("20MB/s,1ms") if given; returns the
+    measurement with α-β fits (see `collectives_bench.py`, here)."""
+    args = _flags(dict(min_bytes=min_bytes, max_bytes=max_bytes, repeats=repeats, link=link))
     args += ["--ops", *ops] if ops else []
     return Collectives(
         *_launch_json(
@@ -368,7 +379,7 @@ def collectives(
             Path(__file__).resolve().parent / "collectives_bench.py",
             args,
             "--out",
-            f"collectives on {nproc} processes",
+            f"collectives on {nproc} processes" + (f" --link {link}" if link else ""),
             progress,
             timeout_s,
         )

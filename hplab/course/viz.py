@@ -19,7 +19,7 @@ from hplab.course.timeline_plots import (  # noqa: F401 (viz.<name>, as the labs
     replayed_bubbles,
     simulated_costs,
 )
-from hplab.formulas import bubble_fraction, model_state_bytes
+from hplab.formulas import bubble_fraction, bus_factor, model_state_bytes
 
 MiB, GiB = 2**20, 2**30
 KIND_LABELS = {
@@ -148,33 +148,33 @@ def plot_throughput(
 
 
 def plot_collective_times(result, ops: list[str] | None = None, ax=None):
-    """Time per call against message size (log-log) of each op in a `lab.Collectives`, α-β fit."""
+    """Time per call against message size (log-log) of each op in a `lab.Collectives`: the
+    measured points, and dashed the α-β fit — or, under an emulated link, the link's own
+    α + factor·S/β with its α and β (`hplab.link`), which the title names."""
+    from hplab.link import parse
+
     ax = figure.axes(ax, (7.2, 4.6))
+    link = parse(result.link) if result.link else None
     for i, op in enumerate(ops or result.ops):
         sizes, fit = np.asarray(result.sizes(op), dtype=float), result.fit(op)
-        ax.loglog(
-            sizes,
-            np.asarray(result.times(op)) * 1e3,
-            "o",
-            color=f"C{i}",
-            ms=4,
-            label=f"{op} (measured)",
-        )
+        ax.loglog(sizes, np.asarray(result.times(op)) * 1e3, "o", color=f"C{i}", ms=4,
+                  label=f"{op} (measured)")  # fmt: skip
         grid = np.geomspace(sizes.min(), sizes.max(), 100)
-        ax.loglog(
-            grid,
-            fit.predict(grid) * 1e3,
-            "--",
-            color=f"C{i}",
-            label=f"α-β: α={fit.alpha_s * 1e6:.0f} µs, β={fit.beta_bytes_per_s / 1e9:.2f} GB/s",
-        )
+        if link:
+            factor = bus_factor(op, result.world_size)
+            line, label = link.cost(factor * grid), f"α + {factor:.2f}·S/β (link)"
+        else:
+            line = fit.predict(grid)
+            label = f"α-β: α={fit.alpha_s * 1e6:.0f} µs, β={fit.beta_bytes_per_s / 1e9:.2f} GB/s"
+        ax.loglog(grid, line * 1e3, "--", color=f"C{i}", label=label)
+    where = f"emulated link {result.link}" if link else result.data["backend"]
     return figure.finish(
         ax,
         dict(which="both"),
         dict(fontsize=7, ncol=2),
         xlabel="message size S (payload bytes)",
         ylabel="time per call (ms)",
-        title=f"Collectives on {result.world_size} processes ({result.data['backend']})",
+        title=f"Collectives on {result.world_size} processes ({where})",
     )
 
 

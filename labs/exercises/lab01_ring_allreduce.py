@@ -16,7 +16,8 @@ chunks (`flat.tensor_split(n)` always gives n of them, some possibly empty).
    receives chunk (r - s) % n from the left and overwrites its copy with it.
 
 Each rank sends 2(n - 1) chunks of S/n bytes: 2(n-1)/n · S in all, whatever n is. The checker
-counts your bytes in the CommLedger and refuses anything else than send/recv.
+counts your bytes in the CommLedger, refuses anything else than send/recv, and watches every
+message: it must go to the next rank and carry what that step of a ring carries.
 
 Deadlock: if every rank first calls a blocking send, all of them may wait for a receiver that
 never comes. An asynchronous send first is not enough either: NCCL runs a rank's sends and
