@@ -85,6 +85,10 @@ class CommLedger:
     def add_time(self, op: str, group: str, seconds: float) -> None:
         self.by_group[group][op].time_s += seconds
 
+    def seconds(self) -> float:
+        """The time this rank was blocked in collectives so far, every operation together."""
+        return sum(s.time_s for ops in self.by_group.values() for s in ops.values())
+
     def totals(self) -> dict[str, OpStats]:
         """Per operation, summed over the families."""
         out: dict[str, OpStats] = defaultdict(OpStats)
@@ -120,12 +124,16 @@ class Pending:
         if self.work is None:
             return
         start = time.perf_counter()
-        self.comm._guard(self.op, self.work.wait, f"wait {self.op} {self.comm.name}")
-        if self.link:
-            self.link.wait()
+        self.comm._guard(self.op, self._wait_through, f"wait {self.op} {self.comm.name}")
         seconds = self.comm.work_seconds(self.work, time.perf_counter() - start)
         self.comm.ledger.add_time(self.op, self.comm.name, seconds * self.share)
         self.work = None
+
+    def _wait_through(self) -> None:
+        """Wait for the work, then for the link (one range in a timeline: the rank waits)."""
+        self.work.wait()
+        if self.link:
+            self.link.wait()
 
     def is_completed(self) -> bool:
         if self.work is None:
