@@ -85,10 +85,6 @@ class CommLedger:
     def add_time(self, op: str, group: str, seconds: float) -> None:
         self.by_group[group][op].time_s += seconds
 
-    def seconds(self) -> float:
-        """The time this rank was blocked in collectives so far, every operation together."""
-        return sum(s.time_s for ops in self.by_group.values() for s in ops.values())
-
     def totals(self) -> dict[str, OpStats]:
         """Per operation, summed over the families."""
         out: dict[str, OpStats] = defaultdict(OpStats)

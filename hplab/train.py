@@ -110,9 +110,8 @@ def run(args) -> dict | None:
 
 def train(par, job, args, steps_to_run: range, watch: Observers) -> tuple[list, list]:
     """The loop: per step, this rank's share of the global batch, one `train_step`, its record
-    (loss, seconds, tokens, lr, seconds blocked in collectives); the validation loss every
-    --eval-every steps and a checkpoint every --save-every steps and at the end. Returns (steps,
-    evaluations)."""
+    (loss, seconds, tokens, lr); the validation loss every --eval-every steps and a checkpoint
+    every --save-every steps and at the end. Returns (steps, evaluations)."""
     mesh, tokens_per_step = par.mesh, args.batch_size * job.model.n_positions
     bar = tqdm(
         steps_to_run,
@@ -126,13 +125,11 @@ def train(par, job, args, steps_to_run: range, watch: Observers) -> tuple[list, 
         indices = global_batch_indices(len(job.dataset), step, args.batch_size, args.seed)
         x, y = get_batch(job.dataset, shard_for_rank(indices, mesh.dp_rank, mesh.dp_size))
         lr, start = par.optimizer.param_groups[0]["lr"], time.perf_counter()
-        blocked = mesh.ledger.seconds()
         with watch.step(step):
             loss = train_step(par, x.to(mesh.device), y.to(mesh.device))
-        elapsed, blocked = time.perf_counter() - start, mesh.ledger.seconds() - blocked
+        elapsed = time.perf_counter() - start
         steps.append(
             {"step": step, "loss": loss, "time_s": elapsed, "tokens": tokens_per_step, "lr": lr}
-            | {"comm_s": blocked}  # (launching or waiting for collectives: the ledger's time)
         )
         done, last = step + 1, step + 1 == args.steps
         if args.eval_every and (done % args.eval_every == 0 or last):

@@ -147,11 +147,6 @@ def test_metrics_file_follows_the_contract(runs):
     assert [s["step"] for s in metrics["steps"]] == list(range(STEPS))
     assert all(s["tokens"] == 8 * 64 and s["time_s"] > 0 for s in metrics["steps"])
     assert metrics["tokens_per_s"] > 0
-    # each step's time blocked in collectives: the ledger's time (which also holds the
-    # broadcast of the initial weights, before any step)
-    blocked = [s["comm_s"] for s in metrics["steps"]]
-    assert all(b > 0 for b in blocked)
-    assert sum(blocked) <= sum(op["time_s"] for op in metrics["comm"][0].values())
     assert len(metrics["memory"]) == len(metrics["comm"]) == 4
     psi = metrics["model"]["num_params"]
     for memory, comm in zip(metrics["memory"], metrics["comm"]):
