@@ -3,7 +3,7 @@
 Seven operations carry all of distributed training:
 
     all_reduce      every rank ends with the sum of everyone's tensor        (DDP gradients)
-    reduce_scatter  every rank ends with the sum of one 1/n slice             (ZeRO-2/3 grads)
+    reduce_scatter  every rank ends with the sum of one 1/n slice             (ZeRO gradients)
     all_gather      every rank ends with everyone's slices, concatenated      (ZeRO params)
     broadcast       every rank ends with one rank's tensor                    (initial weights)
     send / recv     one rank hands a tensor to another                        (pipeline stages)
@@ -41,6 +41,11 @@ from hplab.formulas import bus_factor  # the factors above, in one home
 
 #: What gloo and NCCL say when a peer has gone (NCCL: once its communicator was aborted).
 LOST_PEER = ("connection", "remote process exited", "network error", "communicator was aborted")
+WHY_IT_FAILED = {  # what an error's text holds → what it means
+    ("timed out", "timeout", "timing out"): "timed out: a peer probably crashed or called "
+    "collectives in a different order",
+    LOST_PEER: "lost its connection: a peer process ended",
+}
 
 
 class CommTimeout(RuntimeError):
@@ -112,27 +117,28 @@ class Pending:
 
     def __init__(self, work, comm: Communicator, op: str, share=1.0, wire=None, ticket=None):
         self.work, self.comm, self.op, self.share = work, comm, op, share
-        on_gpu = comm.device.type == "cuda"
-        transfer = ticket and wire is not None
+        on_gpu, transfer = comm.device.type == "cuda", ticket and wire is not None
         self.link = link.Transfer(work, wire, ticket, op, on_gpu) if transfer else None
-        if self.link:
-            self.work = self.link.work
+        self.work = self.link.work if self.link else work
 
     def wait(self) -> None:
         if self.work is None:
             return
         start = time.perf_counter()
-        self.comm._guard(self.op, self.work.wait, f"wait {self.op} {self.comm.name}")
-        if self.link:
-            self.link.wait()
+        self.comm._guard(self.op, self._wait_through, f"wait {self.op} {self.comm.name}")
         seconds = self.comm.work_seconds(self.work, time.perf_counter() - start)
         self.comm.ledger.add_time(self.op, self.comm.name, seconds * self.share)
         self.work = None
 
+    def _wait_through(self) -> None:
+        """Wait for the work, then for the link (one range in a timeline: the rank waits)."""
+        self.work.wait()
+        if self.link:
+            self.link.wait()
+
     def is_completed(self) -> bool:
-        if self.work is None:
-            return True
-        return self.work.is_completed() and (not self.link or self.link.is_through())
+        done = self.work is None or self.work.is_completed()
+        return done and (not self.link or self.link.is_through())
 
 
 OPEN_COMMUNICATORS: weakref.WeakSet[Communicator] = weakref.WeakSet()
@@ -169,13 +175,8 @@ class Communicator:
                 return call()
         except RuntimeError as err:
             text = str(err).lower()
-            why = (
-                "timed out: a peer probably crashed or called collectives in a different order"
-                if "timed out" in text or "timeout" in text or "timing out" in text
-                else "lost its connection: a peer process ended"
-                if any(sign in text for sign in LOST_PEER)
-                else None
-            )
+            signs = next((k for k in WHY_IT_FAILED if any(sign in text for sign in k)), None)
+            why = WHY_IT_FAILED.get(signs)
             if why:
                 raise CommTimeout(
                     f"{op} in the {self.name} group (ranks {self.ranks}) {why}"
@@ -332,8 +333,7 @@ class Communicator:
         tickets = [None] * len(ops)
 
         def launch():  # the link's stamps inside the launch's range, as in _run
-            if link.QUEUE:
-                tickets[:] = [self._stamp(kind, peer) for kind, _, peer in ops]
+            tickets[:] = [self._stamp(k, peer) if link.QUEUE else None for k, _, peer in ops]
             return dist.batch_isend_irecv(p2p)
 
         works = self._guard("send_and_recv", launch, label)

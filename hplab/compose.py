@@ -137,9 +137,13 @@ def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) 
     what this rank holds; none under ZeRO-1/2 (its optimizer syncs) or expert parallel
     (finalize_grads syncs experts over their own replicas)."""
     if layout.zero == 3:  # (no pipeline: owned is gpt; its parameters become fp32 shards)
+        ahead = dict(
+            forward_prefetch=layout.prefetch in ("both", "forward"),
+            backward_prefetch=layout.prefetch in ("both", "backward"),
+        )
         for block in [*gpt.transformer.h, gpt]:  # the blocks first, then the root
             fsdp.fully_shard(
-                block, mesh.dp, param_dtype=precision.compute_dtype, offload=layout.offload
+                block, mesh.dp, param_dtype=precision.compute_dtype, offload=layout.offload, **ahead
             )
         return gpt
     owned.to(precision.param_dtype)  # half-precision copies; fp32 masters in the optimizer

@@ -27,7 +27,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hplab.flags import COUNT, NONNEGATIVE, flag, option
-from hplab.formulas import CP_SPLITS, CP_STYLES, PRECISION_BYTES, SCHEDULES, gpt_num_params
+from hplab.formulas import (
+    CP_SPLITS,
+    CP_STYLES,
+    PRECISION_BYTES,
+    PREFETCH,
+    SCHEDULES,
+    gpt_num_params,
+)
 
 RECOMPUTE = ("none", "selective", "full")  # (in the planner's order of preference)
 PRECISIONS = tuple(PRECISION_BYTES)
@@ -126,6 +133,12 @@ class Layout:
         choices=RECOMPUTE,
     )
     offload: bool = option(False, "keep optimizer state and step on the CPU (with --zero)")
+    prefetch: str = option(
+        "both",
+        "ZeRO-3: in which passes the next block's all-gather runs while this block computes "
+        "(none: each block waits for its own)",
+        choices=PREFETCH,
+    )
 
     @property
     def world_size(self) -> int:
@@ -149,6 +162,7 @@ class Layout:
             f"rc-{self.recompute}" * (self.recompute != "none"),
             "sp" * self.sequence_parallel,
             "offload" * self.offload,
+            f"prefetch-{self.prefetch}" * (self.prefetch != "both"),
         ]
         return " ".join(bit for bit in bits if bit)
 
@@ -361,6 +375,11 @@ REFUSALS = [
         lambda c, E: c.offload and c.zero == 0,
         ("offload", "zero"),
         "offload moves ZeRO's sharded optimizer state to the CPU, so it needs ZeRO 1, 2 or 3",
+    ),
+    (
+        lambda c, E: c.prefetch != "both" and c.zero != 3,
+        ("prefetch", "zero"),
+        "--prefetch chooses when ZeRO-3 gathers each block's parameters, so it needs --zero 3",
     ),
     (
         lambda c, E: c.recompute == "selective",

@@ -363,3 +363,34 @@ def ulysses_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -> dict:
     """Payload bytes one rank sends per layer in Ulysses: all-to-alls of q, k, v (3·b·(s/cp)·h
     numbers) and of the output (b·(s/cp)·h) forward, the same two reversed backward."""
     return dict.fromkeys(("forward", "backward"), 4 * b * s // cp * h * elem_bytes)
+
+
+# --- 7. ZeRO-3 on a link: what prefetch hides  [ZeRO] Sec. 7, PyTorch FSDP ------------------------
+PREFETCH = ("both", "forward", "backward", "none")  # the passes that gather a unit ahead
+
+
+def zero3_link_seconds(
+    unit_bytes: list[float], n: int, bandwidth: float, latency: float = 0.0, prefetch="both"
+) -> dict:
+    """Per step of ZeRO-3 (`fully_shard`: a unit per block, then the root) on a link of β bytes/s
+    and α s per transfer, each transfer t(S) = α + (n−1)/n·S/β (hplab.link: α + bus bytes/β).
+    `unit_bytes`: the bytes each unit gathers, the root's first, then the blocks' in forward order.
+    Each unit is gathered for forward, again for backward, and its gradients reduce-scattered:
+
+        total    = Σ_u 3·t(S_u)
+        exposed  = what the rank waits out, if each block computes at least as long as the
+                   transfers under it. Always: the root's gather before forward and before
+                   backward, the first block's before forward, and the two last reduce-scatters
+                   (the first block's, the root's). Without forward prefetch, + every other
+                   block's gather in forward; without backward prefetch, + every block's gather in
+                   backward and the other blocks' reduce-scatters (each queued ahead of one).
+        hidden   = 1 − exposed / total: the share of the link's time run under compute"""
+    if prefetch not in PREFETCH:
+        raise ValueError(f"unknown prefetch {prefetch!r}: choose one of {', '.join(PREFETCH)}")
+    t = [latency + (n - 1) / n * s / bandwidth for s in unit_bytes]
+    root, first, later = t[0], t[1], sum(t[2:])
+    exposed = 2 * root + first + first + root
+    exposed += later * (prefetch in ("backward", "none"))
+    exposed += (first + 2 * later) * (prefetch in ("forward", "none"))
+    total = 3 * sum(t)
+    return {"total_s": total, "exposed_s": exposed, "hidden": 1 - exposed / total}

@@ -8,6 +8,8 @@ frees them after; backward gathers them again; the gradients are reduce-scattere
 receives the average of its own 1/N): 3·(N−1)/N·Ψ elements per rank per step, 1.5× DDP's
 all-reduce. Prefetch hides most of it: while layer i computes, layer i+1's all-gather is in
 flight (in backward, layer i−1's). A rank holds its shards plus a layer or two, not Ψ.
+`forward_prefetch=False`, `backward_prefetch=False` (PyTorch's FSDP has the same two switches)
+gather a unit only when it is about to run, so the rank waits out each of those gathers.
 
 **Per-parameter shards, as in FSDP2.** `fully_shard(block)` cuts every parameter of the block
 along dim 0 into N chunks (dim 0 zero-padded to a multiple of N); rank r owns chunk r. The
@@ -89,8 +91,9 @@ class _Param:
 class _Unit:
     """The parameters one `fully_shard` call manages: gathered, freed and reduced together."""
 
-    def __init__(self, module: nn.Module, comm, param_dtype, offload: bool):
+    def __init__(self, module: nn.Module, comm, param_dtype, offload: bool, prefetch=(True, True)):
         self.module, self.comm = module, comm
+        self.forward_prefetch, self.backward_prefetch = prefetch
         places: dict[nn.Parameter, list] = {}
         for mod in module.modules():
             for name, p in mod._parameters.items():
@@ -188,7 +191,8 @@ class _Unit:
         self.wait_gather()
         for e in self.params:
             self._swap(e, e.full)
-        if not family.in_backward and (nxt := family.after(self, list(family.forward_order))):
+        prefetch = self.forward_prefetch and not family.in_backward
+        if prefetch and (nxt := family.after(self, list(family.forward_order))):
             nxt.start_gather()  # prefetch: overlaps with this unit's compute
         if self.param_dtype is None:
             return None
@@ -219,7 +223,7 @@ class _Unit:
         family = self.family
         family.start_backward()
         self.wait_gather()
-        if nxt := family.after(self, list(family.done_order)[::-1]):
+        if self.backward_prefetch and (nxt := family.after(self, list(family.done_order)[::-1])):
             nxt.start_gather()
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -265,12 +269,20 @@ class _Family:
 
 
 def fully_shard(
-    module: nn.Module, group=None, param_dtype: torch.dtype | None = None, offload: bool = False
+    module: nn.Module,
+    group=None,
+    param_dtype: torch.dtype | None = None,
+    offload: bool = False,
+    forward_prefetch: bool = True,
+    backward_prefetch: bool = True,
 ) -> nn.Module:
     """Shard the parameters of `module` not already managed by an inner `fully_shard` call over
     `group` (a torch ProcessGroup, an hplab Communicator or None for the world), and hook its
-    forward to gather them just in time. Returns `module`: its parameters are now fp32 shards."""
-    unit = _Unit(module, communicator(group, "dp"), param_dtype, offload)
+    forward to gather them just in time. Returns `module`: its parameters are now fp32 shards.
+    `forward_prefetch` / `backward_prefetch`: while this unit computes, start gathering the unit
+    that runs next in forward / in backward (False: that unit gathers when it starts)."""
+    prefetch = (forward_prefetch, backward_prefetch)
+    unit = _Unit(module, communicator(group, "dp"), param_dtype, offload, prefetch)
     inner = [m._hplab_fsdp for m in module.modules() if hasattr(m, "_hplab_fsdp")]
     units = [unit] + [u for f in dict.fromkeys(i.family for i in inner) for u in f.units]
     family = _Family(units)

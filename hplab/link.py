@@ -13,8 +13,9 @@ every rank gets such a link:
 The real data still moves through gloo (or NCCL), so every result is bit for bit the one
 without a link; the link's time starts when that real transfer is done, which on loopback is
 when the last rank launched it (on a GPU: when the host queued it). A rank's transfers queue on
-its link one after the other (`Queue`), and a `wait()` sleeps the time out, using no core, as a
-network card moves bytes without the CPU. Off by default, and then nothing is paid: `Pending`
+its link one after the other (`Queue`), a group's in the order they were launched (as a
+communication stream runs them), and a `wait()` sleeps the time out, using no core, as a network
+card moves bytes without the CPU. Off by default, and then nothing is paid: `Pending`
 (hplab.comm) makes a `Transfer` only when this process has a link.
 """
 
@@ -26,7 +27,7 @@ import re
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,9 +81,10 @@ class Queue:
     from."""
 
     def __init__(self, link: Link, job: str):
-        self.link, self.free_at, self.lock = link, 0.0, threading.Lock()
+        self.link, self.free_at, self.lock = link, 0.0, threading.RLock()
         self.board = Board(job)
         self.log: list | None = None  # a list: (what, start, end) of each transfer (a trace)
+        self.launched: dict[int, deque] = {}  # per channel: its transfers not yet on the link
 
     def transfer(self, ready_at: float, nbytes: float, what: str = "") -> float:
         """When `nbytes`, ready at `ready_at` (time.perf_counter), are through."""
@@ -92,6 +94,21 @@ class Queue:
             if self.log is not None:
                 self.log.append((what, start, self.free_at))
             return self.free_at
+
+    def launch(self, channel: int, transfer: Transfer) -> None:
+        """`transfer` is launched on `channel` (a group, or one direction of a pair)."""
+        with self.lock:
+            self.launched.setdefault(channel, deque()).append(transfer)
+
+    def done(self, channel: int) -> None:
+        """Transfers of `channel` are done for real: put the ready ones on the link in launch
+        order (gloo may finish a later one first: a reduce-scatter runs as a slower all-reduce)."""
+        with self.lock:
+            waiting = self.launched[channel]
+            while waiting and waiting[0].ready_at is not None:
+                first = waiting.popleft()
+                first.through_at = self.transfer(first.ready_at, first.nbytes, first.what)
+                first.on_the_link.set()
 
 
 def sleep_until(moment: float) -> None:
@@ -142,31 +159,44 @@ class Board:
 
 class Transfer:
     """One transfer on this rank's link: when gloo is done with `work`, the link takes its
-    `nbytes` in turn; `wait()` (after the work's) sleeps until the link is through. On a GPU
-    NCCL's future completes when the work is queued, before the other ranks need have launched:
-    there (`on_gpu`) the link takes it at the wait, which blocks until the work is done."""
+    `nbytes` after the transfers launched before it on its channel; `wait()` (after the work's)
+    sleeps until the link is through. On a GPU NCCL's future completes when the work is queued,
+    before the other ranks need have launched: there (`on_gpu`) the link takes it at the wait,
+    which blocks until the work is done."""
 
     def __init__(self, work, nbytes: float, ticket: tuple, what: str = "", on_gpu=False):
-        self.queue, self.work, self.on_gpu = QUEUE, work, on_gpu
-        self.through_at, self.on_the_link = 0.0, threading.Event()
-        self.then = lambda *_: self._to_the_link(nbytes, ticket, what)
+        self.queue, self.work, self.nbytes, self.what = QUEUE, work, nbytes, what
+        self.ticket, self.channel = ticket, id(ticket[0])  # (the channel's launch table)
+        self.ready_at, self.through_at, self.on_the_link = None, 0.0, threading.Event()
+        self.on_gpu = on_gpu
+        self.queue.launch(self.channel, self)
         if on_gpu:
             return
+        then = lambda *_: self._done()  # noqa: E731
         try:
-            work.get_future().then(self.then)
+            work.get_future().then(then)
         except RuntimeError:  # gloo's send and recv have no future: a thread waits for them
-            self.work = WaitedByThread(work, self.then)
+            self.work = WaitedByThread(work, then)
 
-    def _to_the_link(self, nbytes: float, ticket: tuple, what: str) -> None:
-        """Done for real (so every member has launched it): on the link from the last launch."""
-        if not self.on_the_link.is_set():
-            self.through_at = self.queue.transfer(Board.last_launch(ticket), nbytes, what)
-            self.on_the_link.set()
+    def _done(self) -> None:
+        """Done for real, so every member has launched it and, a channel's launches being in
+        the same order everywhere, every transfer launched before it: each is ready from its
+        last member's launch, and goes on the link in launch order."""
+        with self.queue.lock:
+            if self.ready_at is not None:  # put on the link already, with a later one
+                return
+            for earlier in self.queue.launched[self.channel]:
+                if earlier.ready_at is None:
+                    earlier.ready_at = Board.last_launch(earlier.ticket)
+                if earlier is self:
+                    break
+            self.queue.done(self.channel)
 
     def wait(self) -> None:
         """Call after the work's own wait."""
-        if self.on_gpu or not self.on_the_link.wait(timeout=5):  # (gloo's callback: at once)
-            self.then()
+        if not self.on_the_link.wait(timeout=0 if self.on_gpu else 5):
+            self._done()  # a GPU's, or a callback not yet run: done, as the work is
+        self.on_the_link.wait()
         sleep_until(self.through_at)
 
     def is_through(self) -> bool:

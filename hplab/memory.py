@@ -14,6 +14,9 @@ really allocated; a storage freed to zero bytes (ZeRO-3 between layers) counts z
 are what autograd saves for backward inside `track_activations()`, parameters excluded; Adam's
 0-dim `step` is not counted. No formulas here: the labs set `hplab.formulas` beside these.
 
+Offload (`--offload`) keeps the optimizer's side in host memory: `offloaded_bytes` says, of each
+kind, how many bytes are there (the storages a strategy lists as `offloaded`; a subset).
+
 Peak: on CUDA, the allocator's `max_memory_allocated`; on CPU, which keeps no such statistics,
 the largest tally this ledger saw (model state plus activations in flight), and `peak_rss_bytes`
 the process's resident-set peak, PyTorch included.
@@ -77,6 +80,7 @@ class MemoryLedger:
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.bytes = dict.fromkeys(KINDS, 0)
+        self.offloaded = dict.fromkeys(KINDS, 0)  # of each kind, the bytes in host memory
         self.activation_bytes = 0  # saved for backward by the largest forward pass seen
         self.activations_in_flight = 0  # bytes saved and not yet released, right now
         self.peak_tally = 0
@@ -88,9 +92,14 @@ class MemoryLedger:
         self.peak_tally = max(self.peak_tally, tally)
 
     def measure(self, state: dict[str, Iterable[torch.Tensor | None]]) -> dict[str, int]:
-        """Count the storages of each kind (each storage once, in the order of KINDS)."""
+        """Count the storages of each kind (each storage once, in the order of KINDS), and of
+        them those that are also in `state["offloaded"]`."""
         seen: set = set()
-        self.bytes = {kind: storage_bytes(state.get(kind, ()), seen) for kind in KINDS}
+        host = {_storage_key(t) for t in state.get("offloaded", ()) if t is not None}
+        for kind in KINDS:
+            before = set(seen)
+            self.bytes[kind] = storage_bytes(state.get(kind, ()), seen)
+            self.offloaded[kind] = sum(key[3] for key in (seen - before) & host)
         self._note_peak()
         return dict(self.bytes)
 
@@ -126,4 +135,5 @@ class MemoryLedger:
             "activation_bytes": self.activation_bytes,
             "peak_bytes": self.peak_bytes(),
             "peak_rss_bytes": peak_rss_bytes(),
+            "offloaded_bytes": dict(self.offloaded),
         }

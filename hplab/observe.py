@@ -31,8 +31,8 @@ import torch.distributed as dist
 from hplab import cp, fsdp, link, moe
 from hplab.clock import clock_for
 from hplab.ddp import DDP
-from hplab.memory import KINDS, MemoryLedger, model_state_tensors
-from hplab.optim import WrappedOptimizer
+from hplab.memory import KINDS, MemoryLedger, model_state_tensors, optimizer_state_tensors
+from hplab.optim import WrappedOptimizer, stepped_groups
 from hplab.schedule import COMPUTE
 
 
@@ -157,6 +157,10 @@ def held_tensors(par) -> dict[str, list]:
         shards = {id(p) for p in par.gpt.parameters()}  # from fp32 shards: they are the masters
         held["master"] += [t for t in held["params"] if id(t) in shards]
         held["params"] = [t for t in held["params"] if id(t) not in shards]
+    if par.layout.offload:  # the optimizer's side: what it steps, their gradients, its state
+        stepped = [t for group in stepped_groups(opt) for t in group["params"]]
+        host = stepped + [t.grad for t in stepped] + optimizer_state_tensors(inner)
+        held["offloaded"] = [t for t in host if t is not None and t.device.type == "cpu"]
     return held
 
 

@@ -97,6 +97,18 @@ WRONG = {
             )
         ],
         "no_divide": [("        grads /= n\n", "")],
+        "own_shard_only": [  # each rank writes back only the shard it stepped: no all-gather
+            (
+                "        self.comm.all_gather(flat, self.master.detach().clone())\n",
+                "        flat[: self.numel] = torch.cat([p.reshape(-1) for p in self.params])\n"
+                "        flat[self.comm.rank * self.shard_numel :][: self.shard_numel] = "
+                "self.master.detach()\n",
+            )
+        ],
+        "gather_before_step": [  # the all-gather sends the shards as they were before the step
+            ("        self.optimizer.step()\n", ""),
+            ("        offset = 0\n", "        self.optimizer.step()\n        offset = 0\n"),
+        ],
     },
     "tp_linear": {
         "no_f": [
@@ -148,6 +160,16 @@ WRONG = {
             ("return (pp - 1) / (microbatches + pp - 1)", "return (pp - 1) / microbatches")
         ],
         "grads_never_sharded": [("grads / (dp if zero >= 2 else 1)", "grads")],
+        "master_never_sharded": [
+            (
+                "(optim + master) / (dp if zero >= 1 else 1)",
+                "optim / (dp if zero >= 1 else 1) + master",
+            )
+        ],
+        "params_sharded_from_stage_2": [
+            ("params / (dp if zero >= 3 else 1)", "params / (dp if zero >= 2 else 1)")
+        ],
+        "no_master_copy": [('"bf16": (2, 2, 8, 4)', '"bf16": (2, 2, 8, 0)')],
     },
     "lse_merge": {
         "exp_of_lse": [
@@ -316,6 +338,15 @@ def test_zero1_names_the_all_reduce_and_the_missing_division(outcomes):
     assert "2× too large: divide by n" in message
 
 
+def test_zero1_names_a_missing_all_gather_and_parameters_that_did_not_move(outcomes):
+    assert "no all-gather: each rank updated only its own shard" in failed(
+        outcomes, "zero1", "own_shard_only"
+    )
+    assert "the parameters did not change in this step" in failed(
+        outcomes, "zero1", "gather_before_step"
+    )
+
+
 def test_tp_linear_names_a_missing_f_or_g(outcomes):
     results = outcomes["tp_linear"]["no_f"]
     assert results["b=2 s=8 h=16: forward"].passed  # f does nothing in forward
@@ -375,6 +406,36 @@ def test_planning_names_the_bubble_ratio_and_shows_the_memory_by_kind(outcomes):
         in failed(
             outcomes, "planning", "grads_never_sharded", "model_state_bytes_per_gpu(zero=2, bf16)"
         )
+    )
+
+
+def test_planning_names_the_kind_a_stage_shards_or_keeps(outcomes):
+    assert "the gradients (4 B per parameter) are not divided by dp: ZeRO-2 and up shard them" in (
+        failed(
+            outcomes, "planning", "grads_never_sharded", "model_state_bytes_per_gpu(zero=2, fp32)"
+        )
+    )
+    assert "the fp32 master weights (4 B per parameter) are not divided by dp: ZeRO-1 and up" in (
+        failed(
+            outcomes, "planning", "master_never_sharded", "model_state_bytes_per_gpu(zero=1, bf16)"
+        )
+    )
+    assert outcomes["planning"]["master_never_sharded"][
+        "model_state_bytes_per_gpu(zero=3, fp32)"
+    ].passed
+    assert (
+        "the parameters (4 B per parameter) are divided by dp: only ZeRO-3 and up shard them"
+        in (
+            failed(
+                outcomes,
+                "planning",
+                "params_sharded_from_stage_2",
+                "model_state_bytes_per_gpu(zero=2, fp32)",
+            )
+        )
+    )
+    assert "the fp32 master weights (4 B per parameter) are missing: bf16 training keeps them" in (
+        failed(outcomes, "planning", "no_master_copy", "model_state_bytes_per_gpu(zero=0, bf16)")
     )
 
 

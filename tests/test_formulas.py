@@ -131,3 +131,22 @@ def test_tensor_parallel_activations_split_as_table_2():
     assert sp["head inputs"] == tp["head inputs"] / t == one["head inputs"] / t
     assert tp["logits"] == one["logits"] / t == tp["loss's exp (vocab parallel)"]
     assert one["loss's exp (vocab parallel)"] == 0
+
+
+def test_zero3_on_a_link_prefetch_leaves_the_first_gathers_and_last_reduce_scatters():
+    """A root of 4 kB and three 2 kB blocks on 2 ranks, 1 MB/s, 1 ms: each transfer takes
+    α + S/2/β, 3 ms for the root, 2 ms for a block; 3 transfers per unit."""
+    root, block = 3e-3, 2e-3
+    cost = lambda prefetch: F.zero3_link_seconds([4e3, 2e3, 2e3, 2e3], 2, 1e6, 1e-3, prefetch)  # noqa: E731
+    total = 3 * (root + 3 * block)
+    assert cost("none")["total_s"] == pytest.approx(total)
+    assert cost("none")["exposed_s"] == pytest.approx(total) and cost("none")["hidden"] == 0
+    # root twice, the first block's gather and reduce-scatter, the root's reduce-scatter
+    both = 3 * root + 2 * block
+    assert cost("both")["exposed_s"] == pytest.approx(both)
+    assert cost("both")["hidden"] == pytest.approx(1 - both / total)
+    # forward only: every block's gather and the later reduce-scatters come back in backward
+    assert cost("forward")["exposed_s"] == pytest.approx(both + 3 * block + 2 * block)
+    assert cost("backward")["exposed_s"] == pytest.approx(both + 2 * block)  # forward's gathers
+    with pytest.raises(ValueError, match="unknown prefetch"):
+        F.zero3_link_seconds([1.0, 1.0], 2, 1.0, prefetch="sometimes")

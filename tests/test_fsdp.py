@@ -372,3 +372,96 @@ def test_checkpoint_helpers_recover_one_process_adam_state(results, name):
         assert out[f"{name}_roundtrip"]
         assert out[f"{name}_exp_avg_rel"] < TOL, out[f"{name}_exp_avg_rel"]
         assert out[f"{name}_exp_avg_sq_rel"] < 1e-4, out[f"{name}_exp_avg_sq_rel"]
+
+
+# --- prefetch: the switches PyTorch's FSDP has, and the order of the gathers they give --------
+PREFETCH = {  # (forward_prefetch, backward_prefetch)
+    "both": (True, True),
+    "forward": (True, False),
+    "backward": (False, True),
+    "none": (False, False),
+}
+
+
+def _prefetch_worker(n):
+    """Per setting: the losses and parameters of 3 steps, and in the second step the order in
+    which the gathers were launched (G), the blocks began forward (F0...) and the blocks' first
+    gradients appeared (B3...)."""
+    import torch.distributed as dist
+
+    from hplab.comm import CommLedger, Communicator
+    from hplab.fsdp import full_parameters
+    from hplab.models.gpt import build_model, config_from_preset
+
+    rank, out = dist.get_rank(), {}
+    config = config_from_preset("tiny", seq_len=SEQ)
+    batches, reference = data(config.vocab_size), {}
+    for name, (forward, backward) in PREFETCH.items():
+        log, graded = [], set()
+        comm = Communicator(dist.group.WORLD, "dp", CommLedger())
+        gather = comm.all_gather
+        comm.all_gather = lambda *args, **kw: log.append("G") or gather(*args, **kw)
+        model = build_model(config, 0)
+        shard_model(model, comm, forward_prefetch=forward, backward_prefetch=backward)
+
+        def forward_began(block, args, i):
+            log.append(f"F{i}")
+            if not getattr(block, "watched", False):  # its full-size parameters, swapped in
+                block.watched = True
+                for p in block.parameters():
+                    p.register_post_accumulate_grad_hook(lambda p, i=i: first_grad(i))
+
+        def first_grad(i):
+            if i not in graded:
+                graded.add(i)
+                log.append(f"B{i}")
+
+        for i, block in enumerate(model.transformer.h):
+            block.register_forward_pre_hook(lambda m, a, i=i: forward_began(m, a, i))
+
+        def probe(model):  # after the first step's backward: log the second step only
+            log.clear()
+            graded.clear()
+
+        plain_loop(model, batches[:2], rank, n, probe=probe)
+        out[f"{name}_order"] = " ".join(log)
+        model = shard_model(
+            build_model(config, 0), forward_prefetch=forward, backward_prefetch=backward
+        )
+        out[f"{name}_losses"], _ = plain_loop(model, batches, rank, n)
+        params = full_parameters(model)
+        reference = reference or params  # ("both" comes first)
+        out[f"{name}_same_params"] = all(torch.equal(params[k], reference[k]) for k in reference)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prefetched():
+    return run_distributed(_prefetch_worker, 2, 2)
+
+
+@pytest.mark.parametrize("name", ["forward", "backward", "none"])
+def test_prefetch_off_trains_bit_for_bit_the_same(prefetched, name):
+    for out in prefetched:
+        assert out[f"{name}_losses"] == out["both_losses"]
+        assert out[f"{name}_same_params"]
+
+
+def test_prefetch_gathers_the_next_block_while_this_one_computes(prefetched):
+    """With prefetch, block i+1's gather is launched before block i computes (forward) and block
+    i−1's before block i's gradients (backward); without, each block's only when it starts.
+    The root (embeddings, head) is gathered first in each pass; forward prefetch starts in the
+    second step, once the first has shown the order."""
+    ahead_forward = "G G G F0 G F1 G F2 F3"
+    in_time_forward = "G G F0 G F1 G F2 G F3"
+    ahead_backward = "G G G B3 G B2 G B1 B0"
+    in_time_backward = "G G B3 G B2 G B1 G B0"
+    expected = {
+        "both": (ahead_forward, ahead_backward),
+        "forward": (ahead_forward, in_time_backward),
+        "backward": (in_time_forward, ahead_backward),
+        "none": (in_time_forward, in_time_backward),
+    }
+    for out in prefetched:
+        for name, passes in expected.items():
+            assert out[f"{name}_order"] == " ".join(passes), name

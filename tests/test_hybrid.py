@@ -449,6 +449,7 @@ def test_saved_directory_is_a_hugging_face_model(world4, ref, saved_dir):
             "--zero 2 --schedule zb-h1",
         ),
         (dict(offload=True), "needs ZeRO 1, 2 or 3", "--offload"),
+        (dict(dp=2, prefetch="none"), "so it needs --zero 3", "--prefetch none"),
     ],
 )
 def test_refused_combinations_say_why(flags, reason, command_line):

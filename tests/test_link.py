@@ -72,6 +72,42 @@ def test_queue_takes_transfers_one_after_the_other():
     ]
 
 
+class _Work:
+    """A stand-in for a gloo work: done when the test says so."""
+
+    def __init__(self):
+        self.future = torch.futures.Future()
+
+    def get_future(self):
+        return self.future
+
+
+def test_a_groups_transfers_take_the_link_in_launch_order(monkeypatch):
+    """gloo may finish a later collective first (a reduce-scatter runs as a slower all-reduce):
+    the link still takes the group's transfers in the order they were launched, as a
+    communication stream would, each from its last launch (the later one done means every rank
+    launched the earlier ones too); another group's transfer waits only for the link."""
+    import numpy as np
+
+    queue = link.Queue(link.Link(1e6, 1e-3), job="test")
+    monkeypatch.setattr(link, "QUEUE", queue)
+    group, other = np.full((2, 4), 10.0), np.full((2, 4), 10.0)  # every launch at t = 10 s
+    group[:, 1] = 10.0005
+    works = [_Work() for _ in range(3)]
+    first = link.Transfer(works[0], 1000, (group, 0), "first")
+    second = link.Transfer(works[1], 1000, (group, 1), "second")
+    elsewhere = link.Transfer(works[2], 1000, (other, 0), "elsewhere")
+    works[2].future.set_result(None)  # another group's: on the link at once
+    assert elsewhere.through_at == pytest.approx(10.002)
+    assert not first.on_the_link.is_set()  # not done for real yet: not on the link
+    works[1].future.set_result(None)  # gloo finished the second one first
+    assert first.on_the_link.is_set() and second.on_the_link.is_set()
+    assert first.through_at == pytest.approx(10.004)  # behind `elsewhere` on this rank's link
+    assert second.through_at == pytest.approx(10.006)  # then the second, after the first
+    works[0].future.set_result(None)  # its late callback changes nothing
+    assert first.through_at == pytest.approx(10.004) and queue.free_at == pytest.approx(10.006)
+
+
 # -- measured on two processes -------------------------------------------------------------
 def _timed(call, repeats: int = 5) -> float:
     """The median seconds of `call()`, the two ranks starting it together."""

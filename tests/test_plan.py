@@ -349,7 +349,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
 def test_cli_layout_flags_are_the_one_layouts(capsys):
     # the planner's layout flags come from config.Layout (flags.add_flags), as train.py's do
     dests = {action.dest for action in P.build_parser()._actions}
-    assert {f.name for f in fields(P.Layout)} - dests == {"bucket_mb"}  # (not modelled)
+    assert {f.name for f in fields(P.Layout)} - dests == {"bucket_mb", "prefetch"}  # (not modelled)
     modes = {}
     for flags in (
         [],

@@ -80,6 +80,22 @@ def test_model_states_of_one_adam_step():
         assert measured[kind] == planned[kind + "_bytes"], kind
 
 
+def test_offloaded_bytes_are_a_subset_counted_by_kind():
+    """`offloaded` names storages already counted under a kind: the ledger says how many bytes of
+    each kind are in host memory, and the kinds' totals do not change."""
+    weight, grad, state = torch.zeros(10), torch.zeros(10), torch.zeros(20)
+    ledger = memory.MemoryLedger()
+    held = {"params": [weight], "grads": [grad], "optim": [state, state[:5]]}
+    assert ledger.measure(held | {"offloaded": [state, grad]}) == ledger.measure(held)
+    ledger.measure(held | {"offloaded": [state[5:], grad]})  # (a view: its storage)
+    assert ledger.as_dict()["offloaded_bytes"] == {
+        "params": 0,
+        "grads": 40,
+        "optim": 80,
+        "master": 0,
+    }
+
+
 # --- a real run of hplab/train.py ------------------------------------------------------------
 
 TRAIN = ROOT / "hplab" / "train.py"
@@ -161,6 +177,18 @@ def test_planner_matches_a_real_run(zero, tmp_path):
                 f"{entry['activation_bytes']} ({err:+.2%})"
             )
             assert abs(err) <= RUN_ACTIVATION_TOLERANCE, rank
+
+
+def test_offload_keeps_zero3s_shards_grads_and_adam_state_on_the_host(tmp_path):
+    """`--zero 3 --offload` (FSDP2's CPU offload): the fp32 shards (the masters under bf16),
+    their gradients and Adam's state live in host memory, measured by kind; nothing of the
+    model states stays on the device between steps."""
+    metrics = _run_train(3, tmp_path, "--dp", "2", "--precision", "bf16", "--offload", nproc=2)
+    shard = _tiny().num_params() // 2  # (tiny's sizes split evenly: no padding)
+    for entry in metrics["memory"]:
+        host = entry["offloaded_bytes"]
+        assert host == {"params": 0, "grads": 4 * shard, "optim": 8 * shard, "master": 4 * shard}
+        assert all(entry[f"{kind}_bytes"] == host[kind] for kind in host)
 
 
 # --- context parallel and experts (issue 12): one short run each --------------------------------

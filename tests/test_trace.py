@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hplab.course.timeline import hidden_fraction, read_timeline, waits
+from hplab.course.timeline import held_up, hidden_fraction, read_timeline, waits
 from hplab.launch import run_distributed
 
 FLAGS = ["--dp", "2", "--steps", "3", "--batch-size", "8", "--no-progress"]
@@ -113,6 +113,22 @@ def test_hidden_fraction_on_hand_made_spans():
     assert hidden_fraction(spans) == pytest.approx(2 / 8)
     with pytest.raises(ValueError, match="no communication"):
         hidden_fraction(spans, ops=("send",))
+
+
+def test_held_up_counts_the_blocked_time_a_later_rank_delayed_a_transfer():
+    """Launched at 1 and waited for until it was through; the other rank launched it at 3, so
+    the link ran it 3..5: blocked 1..5, held up 1..3. A reduce-scatter launched at 4 and the
+    next gather, launched at 6, wait for this rank's own link (busy until 7), not another rank."""
+    spans = [
+        dict(kind="launch", name="all_gather dp 4 B", start_s=1.0, end_s=1.5),
+        dict(kind="wait", name="wait all_gather dp", start_s=1.5, end_s=5.0),
+        dict(kind="comm", name="all_gather dp 4 B #1", start_s=3.0, end_s=5.0, launched_s=1.0),
+        dict(kind="comm", name="reduce_scatter dp 4 B #1", start_s=5.0, end_s=7.0, launched_s=4.0),
+        dict(kind="comm", name="all_gather dp 4 B #2", start_s=7.0, end_s=8.0, launched_s=6.0),
+        dict(kind="wait", name="wait all_gather dp", start_s=6.0, end_s=8.0),
+    ]
+    assert held_up(spans) == dict(blocked_s=pytest.approx(6.0), held_s=pytest.approx(2.0))
+    assert held_up(spans, ops=("reduce_scatter",)) == dict(blocked_s=0.0, held_s=0.0)
 
 
 def test_waits_of_a_real_run_on_one_clock(traced):

@@ -228,6 +228,10 @@ class Run:
         """Bytes this rank held, by kind: params, grads, optim, master, activation."""
         return {kind: self.metrics["memory"][rank][f"{kind}_bytes"] for kind in viz.KIND_LABELS}
 
+    def offloaded_bytes(self, rank: int = 0) -> dict[str, int]:
+        """Of `memory_bytes`, by kind, the bytes `--offload` kept in host memory."""
+        return self.metrics["memory"][rank].get("offloaded_bytes", {})
+
     def comm_bytes(self, op: str, rank: int = 0, key: str = "bytes") -> float:
         """Payload bytes (or `key="bus_bytes"`, `"calls"`, `"time_s"`) of `op` on `rank`."""
         return self.metrics["comm"][rank].get(op, {}).get(key, 0)

@@ -157,6 +157,24 @@ def hidden_fraction(spans: list[dict], during=None, ops=COMM_OPS) -> float:
     return (_length(computing) - _length(waiting)) / _length(comm)
 
 
+def held_up(spans: list[dict], ops=COMM_OPS) -> dict:
+    """On one rank's spans from `read_timeline` under an emulated link: `blocked_s`, the time it
+    was blocked in collectives of `ops` (launching or waiting), and `held_s`, the part of it
+    during which the transfer it needed had not started because another rank launched it later
+    (the link starts a transfer at its last member's launch, or when the link is free)."""
+    blocked = _union(
+        s
+        for s in spans
+        if s["kind"] in ("launch", "wait") and s["name"].removeprefix("wait ").split()[0] in ops
+    )
+    held, free = [], 0.0  # this rank's link: one transfer after the other
+    for s in sorted((s for s in spans if s["kind"] == "comm"), key=lambda s: s["start_s"]):
+        ready = max(s.get("launched_s", s["start_s"]), free)  # without the other ranks
+        held.append((ready, s["start_s"]))
+        free = s["end_s"]
+    return dict(blocked_s=_length(blocked), held_s=_length(_intersect(blocked, _merge(held))))
+
+
 def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list[dict]:
     """Per rank, over the traced steps, the time `blocked_s` in collectives of `ops` (launching
     or waiting), taken apart call by call (the i-th of each name on every rank; one machine,

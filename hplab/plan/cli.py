@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.error = lambda message: ap.exit(2, f"hplab.plan: error: {message}\n")  # one line, exit 2
     _add_group(ap, "model (as hplab/train.py)", _model_flags())
     layout = ap.add_argument_group("layout (as hplab/train.py)")
-    add_flags(layout, Layout, LAYOUT_DEFAULTS, skip=("bucket_mb",), helps=LAYOUT_HELPS)
+    add_flags(layout, Layout, LAYOUT_DEFAULTS, skip=("bucket_mb", "prefetch"), helps=LAYOUT_HELPS)
     layout.add_argument(
         "--selective-recompute", action="store_true", help="the same as --recompute selective"
     )

@@ -12,27 +12,23 @@ How the checker uses it, on every rank (each rank has a different half of the ba
     for step in range(3):
         model.zero_grad()
         model(x_mine, y_mine)[1].backward()   # p.grad: the gradient of MY half only
-        opt.step()                            # afterwards: every rank has the same new params
+        opt.step()
 
-`__init__` is written for you: the parameters laid end to end in one flat buffer, padded with
-zeros to n equal shards of `shard_numel` elements; rank r owns shard r, and `self.master` is
-its fp32 copy — the only tensor the AdamW optimizer knows, so its state (exp_avg, exp_avg_sq)
-is 8 bytes × shard_numel instead of 8 bytes × all parameters. That is ZeRO stage 1.
+`__init__` is written for you: the parameters laid end to end in one flat buffer of
+`padded_numel` elements (zeros at the end), cut into n equal shards of `shard_numel`; rank r
+owns shard r, and `self.master` is its fp32 copy — the only tensor the AdamW optimizer knows,
+so Adam's state is 8 bytes × shard_numel instead of 8 bytes × all parameters.
 
-`step` does the three moves of ZeRO-1:
-  1. pack every p.grad into one flat buffer of `padded_numel` elements (zeros in the padding)
-     and divide it by n (the loss is a mean over the global batch);
-  2. `comm.reduce_scatter(out, flat)`: `out` (shard_numel elements) receives the sum over
-     the ranks of slice r of `flat` — my shard of the global-batch gradient; make it
-     `self.master.grad` and call `self.optimizer.step()`;
-  3. `comm.all_gather(full, self.master.detach().clone())`: `full` (padded_numel elements)
-     receives every rank's updated shard in rank order; copy it back into each p
-     (under torch.no_grad(): `p.copy_(full[offset:offset + p.numel()].view_as(p))`).
+What `step` must achieve: afterwards every rank's parameters are what one AdamW step on the
+whole global batch gives, while this rank's optimizer only ever sees its shard (the global
+batch's loss is the mean over the ranks' halves). The ranks talk only through `comm`, an
+hplab Communicator (hplab/comm.py: its collectives, as torch.distributed's, on tensors).
 
-The checker compares, after each of 3 steps: every parameter with the single-process AdamW
-(fp32, 1e-5 relative), `self.master.grad` with your shard of the global-batch gradient, the
-optimizer state size (shard only), and the CommLedger: one reduce-scatter and one all-gather of
-the padded flat buffer per step and no all-reduce — 2(n−1)/n · 4Ψ bus bytes, as DDP.
+How it is checked, after each of 3 steps: every parameter against the single-process AdamW
+(fp32, 1e-5 relative); `self.master.grad` against this rank's shard of the global-batch
+average gradient; Adam's state holds 2 × shard_numel numbers; and the CommLedger: exactly one
+reduce-scatter and one all-gather of the padded flat buffer (4 × padded_numel bytes) per step,
+nothing else — 2(n−1)/n · 4Ψ bus bytes, the same as DDP's all-reduce.
 """
 
 import math
@@ -59,7 +55,5 @@ class ZeRO1:
 
     @torch.no_grad()
     def step(self) -> None:
-        # 1. pack the gradients into a padded flat buffer and divide by n
-        # 2. reduce-scatter it into my shard's gradient; step the optimizer on self.master
-        # 3. all-gather the updated shards and copy them back into the parameters
-        raise NotImplementedError("reduce-scatter the gradients, step my shard, all-gather")
+        """One AdamW step of the whole model, this rank stepping only its shard."""
+        raise NotImplementedError("ZeRO1.step")

@@ -12,6 +12,24 @@ from hplab.course.check.report import Report, collectives, differs, first, first
 from hplab.dist import Mesh
 from hplab.models.gpt import build_model
 
+ZERO1_OPS = ("reduce_scatter", "all_gather")
+
+
+def traffic_problem(used: dict, flat_bytes: int) -> str | None:
+    """ZeRO-1's traffic: one reduce-scatter and one all-gather of the padded flat buffer."""
+    if used == dict.fromkeys(ZERO1_OPS, (1, flat_bytes)):
+        return None
+    others = sorted(set(used) - set(ZERO1_OPS))
+    if not others and "all_gather" not in used:
+        return (
+            "no all-gather: each rank updated only its own shard, so the ranks' parameters "
+            "now differ; every rank needs every rank's updated shard"
+        )
+    return (
+        f"used {', '.join(others) or used}: ZeRO-1 needs only a reduce-scatter of the "
+        f"gradients and an all-gather of the parameters, one each of {flat_bytes:,} B"
+    )
+
 
 def check_zero1(module, report: Report, mesh: Mesh) -> None:
     """ZeRO1 on this rank's rows against one process's AdamW on the whole batch: my shard's grad,
@@ -26,8 +44,8 @@ def check_zero1(module, report: Report, mesh: Mesh) -> None:
         model.zero_grad()
         model(*rows)[1].backward()
         report.label = f"step {step + 1}"
+        before = [p.detach().clone() for p in model.parameters()]
         _, used = collectives(mesh, opt.step)
-        others = sorted(set(used) - {"reduce_scatter", "all_gather"})
         want = F.pad(
             torch.cat([g.reshape(-1) for g in ref.grads[step]]), (0, shard * n - numel)
         ).view(n, shard)[r]
@@ -40,13 +58,12 @@ def check_zero1(module, report: Report, mesh: Mesh) -> None:
         )
         problem = first(
             [
-                used != dict.fromkeys(("reduce_scatter", "all_gather"), (1, flat_bytes))
-                and (
-                    f"used {', '.join(others) or used}: ZeRO-1 needs only a reduce-scatter of the "
-                    f"gradients and an all-gather of the parameters, one each of {flat_bytes:,} B"
-                ),
+                traffic_problem(used, flat_bytes),
                 (d := differs(got, want, n))
                 and f"self.master.grad is not my shard of the global-batch average gradient: {d}",
+                all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+                and "the parameters did not change in this step: the shards' values after the "
+                "optimizer step must reach every rank's parameters",
                 first_wrong(
                     dict(model.named_parameters()),
                     ref.params[step],

@@ -8,6 +8,35 @@ import math
 from hplab import formulas
 from hplab.course.check.report import Report
 
+#: Each kind of model state: what the lab calls it, and the ZeRO stage that starts sharding it.
+KINDS = {
+    "params": ("the parameters", 3),
+    "grads": ("the gradients", 2),
+    "optim": ("Adam's two moments", 1),
+    "master": ("the fp32 master weights", 1),
+}
+
+
+def which_kind(mine: float, psi: float, dp: int, zero: int, precision: str) -> str:
+    """' — ...' naming the one kind whose bytes would make the planner's total equal `mine`:
+    sharded where the stage does not shard it (or the reverse), or left out; else ''."""
+    ref = formulas.model_state_bytes(psi, dp, zero, precision)
+    whole = formulas.model_state_bytes(psi, 1, 0, precision)
+    for kind, (name, stage) in KINDS.items():
+        full, now = whole[f"{kind}_bytes"], ref[f"{kind}_bytes"]
+        per = f"{full / psi:g} B per parameter"
+        other = full if zero >= stage else full / dp  # this kind sharded the other way
+        rest = ref["total_bytes"] - now
+        if dp > 1 and math.isclose(mine, rest + other, rel_tol=1e-9):
+            return (
+                f" — {name} ({per}) are not divided by dp: ZeRO-{stage} and up shard them"
+                if zero >= stage
+                else f" — {name} ({per}) are divided by dp: only ZeRO-{stage} and up shard them"
+            )
+        if full and math.isclose(mine, rest, rel_tol=1e-9):
+            return f" — {name} ({per}) are missing: {precision} training keeps them"
+    return ""
+
 
 def check_planning(module, report: Report) -> None:
     """The learner's ZeRO memory and bubble fraction against the planner's `hplab.formulas`."""
@@ -23,6 +52,7 @@ def check_planning(module, report: Report) -> None:
                 for kind in ("params", "grads", "optim", "master")
             )
             + " bytes per parameter"
+            + which_kind(mine, psi, dp, zero, precision)
         )
 
     def bubble_problem(p, m):
