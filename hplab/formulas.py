@@ -105,6 +105,44 @@ def collective_time_s(
     return calls * steps * alpha + factor * nbytes / bw
 
 
+def ddp_exposed_comm_s(
+    bucket_bytes: list[float],
+    window_s: float,
+    n: int,
+    bw: float,
+    alpha: float,
+    tied_bytes: float = 0.0,
+) -> float:
+    """Seconds of a DDP step's gradient all-reduces that backward does not hide, on a link of
+    β = bw bytes/s and α = alpha s per message (the emulated link's cost: α + bus bytes/β).
+    Backward produces the gradients during its last `window_s` seconds, at a steady rate of
+    bytes (a transformer's blocks are alike), but a tied embedding's `tied_bytes` only when it
+    ends (both of its uses summed). Bucket i (S_i bytes, in launch order) is ready with its last
+    gradient; the link takes the buckets one at a time:
+
+        ready_i = W · min(1, (S_1 + … + S_i) / (S − S_tied))
+        end_i   = max(ready_i, end_(i−1)) + α + 2(n−1)/n · S_i / β
+        exposed = max(0, end_last − W)
+
+    One bucket: α + 2(n−1)/n · S/β, none of it hidden; k buckets pay k·α."""
+    steady, made, end = sum(bucket_bytes) - tied_bytes, 0.0, 0.0
+    for size in bucket_bytes:
+        made += size
+        ready = window_s * min(1.0, made / steady) if steady > 0 else window_s
+        end = max(ready, end) + alpha + bus_factor("all_reduce", n) * size / bw
+    return max(0.0, end - window_s)
+
+
+def ddp_bucket_speedup_bound(
+    compute_s: float, window_s: float, comm_s: float, tied_comm_s: float
+) -> float:
+    """The most buckets can gain over one bucket (α aside): (C + X) / (C + max(X_tied,
+    X − W)), with C the step's compute, X the all-reduce's time on the link, X_tied the tied
+    embedding's part (sent only after backward) and W the backward window that gradients come
+    out of (see ddp_exposed_comm_s)."""
+    return (compute_s + comm_s) / (compute_s + max(tied_comm_s, comm_s - window_s))
+
+
 def moe_all_to_all_bytes(
     sent: int, received: int, n_embd: int, n_experts: int, dtype_bytes: int = 4
 ) -> int:

@@ -87,6 +87,39 @@ WRONG = {
             ("            handle.wait()\n", "            self.comm.all_reduce(flat)\n"),
         ],
         "no_divide": [(" / self.comm.size", "")],
+        "blocking_in_hook": [  # right sums, right launches: but backward stops in each hook
+            (
+                "self.in_flight.append((bucket, flat, self.comm.all_reduce(flat, async_op=True)))",
+                "self.comm.all_reduce(flat)\n"
+                "            self.in_flight.append((bucket, flat, None))",
+            ),
+            ("            handle.wait()\n", ""),
+        ],
+        "wait_in_hook": [
+            (
+                "self.in_flight.append((bucket, flat, self.comm.all_reduce(flat, async_op=True)))",
+                "handle = self.comm.all_reduce(flat, async_op=True)\n"
+                "            handle.wait()\n"
+                "            self.in_flight.append((bucket, flat, handle))",
+            )
+        ],
+        "wait_for_previous": [  # one all-reduce in flight at a time
+            (
+                "            flat = torch.cat(",
+                "            if self.in_flight:\n"
+                "                self.in_flight[-1][2].wait()\n"
+                "            flat = torch.cat(",
+            )
+        ],
+        "spin_in_hook": [  # waits without calling wait(): only the link's clock sees it
+            (
+                "self.in_flight.append((bucket, flat, self.comm.all_reduce(flat, async_op=True)))",
+                "handle = self.comm.all_reduce(flat, async_op=True)\n"
+                "            while not handle.is_completed():\n"
+                "                pass\n"
+                "            self.in_flight.append((bucket, flat, handle))",
+            )
+        ],
     },
     "zero1": {
         "all_reduce": [
@@ -321,6 +354,44 @@ def test_buckets_need_reverse_order_and_overlap(outcomes):
     assert "when backward returned, 0 all-reduce(s)" in failed(
         outcomes, "buckets", "in_wait", "bucket_bytes=inf"
     )
+
+
+def test_buckets_name_a_hook_that_waits(outcomes):
+    """A hook that waits for its all-reduce (a blocking call, or wait() on its handle or on the
+    previous bucket's) leaves nothing to overlap: named, with what it cost on the link."""
+    for mistake, how in (
+        ("blocking_in_hook", "comm.all_reduce without async_op=True: a blocking call"),
+        ("wait_in_hook", "handle.wait()"),
+        ("wait_for_previous", "handle.wait()"),
+    ):
+        for case in ("bucket_bytes=inf", "bucket_bytes=0", "bucket_bytes=20000"):
+            if mistake == "wait_for_previous" and case == "bucket_bytes=inf":
+                assert outcomes["buckets"][mistake][case].passed  # one bucket: no previous one
+                continue
+            message = failed(outcomes, "buckets", mistake, case)
+            assert f"waited for an all-reduce ({how}): backward stood still" in message
+            assert "launch with async_op=True, return, and wait in wait()" in message
+
+
+def test_buckets_see_on_the_link_a_hook_that_spins(outcomes):
+    """Waiting without wait() (spinning on is_completed) only the link's clock can see: no
+    all-reduce ran while backward computed."""
+    assert outcomes["buckets"]["spin_in_hook"]["bucket_bytes=inf"].passed  # nothing to overlap
+    for case in ("bucket_bytes=0", "bucket_bytes=20000"):
+        message = failed(outcomes, "buckets", "spin_in_hook", case)
+        assert "was on the check's link (100MB/s,1ms) while backward computed" in message
+
+
+def test_buckets_overlap_on_hand_made_times():
+    from hplab.course.check.lab02_buckets import overlap_problem, overlap_s
+
+    arrived, returned = [0.0, 2.0, 4.0], [1.0, 3.0, 5.0]  # hooks 0-1, 2-3, 4-5; compute between
+    assert overlap_s([(0.5, 1.5)], returned, arrived) == pytest.approx(0.5)  # 1 → 1.5
+    assert overlap_s([(1.5, 3.5)], returned, arrived) == pytest.approx(0.5 + 0.5)
+    assert overlap_s([(2.0, 3.0), (4.1, 6.0)], returned, arrived) == 0.0  # inside hooks, after
+    assert overlap_problem(0.0, 1) is None  # one bucket: nothing to overlap
+    assert "none of the 7 all-reduces" in overlap_problem(0.0, 7)
+    assert overlap_problem(1e-3, 7) is None
 
 
 def test_buckets_name_the_missing_division(outcomes):

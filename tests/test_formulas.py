@@ -150,3 +150,27 @@ def test_zero3_on_a_link_prefetch_leaves_the_first_gathers_and_last_reduce_scatt
     assert cost("backward")["exposed_s"] == pytest.approx(both + 2 * block)  # forward's gathers
     with pytest.raises(ValueError, match="unknown prefetch"):
         F.zero3_link_seconds([1.0, 1.0], 2, 1.0, prefetch="sometimes")
+
+
+def test_ddp_exposed_comm_by_hand():
+    """Two buckets of 1 MB on a 1 MB/s link with α = 0.1 s (2 ranks: bus bytes = payload)."""
+    one = F.ddp_exposed_comm_s([2e6], window_s=1.0, n=2, bw=1e6, alpha=0.1)
+    assert one == pytest.approx(0.1 + 2.0)  # one bucket: all of it after backward
+    # the first bucket is ready halfway through the window, the second at its end
+    two = F.ddp_exposed_comm_s([1e6, 1e6], window_s=1.0, n=2, bw=1e6, alpha=0.1)
+    assert two == pytest.approx(0.5 + 1.1 + 1.1 - 1.0)
+    # the second is a tied embedding's: complete only at the end; the first, steady over W
+    tied = F.ddp_exposed_comm_s([1e6, 1e6], window_s=1.0, n=2, bw=1e6, alpha=0.1, tied_bytes=1e6)
+    assert tied == pytest.approx(1.0 + 1.1 + 1.1 - 1.0)
+    # α per message: 100 buckets of 20 kB on a fast link cost 100 α, hidden up to W
+    many = F.ddp_exposed_comm_s([2e4] * 100, window_s=1.0, n=2, bw=1e9, alpha=0.1)
+    assert many == pytest.approx(100 * 0.1 + 100 * 2e4 / 1e9 - 1.0 + 0.01, rel=0.02)
+    # four ranks: the ring's bus bytes, 2(n-1)/n = 1.5 payloads
+    assert F.ddp_exposed_comm_s([2e6], 1.0, 4, 1e6, 0.0) == pytest.approx(3.0)
+
+
+def test_ddp_bucket_speedup_bound():
+    # the tied part bounds it: (C + X) / (C + X_tied)
+    assert F.ddp_bucket_speedup_bound(1.0, 1.0, 1.0, 0.4) == pytest.approx(2.0 / 1.4)
+    # a short window bounds it: (C + X) / (C + X - W)
+    assert F.ddp_bucket_speedup_bound(1.0, 0.2, 1.0, 0.4) == pytest.approx(2.0 / 1.8)

@@ -20,7 +20,10 @@ It checks (with bucket_bytes = infinity, 0 and a size in between):
   * the all-reduces you have started — how many, how many bytes — each time a gradient
     arrives, when backward returns and after wait(), against the rule below: bucket j starts
     from the gradient hook that completes it (once buckets 0 ... j-1 have started), so it
-    overlaps with the rest of backward; each gradient is sent exactly once.
+    overlaps with the rest of backward; each gradient is sent exactly once;
+  * that backward goes on while they run: the check runs under an emulated link (hplab.link;
+    every all-reduce takes at least 1 ms there, as on a network), and a hook that waits for
+    an all-reduce — however it waits — stops backward until the link has carried it.
 
 The bucket rule (the same as hplab/ddp.py): walk the parameters in *reverse* order (backward
 produces the last layers' gradients first); start a new bucket when adding the next parameter

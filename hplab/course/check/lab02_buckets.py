@@ -1,17 +1,29 @@
 """Lab 02: a bucketed gradient all-reduce with hooks (2 processes), against one process's
-gradients and where hplab.ddp starts its all-reduces.
+gradients, where hplab.ddp starts its all-reduces, and whether backward went on while they ran.
+
+The check runs under an emulated link (CHECK_LINK, hplab.link): every all-reduce takes at least
+α there, as on a network, so an all-reduce that overlaps backward and one that a hook waits for
+look different in time. The learner's code gets the world communicator through `WatchedComm`,
+which notes a blocking call or a wait() made while backward runs.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
 
+import torch
+import torch.distributed as dist
+
+from hplab import link
 from hplab.comm import bucket_params
 from hplab.course.check.reference import gpt_reference
 from hplab.course.check.report import Report, first_wrong
 from hplab.dist import Mesh
 from hplab.models.gpt import build_model
+
+CHECK_LINK = "100MB/s,1ms"  # each all-reduce: 1 ms + its bytes at 100 MB/s
 
 
 def launch_problem(started: list, params: list, arrived: list, bucket_bytes: float) -> str | None:
@@ -39,39 +51,140 @@ def launch_problem(started: list, params: list, arrived: list, bucket_bytes: flo
             )
 
 
-def check_buckets(module, report: Report, mesh: Mesh) -> None:
-    """One bucket, one per parameter, a middle size: one process's gradients, hplab.ddp's starts."""
-    ref = gpt_reference(mesh, steps=2)
-    for bucket_bytes in (math.inf, 0, 20_000):
-        report.label = f"bucket_bytes={bucket_bytes}"  # an exception ends the file
-        params = list((model := build_model(ref.config, seed=0)).parameters())
+class WatchedComm:
+    """The learner's communicator: the world's, noting the all-reduces waited for while backward
+    runs (`in_backward`), as (how, the gradient whose hook it was, seconds blocked)."""
 
-        def observe(param):  # registered before the learner's hooks: runs before theirs
-            started.append(  # noqa: B023 (this step's lists: the hooks run inside the step)
-                (s.calls, s.bytes) if (s := mesh.ledger.totals().get("all_reduce")) else (0, 0)
-            )
-            arrived.append(param)  # noqa: B023
+    def __init__(self, comm):
+        self.comm, self.size, self.rank = comm, comm.size, comm.rank
+        self.in_backward, self.gradient, self.waited = False, 0, []
 
-        for p in params:
-            p.register_post_accumulate_grad_hook(observe)
-        sync = module.BucketedAllReduce(params, mesh.world, bucket_bytes)
-        for step, rows in enumerate(ref.rows):
-            model.zero_grad()
-            mesh.ledger.reset()
-            arrived, started = [], []  # per gradient hook: the (all-reduces, bytes) before it
-            model(*rows)[1].backward()
-            observe(None)  # when backward returned
-            sync.wait()
-            observe(None)  # after wait()
-            if problem := first_wrong(
-                {k: p.grad for k, p in model.named_parameters()},
-                ref.grads[step],
-                "gradients are not the global-batch average",
-                mesh.world.size,
-            ) or launch_problem(started, params, arrived[: len(params)], bucket_bytes):
-                break
-        report.add(
-            problem and f"step {step + 1}: {problem}",
-            "gradients equal one process's; "
-            f"{started[-1][0]} bucket(s), {started[-1][1]:,} B, each sent by its last hook",
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def all_reduce(self, tensor, *args, async_op: bool = False, **kwargs):
+        start = time.perf_counter()
+        handle = self.comm.all_reduce(tensor, *args, async_op=async_op, **kwargs)
+        if async_op:
+            return WatchedHandle(handle, self)
+        self.note("comm.all_reduce without async_op=True: a blocking call", start)
+
+    def note(self, how: str, start: float) -> None:
+        if self.in_backward:
+            self.waited.append((how, self.gradient, time.perf_counter() - start))
+
+
+class WatchedHandle:
+    """An all-reduce's handle whose wait() the WatchedComm hears of."""
+
+    def __init__(self, handle, comm: WatchedComm):
+        self.handle, self.comm = handle, comm
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        self.handle.wait()
+        self.comm.note("handle.wait()", start)
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
+
+def waited_problem(waited: list, n_params: int) -> str | None:
+    """The first all-reduce a hook waited for while backward ran, named."""
+    if waited:
+        how, gradient, seconds = waited[0]
+        return (
+            f"the hook of gradient {gradient} of {n_params} waited for an all-reduce "
+            f"({how}): backward stood still for {1e3 * seconds:.1f} ms while the check's link "
+            f"({CHECK_LINK}) carried it, and nothing overlapped — launch with async_op=True, "
+            "return, and wait in wait()"
         )
+
+
+def overlap_s(transfers: list, returned: list, arrived: list) -> float:
+    """Seconds the link carried an all-reduce while backward computed: the transfers' (start,
+    end) against the gaps from each hook's return to the next gradient's arrival."""
+    gaps = list(zip(returned, arrived[1:]))
+    return sum(max(0.0, min(end, b) - max(start, a)) for start, end in transfers for a, b in gaps)
+
+
+def overlap_problem(seconds: float, buckets: int) -> str | None:
+    """None unless several buckets were sent and none of them ran beside backward (any rank)."""
+    if buckets > 1 and seconds <= 0:
+        return (
+            f"none of the {buckets} all-reduces was on the check's link ({CHECK_LINK}) while "
+            "backward computed: each hook returned only after its all-reduce was through "
+            "(a hook that waits for it, however it waits) — return from the hook at once"
+        )
+
+
+def check_buckets(module, report: Report, mesh: Mesh) -> None:
+    """Under CHECK_LINK: one bucket, one per parameter, a middle size."""
+    link.use(CHECK_LINK)
+    try:
+        ref = gpt_reference(mesh, steps=2)
+        for bucket_bytes in (math.inf, 0, 20_000):
+            report.label = f"bucket_bytes={bucket_bytes}"  # an exception ends the file
+            check_one_size(module, report, mesh, ref, bucket_bytes)
+    finally:
+        link.use(None)
+
+
+def check_one_size(module, report: Report, mesh: Mesh, ref, bucket_bytes: float) -> None:
+    """Two steps with the learner's BucketedAllReduce at `bucket_bytes`; one Result."""
+    params = list((model := build_model(ref.config, seed=0)).parameters())
+    comm, seen = WatchedComm(mesh.world), {}
+
+    def before(param):  # registered before the learner's hooks: runs before theirs
+        s = mesh.ledger.totals().get("all_reduce")
+        seen["started"].append((s.calls, s.bytes) if s else (0, 0))
+        seen["arrived"].append(param)
+        seen["times"].append(time.perf_counter())
+        comm.gradient = len(seen["arrived"])
+
+    def after(_param):  # registered after theirs: their hook has returned
+        seen["returned"].append(time.perf_counter())
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(before)
+    sync = module.BucketedAllReduce(params, comm, bucket_bytes)
+    for p in params:
+        p.register_post_accumulate_grad_hook(after)
+    for step, rows in enumerate(ref.rows):
+        model.zero_grad()
+        mesh.ledger.reset()
+        seen.update(started=[], arrived=[], times=[], returned=[])
+        link.QUEUE.log, comm.in_backward, comm.waited = [], True, []
+        model(*rows)[1].backward()
+        comm.in_backward = False
+        before(None)  # when backward returned
+        sync.wait()
+        before(None)  # after wait()
+        transfers = [(start, end) for _, start, end in link.QUEUE.log]
+        arrivals = seen["times"][: len(params)]
+        overlap = torch.tensor(overlap_s(transfers, seen["returned"], arrivals))
+        dist.all_reduce(overlap, op=dist.ReduceOp.MAX)  # (raw: not the learner's traffic)
+        n_buckets = seen["started"][-1][0]
+        if problem := first_wrong(
+            {k: p.grad for k, p in model.named_parameters()},
+            ref.grads[step],
+            "gradients are not the global-batch average",
+            mesh.world.size,
+        ) or (
+            launch_problem(seen["started"], params, seen["arrived"][: len(params)], bucket_bytes)
+            or waited_problem(comm.waited, len(params))
+            or overlap_problem(float(overlap), n_buckets)
+        ):
+            break
+    link.QUEUE.log = None
+    beside = (
+        f"all-reduces ran {1e3 * float(overlap):.1f} ms beside backward"
+        if n_buckets > 1
+        else "one bucket: ready when backward ends, nothing left to overlap"
+    )
+    report.add(
+        problem and f"step {step + 1}: {problem}",
+        f"gradients equal one process's; {n_buckets} bucket(s), {seen['started'][-1][1]:,} B, "
+        f"each sent by its last hook, none waited for in backward; on the check's link "
+        f"({CHECK_LINK}) {beside}",
+    )
