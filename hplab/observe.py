@@ -9,8 +9,8 @@ training step, and keeps what it saw per step.
     Recorder          --trace: a Chrome trace per rank of two steps (torch.profiler)
     MemoryWatch       bytes per rank by kind: activations saved by each forward, model states
                       after each optimizer step (hplab.memory's MemoryLedger)
-    PipelineTrace     --pp: when each F, B, W, send and wait for a message ran, the last step's
-                      measured bubble, the microbatches in flight
+    PipelineTrace     --pp: when each F, B, W, send and wait for a message ran, the measured
+                      bubble of the last steps, the microbatches in flight
     RoutingStats      mixture of experts: the token-slots each expert took, per layer and step
     AttentionMeter    --cp: each rank's attention seconds and query-key pairs, per step
     Observers         all of the above, as train.py attaches them; `per_rank()` is this rank's
@@ -19,6 +19,7 @@ training step, and keeps what it saw per step.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -221,51 +222,64 @@ def measured_bubble(trace: list[dict], origin: float = 0.0, end: float | None = 
 
 
 class PipelineTrace:
-    """When each of this rank's actions ran in the last step (the executor's hooks): kinds F, B,
-    W, send, and recv (a wait for a message). `actions` holds the clock's marks as they come
-    (on a GPU, CUDA events the stream stamps when it gets there); `trace()` reads them as
-    {kind, microbatch, chunk, start_s, end_s}, seconds from the step's start."""
+    """When each of this rank's actions ran in the last steps (the executor's hooks): kinds F, B,
+    W, send, and recv (a wait for a message). `actions` holds the clock's marks of the step
+    running as they come (on a GPU, CUDA events the stream stamps when it gets there), `steps`
+    those of the last KEPT steps; `trace(i)` reads step i's as {kind, microbatch, chunk,
+    start_s, end_s}, seconds from that step's start (default: the last step)."""
+
+    KEPT = 8  # steps whose marks are kept: each one's bubble goes into the metrics file
 
     def __init__(self, executor, clock=None):
         self.clock = clock or clock_for(executor.comm.device)
-        self.actions, self.start, self.host_start = [], None, 0.0
+        self.actions, self.steps = [], collections.deque(maxlen=self.KEPT)
         executor.observers.append(self._action)
 
     @contextlib.contextmanager
     def _action(self, kind: str, action, stage):
         begin = self.clock.mark()
-        if kind == "run":
-            self.actions, self.start, self.host_start = [], begin, time.perf_counter()
+        if kind == "run":  # (its mark, the host's clock then, its actions)
+            self.actions = []
+            self.steps.append((begin, time.perf_counter(), self.actions))
         yield
         if kind != "run":
             where = dict(kind=kind, microbatch=action.microbatch, chunk=action.chunk)
             self.actions.append({**where, "start": begin, "end": self.clock.mark()})
 
-    def trace(self) -> list[dict]:
-        seconds = functools.partial(self.clock.seconds, self.start)
+    def trace(self, step: int = -1) -> list[dict]:
+        start, _, actions = self.steps[step]
+        seconds = functools.partial(self.clock.seconds, start)
         return [
             {k: v for k, v in e.items() if k not in ("start", "end")}
             | {"start_s": seconds(e["start"]), "end_s": seconds(e["end"])}
-            for e in self.actions
+            for e in actions
         ]
 
-    def report(self, comm, memory: MemoryWatch) -> dict:
-        """The last step's trace, its times from the earliest stage's start (the host's clock
-        when each rank began the step: one machine), the measured bubble and the most
-        microbatches (and bytes) in flight."""
-        mine = self.host_start
+    def aligned(self, comm, step: int = -1) -> tuple[list[dict], float]:
+        """Step `step`'s trace with its times from the earliest stage's start (the host's clock
+        when each rank began the step: one machine), and when its last computation on any
+        stage ended."""
+        mine = self.steps[step][1]
         shift = mine - comm.all_reduce_scalar(mine, op=dist.ReduceOp.MIN)
         trace = [
             {**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift}
-            for e in self.trace()
+            for e in self.trace(step)
         ]
         end = max((e["end_s"] for e in trace if e["kind"] in COMPUTE), default=0.0)
-        end = comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)
+        return trace, comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)
+
+    def report(self, comm, memory: MemoryWatch) -> dict:
+        """The last step's trace (`aligned`), its measured bubble, the bubble of each kept step
+        (the first pays one-time costs: a typical step is their median after it) and the most
+        microbatches (and bytes) in flight."""
+        steps = [self.aligned(comm, i) for i in range(len(self.steps))] or [([], 0.0)]
+        bubbles = [measured_bubble(trace, 0.0, end) for trace, end in steps]
         return {
-            "trace": trace,
+            "trace": steps[-1][0],
             "in_flight_max": memory.in_flight_max,
             "activation_bytes_in_flight_max": memory.bytes_in_flight_max,
-            "bubble_fraction": measured_bubble(trace, 0.0, end),
+            "bubble_fraction": bubbles[-1],
+            "bubble_fraction_per_step": bubbles,
         }
 
 

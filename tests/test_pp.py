@@ -167,6 +167,37 @@ def test_replay_of_a_measured_step_uses_its_stage_costs_and_message_delay():
     )  # a number: a whole stage's, v chunks share it
 
 
+def test_a_link_replay_takes_each_messages_time_from_the_link():
+    """Under an emulated link a message takes α + n/β (n: one send's bytes from the ledger);
+    the replay takes that in place of the measured delay, the title names the link, and the
+    typical bubble is the median of the last three steps."""
+    from hplab import viz
+
+    def event(kind, start, end, chunk):
+        return dict(kind=kind, microbatch=0, chunk=chunk, start_s=start, end_s=end)
+
+    trace = [
+        [event("F", 0, 1, 0), event("send", 1, 1, 0), event("recv", 1, 5, 0), event("B", 5, 6, 0)],
+        [event("recv", 0, 1.5, 1), event("F", 1.5, 2.5, 1), event("B", 2.5, 3.5, 1)]
+        + [event("send", 3.5, 3.5, 1)],
+    ]
+    pipeline = dict(schedule="gpipe", stages=2, microbatches=1, virtual_stages=1, trace=trace)
+    run = {
+        "config": {"link": "1MB/s,1ms"},
+        "comm": [{"send": {"calls": 4, "bytes": 4000}}],  # 1,000 B a message
+        "pipeline": pipeline | {"bubble_fraction_per_step": [[0.9, 0.5, 0.2, 0.4], [0.1] * 4]},
+    }
+    assert viz.message_seconds(run) == pytest.approx(1e-3 + 1000 / 1e6)  # α + n/β = 2 ms
+    assert viz.message_seconds({"config": {"link": None}}) == 0.0
+    assert viz.under_the_link(run) == " (emulated link 1MB/s,1ms)"
+    # F 1 + message + F 1 + B 1 + message + B 1: 4 + 2c, of which each rank computes 2
+    c = 0.25
+    expected = 1 - 2 / (4 + 2 * c)
+    assert viz.replayed_bubbles(run, latency=c) == pytest.approx([expected, expected])
+    assert viz.replayed_bubbles(run) == pytest.approx([2 / 3, 2 / 3])  # delays 0.5, 1.5: 1
+    assert viz.typical_bubbles(run) == [0.4, 0.1]  # median of 0.5, 0.2, 0.4
+
+
 def test_idle_between_actions_is_what_no_replay_sees():
     """Rank 0 starts its step 0.5 after rank 1, pauses 0.5 before a wait of 3 for a message
     (left out: the message kept it idle anyway) and 0.5 after it: 1 of the step's 6.5 time
@@ -824,3 +855,5 @@ def test_train_py_writes_the_pipeline_trace(tmp_path):
         assert set(events[0]) == {"kind", "microbatch", "chunk", "start_s", "end_s"}
     assert pipeline["in_flight_max"] == [2, 2, 2, 2]
     assert all(0 < b < 1 for b in pipeline["bubble_fraction"])
+    for last, per_step in zip(pipeline["bubble_fraction"], pipeline["bubble_fraction_per_step"]):
+        assert len(per_step) == 2 and per_step[-1] == last  # every step's, the last one's last
