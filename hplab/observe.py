@@ -9,8 +9,8 @@ training step, and keeps what it saw per step.
     Recorder          --trace: a Chrome trace per rank of two steps (torch.profiler)
     MemoryWatch       bytes per rank by kind: activations saved by each forward, model states
                       after each optimizer step (hplab.memory's MemoryLedger)
-    PipelineTrace     --pp: when each F, B, W, send and wait for a message ran, the measured
-                      bubble of the last steps, the microbatches in flight
+    PipelineTrace     --pp: when each F, B, W, send and wait for a message ran, the last step's
+                      measured bubble, the microbatches in flight
     RoutingStats      mixture of experts: the token-slots each expert took, per layer and step
     AttentionMeter    --cp: each rank's attention seconds and query-key pairs, per step
     Observers         all of the above, as train.py attaches them; `per_rank()` is this rank's
@@ -19,7 +19,6 @@ training step, and keeps what it saw per step.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import json
@@ -222,64 +221,56 @@ def measured_bubble(trace: list[dict], origin: float = 0.0, end: float | None = 
 
 
 class PipelineTrace:
-    """When each of this rank's actions ran in the last steps (the executor's hooks): kinds F, B,
-    W, send, and recv (a wait for a message). `actions` holds the clock's marks of the step
-    running as they come (on a GPU, CUDA events the stream stamps when it gets there), `steps`
-    those of the last KEPT steps; `trace(i)` reads step i's as {kind, microbatch, chunk,
-    start_s, end_s}, seconds from that step's start (default: the last step)."""
-
-    KEPT = 8  # steps whose marks are kept: each one's bubble goes into the metrics file
+    """When each of this rank's actions ran in the last step (the executor's hooks): kinds F, B,
+    W, send, and recv (a wait for a message). `actions` holds the clock's marks as they come
+    (on a GPU, CUDA events the stream stamps when it gets there); `trace()` reads them as
+    {kind, microbatch, chunk, start_s, end_s}, seconds from the step's start."""
 
     def __init__(self, executor, clock=None):
         self.clock = clock or clock_for(executor.comm.device)
-        self.actions, self.steps = [], collections.deque(maxlen=self.KEPT)
+        self.actions, self.start, self.host_start = [], None, 0.0
         executor.observers.append(self._action)
 
     @contextlib.contextmanager
     def _action(self, kind: str, action, stage):
         begin = self.clock.mark()
-        if kind == "run":  # (its mark, the host's clock then, its actions)
-            self.actions = []
-            self.steps.append((begin, time.perf_counter(), self.actions))
+        if kind == "run":
+            self.actions, self.start, self.host_start = [], begin, time.perf_counter()
         yield
         if kind != "run":
             where = dict(kind=kind, microbatch=action.microbatch, chunk=action.chunk)
             self.actions.append({**where, "start": begin, "end": self.clock.mark()})
 
-    def trace(self, step: int = -1) -> list[dict]:
-        start, _, actions = self.steps[step]
-        seconds = functools.partial(self.clock.seconds, start)
+    def trace(self) -> list[dict]:
+        seconds = functools.partial(self.clock.seconds, self.start)
         return [
             {k: v for k, v in e.items() if k not in ("start", "end")}
             | {"start_s": seconds(e["start"]), "end_s": seconds(e["end"])}
-            for e in actions
+            for e in self.actions
         ]
 
-    def aligned(self, comm, step: int = -1) -> tuple[list[dict], float]:
-        """Step `step`'s trace with its times from the earliest stage's start (the host's clock
-        when each rank began the step: one machine), and when its last computation on any
-        stage ended."""
-        mine = self.steps[step][1]
+    def report(self, comm, memory: MemoryWatch) -> dict:
+        """The last step's trace, its times from the earliest stage's start (the host's clock
+        when each rank began the step: one machine), the measured bubble and the most
+        microbatches (and bytes) in flight. The bubble counts from the first computation on
+        any stage to the last: a rank that begins the step late (it finished the previous one
+        later) shifts the whole pipeline, not its schedule's idle time."""
+        mine = self.host_start
         shift = mine - comm.all_reduce_scalar(mine, op=dist.ReduceOp.MIN)
         trace = [
             {**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift}
-            for e in self.trace(step)
+            for e in self.trace()
         ]
-        end = max((e["end_s"] for e in trace if e["kind"] in COMPUTE), default=0.0)
-        return trace, comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)
-
-    def report(self, comm, memory: MemoryWatch) -> dict:
-        """The last step's trace (`aligned`), its measured bubble, the bubble of each kept step
-        (the first pays one-time costs: a typical step is their median after it) and the most
-        microbatches (and bytes) in flight."""
-        steps = [self.aligned(comm, i) for i in range(len(self.steps))] or [([], 0.0)]
-        bubbles = [measured_bubble(trace, 0.0, end) for trace, end in steps]
+        computed = [e for e in trace if e["kind"] in COMPUTE]
+        first = min((e["start_s"] for e in computed), default=0.0)
+        first = comm.all_reduce_scalar(first, op=dist.ReduceOp.MIN)
+        end = max((e["end_s"] for e in computed), default=0.0)
+        end = comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)
         return {
-            "trace": steps[-1][0],
+            "trace": trace,
             "in_flight_max": memory.in_flight_max,
             "activation_bytes_in_flight_max": memory.bytes_in_flight_max,
-            "bubble_fraction": bubbles[-1],
-            "bubble_fraction_per_step": bubbles,
+            "bubble_fraction": measured_bubble(trace, first, end),
         }
 
 

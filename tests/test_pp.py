@@ -167,10 +167,20 @@ def test_replay_of_a_measured_step_uses_its_stage_costs_and_message_delay():
     )  # a number: a whole stage's, v chunks share it
 
 
+def test_a_rendezvous_message_leaves_when_its_receive_is_posted():
+    """GPipe, p = 2, m = 2, F = B = 1, latency 0.5: rank 1 posts the receive of microbatch 1
+    after F0 ends (2.5), later than its send (2): that message arrives at 3.0, not 2.5."""
+    plans = pp.build_schedule("gpipe", 2, 2)
+    for rendezvous, arrives in ((False, 2.5), (True, 3.0)):
+        sim = pp.simulate(plans, f=1, b=1, w=0, latency=0.5, rendezvous=rendezvous)
+        starts = {str(a): start for a, start, _ in sim.timeline[1] if a.kind == "F"}
+        assert starts == {"F0.1": 1.5, "F1.1": arrives}
+
+
 def test_a_link_replay_takes_each_messages_time_from_the_link():
     """Under an emulated link a message takes α + n/β (n: one send's bytes from the ledger);
-    the replay takes that in place of the measured delay, the title names the link, and the
-    typical bubble is the median of the last three steps."""
+    the replay takes that in place of the measured delay (also when each action takes its own
+    measured time), and a plot's title names the link."""
     from hplab import viz
 
     def event(kind, start, end, chunk):
@@ -185,17 +195,32 @@ def test_a_link_replay_takes_each_messages_time_from_the_link():
     run = {
         "config": {"link": "1MB/s,1ms"},
         "comm": [{"send": {"calls": 4, "bytes": 4000}}],  # 1,000 B a message
-        "pipeline": pipeline | {"bubble_fraction_per_step": [[0.9, 0.5, 0.2, 0.4], [0.1] * 4]},
+        "pipeline": pipeline,
     }
     assert viz.message_seconds(run) == pytest.approx(1e-3 + 1000 / 1e6)  # α + n/β = 2 ms
     assert viz.message_seconds({"config": {"link": None}}) == 0.0
     assert viz.under_the_link(run) == " (emulated link 1MB/s,1ms)"
+    # came at 1.5 (sent at 1, receive posted at 0) and at 5 (sent at 3.5, posted at 1): past
+    # the later of the two + 2 ms by
+    assert sorted(viz.late_past_the_link(run)) == pytest.approx([0.498, 1.498])
     # F 1 + message + F 1 + B 1 + message + B 1: 4 + 2c, of which each rank computes 2
     c = 0.25
-    expected = 1 - 2 / (4 + 2 * c)
+
+    def expected_at(c):
+        return 1 - 2 / (4 + 2 * c)
+
+    expected = expected_at(c)
     assert viz.replayed_bubbles(run, latency=c) == pytest.approx([expected, expected])
     assert viz.replayed_bubbles(run) == pytest.approx([2 / 3, 2 / 3])  # delays 0.5, 1.5: 1
-    assert viz.typical_bubbles(run) == [0.4, 0.1]  # median of 0.5, 0.2, 0.4
+    assert viz.replayed_bubbles(run, each_action=True, latency=c) == pytest.approx(
+        [expected, expected]
+    )  # (each action as long as it took: as long as the medians here)
+    measured = run | {"pipeline": pipeline | {"bubble_fraction": [0.6, 0.5]}}
+    ax = viz.plot_pipeline_bubbles({"gpipe": measured})
+    heights = sorted(round(bar.get_height(), 6) for bar in ax.patches)
+    want = [0.55, 2 / 3, expected_at(viz.message_seconds(run)), 0.5]  # measured, replays, formula
+    assert heights == pytest.approx(sorted(want))
+    assert ax.get_title().endswith("(emulated link 1MB/s,1ms)")
 
 
 def test_idle_between_actions_is_what_no_replay_sees():
@@ -855,5 +880,3 @@ def test_train_py_writes_the_pipeline_trace(tmp_path):
         assert set(events[0]) == {"kind", "microbatch", "chunk", "start_s", "end_s"}
     assert pipeline["in_flight_max"] == [2, 2, 2, 2]
     assert all(0 < b < 1 for b in pipeline["bubble_fraction"])
-    for last, per_step in zip(pipeline["bubble_fraction"], pipeline["bubble_fraction_per_step"]):
-        assert len(per_step) == 2 and per_step[-1] == last  # every step's, the last one's last

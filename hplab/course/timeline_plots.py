@@ -45,14 +45,6 @@ def message_seconds(run_or_metrics) -> float:
     return parse(text).cost(send["bytes"] / send["calls"])
 
 
-def typical_bubbles(run_or_metrics, last: int = 3) -> list[float]:
-    """Each rank's measured bubble, the median of the last `last` steps (one step can be hit by
-    a busy moment of the machine; the first pays one-time costs)."""
-    p = _pipeline(run_or_metrics)
-    steps = p.get("bubble_fraction_per_step") or [[b] for b in p["bubble_fraction"]]
-    return [median(per_rank[-last:]) for per_rank in steps]
-
-
 def _gantt_lane(ax, r: int, events: list[tuple]) -> None:
     """Rank r's lane: a bar per F, B, W labelled with its microbatch (later chunks paler), a thin
     grey bar per wait for a message, a tick per send."""
@@ -136,14 +128,13 @@ def simulated_costs(pipeline: dict, per_chunk: bool = False) -> dict:
     }
 
 
-def measured_actions(pipeline: dict) -> dict:
-    """For pp.simulate's `own`: each action of the run's schedule (in order, its trace event)
-    with its measured seconds, and each message a rank waited for (its key) with its delay, from
-    its send to the end of that wait."""
+def _replayed_trace(pipeline: dict) -> tuple[dict, dict, dict]:
+    """Each action of the run's schedule (in order, its trace event) with its measured seconds;
+    when each message was sent; each message a rank waited for, with that wait's start and end."""
     from hplab.course.timeline import WAITED_S
     from hplab.schedule import build_schedule, input_message, message_key
 
-    p, own, sent, arrived = pipeline, {}, {}, {}
+    p, own, sent, waits = pipeline, {}, {}, {}
     for plan, events in zip(
         build_schedule(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"]),
         p["trace"],
@@ -158,9 +149,27 @@ def measured_actions(pipeline: dict) -> dict:
             if a.kind.startswith("send"):
                 sent[message_key(a)] = e["start_s"]
             if wait and wait["end_s"] - wait["start_s"] > WAITED_S:  # the message came
-                arrived[input_message(a, p["stages"] * p["virtual_stages"])] = wait["end_s"]
+                key = input_message(a, p["stages"] * p["virtual_stages"])
+                waits[key] = (wait["start_s"], wait["end_s"])
             wait = None
-    return own | {key: end - sent[key] for key, end in arrived.items()}
+    return own, sent, waits
+
+
+def measured_actions(pipeline: dict) -> dict:
+    """For pp.simulate's `own`: each action of the run's schedule (in order, its trace event)
+    with its measured seconds, and each message a rank waited for (its key) with its delay, from
+    its send to the end of that wait."""
+    own, sent, waits = _replayed_trace(pipeline)
+    return own | {key: end - sent[key] for key, (_, end) in waits.items()}
+
+
+def late_past_the_link(run_or_metrics) -> list[float]:
+    """Each message a rank waited for: how long after the link's due time it came, the later of
+    its send and its receive's posting (just before the wait) + α + n/β. What the host adds:
+    waking the receiving process and giving it a core."""
+    _, sent, waits = _replayed_trace(_pipeline(run_or_metrics))
+    c = message_seconds(run_or_metrics)
+    return [end - max(sent[key], start) - c for key, (start, end) in waits.items()]
 
 
 def plot_simulated_pipeline(
@@ -247,17 +256,19 @@ def replayed_bubbles(
     """Each rank's bubble when pp.simulate replays the run's schedule with the costs it measured
     (`simulated_costs(per_chunk=True)`: each chunk's F, B, W and the message delay), or with
     `each_action`, every action's and every awaited message's own (`measured_actions`).
-    `latency`: every message's time instead (an emulated link's: `message_seconds`)."""
+    `latency`: every message's time instead (an emulated link's: `message_seconds`), counted
+    from the later of its send and the posting of its receive, as the link counts it."""
     from hplab.pp import build_schedule, simulate
 
     p = _pipeline(run_or_metrics)
-    costs = simulated_costs(p, per_chunk=True)
-    if latency is not None:
-        costs["latency"] = latency
+    costs, own = simulated_costs(p, per_chunk=True), measured_actions(p) if each_action else {}
+    if latency is not None:  # every message takes it: drop the measured delays (their keys)
+        costs["latency"], own = latency, {a: t for a, t in own.items() if hasattr(a, "kind")}
     sim = simulate(
         build_schedule(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"]),
         **costs,
-        own=measured_actions(p) if each_action else None,
+        own=own,
+        rendezvous=latency is not None,
     )
     return [sim.bubble_fraction(r) for r in range(p["stages"])]
 
@@ -278,16 +289,22 @@ def _bubble_bars(run) -> list[tuple]:
     p, message = _pipeline(run), message_seconds(run)
     formula = bubble_fraction(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"])
     return [
-        (-0.25, typical_bubbles(run), dict(color="#4C72B0"), "measured (median of 3 steps)"),
+        (-0.3, p["bubble_fraction"], dict(color="#4C72B0"), "measured (the last step)"),
         (
-            0.0,
-            replayed_bubbles(run, latency=message),
-            dict(color="#9DBBE3"),
-            "the schedule simulated with this run's F, B, W per stage and "
-            + (f"each message α + n/β = {message * 1e3:.2f} ms" if message else "free messages"),
+            -0.1,
+            replayed_bubbles(run, each_action=True),
+            dict(color="#6F95CC"),
+            "that step replayed: each F, B, W, send and message as it took",
         ),
         (
-            0.25,
+            0.1,
+            replayed_bubbles(run, each_action=True, latency=message),
+            dict(color="#B5CDEB"),
+            "the same, each message "
+            + (f"α + n/β = {message * 1e3:.2f} ms" if message else "free"),
+        ),
+        (
+            0.3,
             [formula],
             dict(color="white", edgecolor="#4C72B0", hatch="//"),
             "formula: equal stages, free messages",
@@ -296,10 +313,11 @@ def _bubble_bars(run) -> list[tuple]:
 
 
 def plot_pipeline_bubbles(runs: dict, ax=None):
-    """Per run {label: Run or metrics dict with a pipeline trace}: the measured bubble
-    (`typical_bubbles`), the schedule simulated with the run's own F, B, W and its link's time
-    per message (`replayed_bubbles`), and the formula for equal stages and free messages. Bars:
-    mean over ranks; whiskers: the least and most idle rank."""
+    """Per run {label: Run or metrics dict with a pipeline trace}: the measured bubble of the
+    last step, that step replayed by the simulator with its own actions' times and messages'
+    delays, then with its link's time per message instead (`replayed_bubbles`), and the formula
+    for equal stages and free messages.
+    Bars: mean over ranks; whiskers: the least and most idle rank."""
     ax = figure.axes(ax, figsize=(max(6.4, 1.3 * len(runs) + 2), 4.0))
     for i, run in enumerate(runs.values()):
         for dx, ranks, style, label in _bubble_bars(run):
@@ -307,7 +325,7 @@ def plot_pipeline_bubbles(runs: dict, ax=None):
             ax.bar(
                 i + dx,
                 mean,
-                0.25,
+                0.2,
                 **style,
                 label=None if i else label,
                 yerr=[[mean - min(ranks)], [max(ranks) - mean]] if len(ranks) > 1 else None,

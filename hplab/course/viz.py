@@ -11,6 +11,7 @@ from hplab.course.timeline_plots import (  # noqa: F401 (viz.<name>, as the labs
     PIPELINE_COLORS,
     TIMELINE_COLORS,
     idle_shares,
+    late_past_the_link,
     measured_actions,
     message_seconds,
     plot_pipeline_bubbles,
@@ -19,7 +20,6 @@ from hplab.course.timeline_plots import (  # noqa: F401 (viz.<name>, as the labs
     plot_timeline,
     replayed_bubbles,
     simulated_costs,
-    typical_bubbles,
     under_the_link,
 )
 from hplab.formulas import bubble_fraction, model_state_bytes
