@@ -163,15 +163,6 @@ def measured_actions(pipeline: dict) -> dict:
     return own | {key: end - sent[key] for key, (_, end) in waits.items()}
 
 
-def late_past_the_link(run_or_metrics) -> list[float]:
-    """Each message a rank waited for: how long after the link's due time it came, the later of
-    its send and its receive's posting (just before the wait) + α + n/β. What the host adds:
-    waking the receiving process and giving it a core."""
-    _, sent, waits = _replayed_trace(_pipeline(run_or_metrics))
-    c = message_seconds(run_or_metrics)
-    return [end - max(sent[key], start) - c for key, (start, end) in waits.items()]
-
-
 def plot_simulated_pipeline(
     schedule: str,
     pp: int,
@@ -301,7 +292,11 @@ def _bubble_bars(run) -> list[tuple]:
             replayed_bubbles(run, each_action=True, latency=message),
             dict(color="#B5CDEB"),
             "the same, each message "
-            + (f"α + n/β = {message * 1e3:.2f} ms" if message else "free"),
+            + (
+                f"α + n/β = {message * 1e3:.2f} ms once both ends launched it"
+                if message
+                else "free"
+            ),
         ),
         (
             0.3,

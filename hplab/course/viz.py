@@ -11,7 +11,6 @@ from hplab.course.timeline_plots import (  # noqa: F401 (viz.<name>, as the labs
     PIPELINE_COLORS,
     TIMELINE_COLORS,
     idle_shares,
-    late_past_the_link,
     measured_actions,
     message_seconds,
     plot_pipeline_bubbles,
