@@ -15,7 +15,8 @@ two partials merge exactly (the online softmax of FlashAttention):
     L = log(e^L_a + e^L_b),     O = e^(L_a - L)·O_a + e^(L_b - L)·O_b
 
 Backward is a second ring: the K/V blocks travel again, each with the dK/dV accumulator of its
-tokens, to which every rank adds its queries' share; one more hop brings each accumulator home.
+tokens, to which every rank adds its queries' share (computed while the accumulator is on its
+way); one more hop brings each accumulator home.
 Probabilities are recomputed from the saved L (nothing s×s is kept). Messages per layer and
 step: `formulas.ring_attention_bytes`.
 
@@ -178,26 +179,41 @@ class RingAttention(torch.autograd.Function):
         (q, k, v, out, lse), comm, dtype = ctx.saved_tensors, ctx.comm, d_out.dtype
         q, d_out = q.float(), d_out.float()
         delta, dq = (d_out * out).sum(-1), torch.zeros_like(q)
-        dkv = torch.zeros_like(torch.stack([k, v]))  # of the block we hold: it travels with it
+        received = torch.zeros_like(torch.stack([k, v]))  # dK/dV of the block we hold
+        arriving = []  # the next block's dK/dV on its way: it travels with the block
         for src, kv in _around_the_ring(torch.stack([k, v]), comm):
-            if work := block_work(comm.rank, src, comm.size, ctx.split, q.shape[2]):
-                rows, cols, causal = work
-                dq_b, dk_b, dv_b = block_attention_backward(
-                    q[:, :, rows],
-                    kv[0][:, :, cols].float(),
-                    kv[1][:, :, cols].float(),
-                    d_out[:, :, rows],
-                    lse[:, :, rows],
-                    delta[:, :, rows],
-                    causal,
-                )
-                dq[:, :, rows] += dq_b
-                dkv[0][:, :, cols] += dk_b.to(dtype)  # (summed in q's dtype, as it travels)
-                dkv[1][:, :, cols] += dv_b.to(dtype)
-            dkv, sent = _pass_on(dkv, comm)  # after N hops each accumulator is home
-            for p in sent:
+            d_kv = _block_gradients(q, kv, d_out, lse, delta, dq, comm, src, ctx.split)
+            for p in arriving:  # (it travelled while this block's gradients were computed)
                 p.wait()
-        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None
+            dkv = received
+            if d_kv is not None:
+                rows, cols = d_kv[0]
+                dkv[0][:, :, cols] += d_kv[1].to(dtype)  # (summed in q's dtype, as it travels)
+                dkv[1][:, :, cols] += d_kv[2].to(dtype)
+            received, arriving = _pass_on(dkv, comm)  # after N hops each accumulator is home
+        for p in arriving:
+            p.wait()
+        return dq.to(dtype), received[0].to(dtype), received[1].to(dtype), None, None
+
+
+def _block_gradients(q, kv, d_out, lse, delta, dq, comm, src: int, split: str):
+    """The backward of this rank's queries against rank `src`'s block: adds to dq in place and
+    returns ((rows, cols), dK, dV) of the block, or None where the block is wholly in the
+    future."""
+    if not (work := block_work(comm.rank, src, comm.size, split, q.shape[2])):
+        return None
+    rows, cols, causal = work
+    dq_b, dk_b, dv_b = block_attention_backward(
+        q[:, :, rows],
+        kv[0][:, :, cols].float(),
+        kv[1][:, :, cols].float(),
+        d_out[:, :, rows],
+        lse[:, :, rows],
+        delta[:, :, rows],
+        causal,
+    )
+    dq[:, :, rows] += dq_b
+    return (rows, cols), dk_b, dv_b
 
 
 def ring_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> torch.Tensor:

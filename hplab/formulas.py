@@ -403,6 +403,14 @@ def ulysses_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -> dict:
     return dict.fromkeys(("forward", "backward"), 4 * b * s // cp * h * elem_bytes)
 
 
+def ring_attention_blocks(rank: int, cp: int, split: str) -> float:
+    """How many (s/N)² blocks of scores rank `rank` of N = cp computes in ring attention, when
+    a diagonal block is computed whole and then masked (a CPU does; fused GPU kernels skip
+    masked tiles and compute the pairs, `cp.pairs_computed`): contiguous, its own block and the
+    r earlier ones, r + 1; zig-zag, its own block and half of each other, (N + 1)/2."""
+    return rank + 1 if split == "contiguous" else (cp + 1) / 2
+
+
 # --- 7. ZeRO-3 on a link: what prefetch hides  [ZeRO] Sec. 7, PyTorch FSDP ------------------------
 PREFETCH = ("both", "forward", "backward", "none")  # the passes that gather a unit ahead
 

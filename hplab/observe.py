@@ -256,20 +256,25 @@ class PipelineTrace:
     def report(self, comm, memory: MemoryWatch) -> dict:
         """The last step's trace, its times from the earliest stage's start (the host's clock
         when each rank began the step: one machine), the measured bubble and the most
-        microbatches (and bytes) in flight."""
+        microbatches (and bytes) in flight. The bubble counts from the first computation on
+        any stage to the last: a rank that begins the step late (it finished the previous one
+        later) shifts the whole pipeline, not its schedule's idle time."""
         mine = self.host_start
         shift = mine - comm.all_reduce_scalar(mine, op=dist.ReduceOp.MIN)
         trace = [
             {**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift}
             for e in self.trace()
         ]
-        end = max((e["end_s"] for e in trace if e["kind"] in COMPUTE), default=0.0)
+        computed = [e for e in trace if e["kind"] in COMPUTE]
+        first = min((e["start_s"] for e in computed), default=0.0)
+        first = comm.all_reduce_scalar(first, op=dist.ReduceOp.MIN)
+        end = max((e["end_s"] for e in computed), default=0.0)
         end = comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)
         return {
             "trace": trace,
             "in_flight_max": memory.in_flight_max,
             "activation_bytes_in_flight_max": memory.bytes_in_flight_max,
-            "bubble_fraction": measured_bubble(trace, 0.0, end),
+            "bubble_fraction": measured_bubble(trace, first, end),
         }
 
 

@@ -233,20 +233,24 @@ def simulate(
     w: float | list = 1.0,
     latency: float = 0.0,
     own: dict | None = None,
+    rendezvous: bool = False,
 ) -> Simulation:
     """Run the action lists with costs per whole stage and microbatch: F = f, B = b (input
     gradient), W = w (weight gradients); a schedule without W runs b + w in its B. A chunk of
     an interleaved stage costs 1/v of that; unequal stages: f, b, w as lists, one cost per
     chunk. A message arrives `latency` after its send. Sends never wait; a computation waits
     for its input. If no rank can move, DeadlockError names where each rank is stuck. `own`
-    replays a real run: an action's own cost and a message's own delay, where it has them."""
+    replays a real run: an action's own cost and a message's own delay, where it has them.
+    `rendezvous`: a message's `latency` counts from the later of its send and the posting of
+    its receive (an emulated link starts a transfer when both ends have launched it)."""
     own = own or {}
     p = len(plans)
     v = 1 + max(a.chunk for plan in plans for a in plan) // p
     split = any(a.kind == "W" for plan in plans for a in plan)
     f, b, w = ([c / v] * p * v if isinstance(c, (int, float)) else c for c in (f, b, w))
     cost = {"F": f, "B": b if split else [x + y for x, y in zip(b, w)], "W": w}
-    arrival: dict[tuple, float] = {}  # message key -> when it arrives
+    arrival: dict[tuple, float] = {}  # message key -> when it arrives (or leaves: rendezvous)
+    posted: dict[tuple, float] = {}  # message key -> when its receive was posted
     finished: set[tuple] = set()
     pos, clock = [0] * p, [0.0] * p
     timeline: list[list] = [[] for _ in range(p)]
@@ -262,9 +266,13 @@ def simulate(
                 key = input_message(a, p * v)
                 if key is not None and key not in arrival:
                     break  # the sender has not got there yet
+                if key is not None and rendezvous and key not in own:
+                    arrival[key] = max(arrival[key] - latency, posted[key]) + latency
                 start = clock[r] if key is None else max(clock[r], arrival[key])
                 if a.kind.startswith("send"):
                     arrival[message_key(a)] = start + own.get(message_key(a), latency)
+                if a.kind.startswith("recv"):
+                    posted[message_key(a)] = clock[r]
                 clock[r] = start + own.get(a, cost[a.kind][a.chunk] if a.kind in cost else 0.0)
                 finished.add((a.kind, a.microbatch, a.chunk))
                 timeline[r].append((a, start, clock[r]))

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hplab import cp
+from hplab import cp, formulas
 from hplab.formulas import CP_SPLITS, ring_attention_bytes
 from hplab.launch import run_distributed
 
@@ -255,6 +255,19 @@ def test_zigzag_evens_the_causal_work():
     zigzag = [cp.pairs_computed(r, 4, "zigzag", 4) for r in range(4)]
     assert contiguous == [10, 26, 42, 58] and zigzag == [34] * 4
     assert sum(contiguous) == sum(zigzag) == 16 * 17 // 2
+
+
+def test_the_blocks_of_scores_each_rank_computes_match_the_formula():
+    """Counting the scores of every block the ring computes (a diagonal one whole, as a CPU
+    computes it before the mask): contiguous rank r computes r + 1 blocks of (s/N)², every
+    zig-zag rank (N + 1)/2."""
+    n = 8  # tokens per rank
+    for size in (2, 3, 4, 8):
+        for split in ("contiguous", "zigzag"):
+            for rank in range(size):
+                works = [cp.block_work(rank, src, size, split, n) for src in range(size)]
+                scores = sum(len(range(n)[w[0]]) * len(range(n)[w[1]]) for w in works if w)
+                assert scores / n**2 == formulas.ring_attention_blocks(rank, size, split)
 
 
 def test_split_and_inverse():

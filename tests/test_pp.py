@@ -167,6 +167,59 @@ def test_replay_of_a_measured_step_uses_its_stage_costs_and_message_delay():
     )  # a number: a whole stage's, v chunks share it
 
 
+def test_a_rendezvous_message_leaves_when_its_receive_is_posted():
+    """GPipe, p = 2, m = 2, F = B = 1, latency 0.5: rank 1 posts the receive of microbatch 1
+    after F0 ends (2.5), later than its send (2): that message arrives at 3.0, not 2.5."""
+    plans = pp.build_schedule("gpipe", 2, 2)
+    for rendezvous, arrives in ((False, 2.5), (True, 3.0)):
+        sim = pp.simulate(plans, f=1, b=1, w=0, latency=0.5, rendezvous=rendezvous)
+        starts = {str(a): start for a, start, _ in sim.timeline[1] if a.kind == "F"}
+        assert starts == {"F0.1": 1.5, "F1.1": arrives}
+
+
+def test_a_link_replay_takes_each_messages_time_from_the_link():
+    """Under an emulated link a message takes α + n/β (n: one send's bytes from the ledger);
+    the replay takes that in place of the measured delay (also when each action takes its own
+    measured time), and a plot's title names the link."""
+    from hplab import viz
+
+    def event(kind, start, end, chunk):
+        return dict(kind=kind, microbatch=0, chunk=chunk, start_s=start, end_s=end)
+
+    trace = [
+        [event("F", 0, 1, 0), event("send", 1, 1, 0), event("recv", 1, 5, 0), event("B", 5, 6, 0)],
+        [event("recv", 0, 1.5, 1), event("F", 1.5, 2.5, 1), event("B", 2.5, 3.5, 1)]
+        + [event("send", 3.5, 3.5, 1)],
+    ]
+    pipeline = dict(schedule="gpipe", stages=2, microbatches=1, virtual_stages=1, trace=trace)
+    run = {
+        "config": {"link": "1MB/s,1ms"},
+        "comm": [{"send": {"calls": 4, "bytes": 4000}}],  # 1,000 B a message
+        "pipeline": pipeline,
+    }
+    assert viz.message_seconds(run) == pytest.approx(1e-3 + 1000 / 1e6)  # α + n/β = 2 ms
+    assert viz.message_seconds({"config": {"link": None}}) == 0.0
+    assert viz.under_the_link(run) == " (emulated link 1MB/s,1ms)"
+    # F 1 + message + F 1 + B 1 + message + B 1: 4 + 2c, of which each rank computes 2
+    c = 0.25
+
+    def expected_at(c):
+        return 1 - 2 / (4 + 2 * c)
+
+    expected = expected_at(c)
+    assert viz.replayed_bubbles(run, latency=c) == pytest.approx([expected, expected])
+    assert viz.replayed_bubbles(run) == pytest.approx([2 / 3, 2 / 3])  # delays 0.5, 1.5: 1
+    assert viz.replayed_bubbles(run, each_action=True, latency=c) == pytest.approx(
+        [expected, expected]
+    )  # (each action as long as it took: as long as the medians here)
+    measured = run | {"pipeline": pipeline | {"bubble_fraction": [0.6, 0.5]}}
+    ax = viz.plot_pipeline_bubbles({"gpipe": measured})
+    heights = sorted(round(bar.get_height(), 6) for bar in ax.patches)
+    want = [0.55, 2 / 3, expected_at(viz.message_seconds(run)), 0.5]  # measured, replays, formula
+    assert heights == pytest.approx(sorted(want))
+    assert ax.get_title().endswith("(emulated link 1MB/s,1ms)")
+
+
 def test_idle_between_actions_is_what_no_replay_sees():
     """Rank 0 starts its step 0.5 after rank 1, pauses 0.5 before a wait of 3 for a message
     (left out: the message kept it idle anyway) and 0.5 after it: 1 of the step's 6.5 time

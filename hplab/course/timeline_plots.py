@@ -23,6 +23,28 @@ def _pipeline(run_or_metrics) -> dict:  # the metrics file's `pipeline` entry
     raise ValueError("this run has no pipeline trace: run train.py with --pp > 1")
 
 
+def link_of(run_or_metrics) -> str:
+    """The emulated link a run had (`--link`), e.g. "20MB/s,200us", or "" without one."""
+    return getattr(run_or_metrics, "metrics", run_or_metrics).get("config", {}).get("link") or ""
+
+
+def under_the_link(run_or_metrics) -> str:
+    """What a plot's title adds for a run under an emulated link: " (emulated link ...)"."""
+    return f" (emulated link {text})" if (text := link_of(run_or_metrics)) else ""
+
+
+def message_seconds(run_or_metrics) -> float:
+    """One pipeline message's time on the run's emulated link, α + n/β, with n the bytes of one
+    send (the ledger's, rank 0); 0 without a link."""
+    from hplab.link import parse
+
+    metrics = getattr(run_or_metrics, "metrics", run_or_metrics)
+    if not (text := link_of(metrics)):
+        return 0.0
+    send = metrics["comm"][0]["send"]
+    return parse(text).cost(send["bytes"] / send["calls"])
+
+
 def _gantt_lane(ax, r: int, events: list[tuple]) -> None:
     """Rank r's lane: a bar per F, B, W labelled with its microbatch (later chunks paler), a thin
     grey bar per wait for a message, a tick per send."""
@@ -106,14 +128,13 @@ def simulated_costs(pipeline: dict, per_chunk: bool = False) -> dict:
     }
 
 
-def measured_actions(pipeline: dict) -> dict:
-    """For pp.simulate's `own`: each action of the run's schedule (in order, its trace event)
-    with its measured seconds, and each message a rank waited for (its key) with its delay, from
-    its send to the end of that wait."""
+def _replayed_trace(pipeline: dict) -> tuple[dict, dict, dict]:
+    """Each action of the run's schedule (in order, its trace event) with its measured seconds;
+    when each message was sent; each message a rank waited for, with that wait's start and end."""
     from hplab.course.timeline import WAITED_S
     from hplab.schedule import build_schedule, input_message, message_key
 
-    p, own, sent, arrived = pipeline, {}, {}, {}
+    p, own, sent, waits = pipeline, {}, {}, {}
     for plan, events in zip(
         build_schedule(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"]),
         p["trace"],
@@ -128,9 +149,18 @@ def measured_actions(pipeline: dict) -> dict:
             if a.kind.startswith("send"):
                 sent[message_key(a)] = e["start_s"]
             if wait and wait["end_s"] - wait["start_s"] > WAITED_S:  # the message came
-                arrived[input_message(a, p["stages"] * p["virtual_stages"])] = wait["end_s"]
+                key = input_message(a, p["stages"] * p["virtual_stages"])
+                waits[key] = (wait["start_s"], wait["end_s"])
             wait = None
-    return own | {key: end - sent[key] for key, end in arrived.items()}
+    return own, sent, waits
+
+
+def measured_actions(pipeline: dict) -> dict:
+    """For pp.simulate's `own`: each action of the run's schedule (in order, its trace event)
+    with its measured seconds, and each message a rank waited for (its key) with its delay, from
+    its send to the end of that wait."""
+    own, sent, waits = _replayed_trace(pipeline)
+    return own | {key: end - sent[key] for key, (_, end) in waits.items()}
 
 
 def plot_simulated_pipeline(
@@ -143,12 +173,14 @@ def plot_simulated_pipeline(
     w: float = 1.0,
     ax=None,
     unit: str = "time (F = 1)",
+    latency: float = 0.0,
 ):
-    """The ideal timeline of a schedule (pp.simulate of its action lists, no message cost),
-    with the simulated bubble and the formula in the title."""
+    """The ideal timeline of a schedule (pp.simulate of its action lists; each message arrives
+    `latency` after its send), with the simulated bubble and the formula in the title."""
     from hplab.pp import build_schedule, simulate
 
-    sim = simulate(build_schedule(schedule, pp, microbatches, virtual_stages), f, b, w)
+    plans = build_schedule(schedule, pp, microbatches, virtual_stages)
+    sim = simulate(plans, f, b, w, latency=latency)
     rows = [
         [(a.kind, a.microbatch, a.chunk // pp, s, e) for a, s, e in lane if a.kind in "FBW"]
         for lane in sim.timeline
@@ -186,8 +218,10 @@ def plot_pipeline_gantt(run_or_metrics, axes=None):
         for events in p["trace"]
     ]
     bubbles = ", ".join(f"{b:.0%}" for b in p["bubble_fraction"])
-    _gantt(axes[0], rows, "time (ms)", p, f"bubble per rank {bubbles}", measured=True)
+    link = under_the_link(run_or_metrics)
+    _gantt(axes[0], rows, "time (ms)", p, f"bubble per rank {bubbles}{link}", measured=True)
     costs = {k: c * 1e3 for k, c in simulated_costs(p).items()}  # w = 0 unless zb-h1 traced W
+    message = message_seconds(run_or_metrics)
     plot_simulated_pipeline(
         p["schedule"],
         p["stages"],
@@ -195,26 +229,37 @@ def plot_pipeline_gantt(run_or_metrics, axes=None):
         p["virtual_stages"],
         ax=axes[1],
         unit="time (ms)",
+        latency=message * 1e3,
         **costs,
     )
+    about = f"each message α + n/β = {message * 1e3:.2f} ms" if message else "free messages"
     axes[1].set_title(
-        "ideal (simulated with the measured mean F, B, W): " + axes[1].get_title().split(" — ")[1],
+        f"simulated with the measured mean F, B, W, {about}: "
+        + axes[1].get_title().split(" — ")[1].split(";")[0],
         fontsize=9,
     )
     return axes
 
 
-def replayed_bubbles(run_or_metrics, each_action: bool = False) -> list[float]:
+def replayed_bubbles(
+    run_or_metrics, each_action: bool = False, latency: float | None = None
+) -> list[float]:
     """Each rank's bubble when pp.simulate replays the run's schedule with the costs it measured
     (`simulated_costs(per_chunk=True)`: each chunk's F, B, W and the message delay), or with
-    `each_action`, every action's and every awaited message's own (`measured_actions`)."""
+    `each_action`, every action's and every awaited message's own (`measured_actions`).
+    `latency`: every message's time instead (an emulated link's: `message_seconds`), counted
+    from the later of its send and the posting of its receive, as the link counts it."""
     from hplab.pp import build_schedule, simulate
 
     p = _pipeline(run_or_metrics)
+    costs, own = simulated_costs(p, per_chunk=True), measured_actions(p) if each_action else {}
+    if latency is not None:  # every message takes it: drop the measured delays (their keys)
+        costs["latency"], own = latency, {a: t for a, t in own.items() if hasattr(a, "kind")}
     sim = simulate(
         build_schedule(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"]),
-        **simulated_costs(p, per_chunk=True),
-        own=measured_actions(p) if each_action else None,
+        **costs,
+        own=own,
+        rendezvous=latency is not None,
     )
     return [sim.bubble_fraction(r) for r in range(p["stages"])]
 
@@ -232,21 +277,26 @@ def idle_shares(run_or_metrics) -> list[float]:
 
 def _bubble_bars(run) -> list[tuple]:
     """A run's bars: (offset, the bubble of each rank, bar style, legend label)."""
-    p = _pipeline(run)
+    p, message = _pipeline(run), message_seconds(run)
     formula = bubble_fraction(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"])
     return [
-        (-0.3, p["bubble_fraction"], dict(color="#4C72B0"), "measured"),
+        (-0.3, p["bubble_fraction"], dict(color="#4C72B0"), "measured (the last step)"),
         (
             -0.1,
             replayed_bubbles(run, each_action=True),
-            dict(color="#7FA7D9"),
-            "simulated with every F, B, W and message delay this run measured",
+            dict(color="#6F95CC"),
+            "that step replayed: each F, B, W, send and message as it took",
         ),
         (
             0.1,
-            replayed_bubbles(run),
-            dict(color="#C6DBF2"),
-            "simulated with this run's median F, B, W per stage and message delay",
+            replayed_bubbles(run, each_action=True, latency=message),
+            dict(color="#B5CDEB"),
+            "the same, each message "
+            + (
+                f"α + n/β = {message * 1e3:.2f} ms once both ends launched it"
+                if message
+                else "free"
+            ),
         ),
         (
             0.3,
@@ -257,29 +307,12 @@ def _bubble_bars(run) -> list[tuple]:
     ]
 
 
-def _idle_on_top(ax, x: float, bottom: float, run, label: bool) -> None:
-    """On top of the replay at x: what it leaves out, each rank's idle time between its actions
-    (measured on its own, mean over ranks)."""
-    idle = idle_shares(run)
-    ax.bar(
-        x,
-        sum(idle) / len(idle),
-        0.2,
-        bottom=bottom,
-        color="white",
-        edgecolor="#7FA7D9",
-        hatch="..",
-        label="+ each rank's time between its actions (measured): late start, Python"
-        if label
-        else None,
-    )
-
-
 def plot_pipeline_bubbles(runs: dict, ax=None):
-    """Per run {label: Run or metrics dict with a pipeline trace}: the measured bubble, the
-    schedule replayed with the run's own costs (`replayed_bubbles`: each action's own, then
-    the medians per chunk) and the formula for equal stages and free messages. Bars: mean over
-    ranks; whiskers: the least and most idle rank."""
+    """Per run {label: Run or metrics dict with a pipeline trace}: the measured bubble of the
+    last step, that step replayed by the simulator with its own actions' times and messages'
+    delays, then with its link's time per message instead (`replayed_bubbles`), and the formula
+    for equal stages and free messages.
+    Bars: mean over ranks; whiskers: the least and most idle rank."""
     ax = figure.axes(ax, figsize=(max(6.4, 1.3 * len(runs) + 2), 4.0))
     for i, run in enumerate(runs.values()):
         for dx, ranks, style, label in _bubble_bars(run):
@@ -293,17 +326,16 @@ def plot_pipeline_bubbles(runs: dict, ax=None):
                 yerr=[[mean - min(ranks)], [max(ranks) - mean]] if len(ranks) > 1 else None,
                 capsize=3,
             )
-            if dx == -0.1:  # on top of that replay: what it leaves out, measured on its own
-                _idle_on_top(ax, i + dx, mean, run, label=not i)
     ax.plot([], [], "k|", ms=10, label="whiskers: least and most idle rank")
-    ax.set_xticks(range(len(runs)), list(runs), rotation=20, ha="right", fontsize=8)
+    ax.set_xticks(range(len(runs)), list(runs), fontsize=8)
+    link = under_the_link(next(iter(runs.values()))) if runs else ""
     return figure.finish(
         ax,
         dict(axis="y"),
         dict(fontsize=7, loc="upper left"),
-        ylim=(0, 1.3),
+        ylim=(0, 1.0),
         ylabel="idle fraction of the step (bars: mean over ranks)",
-        title="Pipeline bubble fraction: measured, replayed, formula",
+        title=f"Pipeline bubble: measured, simulated, formula{link}",
     )
 
 

@@ -12,12 +12,14 @@ from hplab.course.timeline_plots import (  # noqa: F401 (viz.<name>, as the labs
     TIMELINE_COLORS,
     idle_shares,
     measured_actions,
+    message_seconds,
     plot_pipeline_bubbles,
     plot_pipeline_gantt,
     plot_simulated_pipeline,
     plot_timeline,
     replayed_bubbles,
     simulated_costs,
+    under_the_link,
 )
 from hplab.formulas import bubble_fraction, bus_factor, model_state_bytes
 
