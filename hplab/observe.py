@@ -325,10 +325,13 @@ class RoutingStats:
 class AttentionMeter:
     """Observes every attention core of a model from outside: per training step (`with
     meter.step():`), its forward seconds on this rank, the seconds of them blocked in the cp
-    group's calls (the ledger's time), and the query-key pairs attended (all heads, layers)."""
+    group's calls (the ledger's time), the query-key pairs attended (all heads, layers), and
+    the CPU time this thread spent in them (on a CPU: the computing, without the waits for the
+    ring or for a core that a shared machine adds)."""
 
     def __init__(self, model, comm, style: str, split: str, clock=None):
         self.per_step = {"attention_s": [], "attention_blocked_s": [], "attention_pairs": []}
+        self.per_step["attention_cpu_s"] = []
         self.now = dict.fromkeys(self.per_step, 0)  # (calls outside a step count nowhere)
         self.comm, self.style, self.split = comm, style, split
         self.clock, self.spans = clock or clock_for(comm.device), []  # this step's (start, end)
@@ -345,8 +348,10 @@ class AttentionMeter:
 
     def _timed(self, attend, q, k, v):
         comm, (b, heads, n, _) = self.comm, q.shape
-        start, was, y = self.clock.mark(), self._blocked_s(), attend(q, k, v)
+        start, was, cpu = self.clock.mark(), self._blocked_s(), time.thread_time()
+        y = attend(q, k, v)
         self.spans.append((start, self.clock.mark()))
+        self.now["attention_cpu_s"] += time.thread_time() - cpu
         self.now["attention_blocked_s"] += self._blocked_s() - was
         self.now["attention_pairs"] += b * (  # ring: all heads; Ulysses: heads/N, the sequence
             heads * cp.pairs_computed(comm.rank, comm.size, self.split, n)
