@@ -16,6 +16,7 @@ _PUBLIC = {
     name: module
     for module, names in {  # name -> the module that defines it
         "hplab.ddp": ["DDP"],
+        "hplab.sync": ["DoubleSyncError"],
         "hplab.zero": ["ZeroOptimizer"],
         "hplab.fsdp": ["fully_shard", "full_parameters"],
         "hplab.dist": ["Mesh", "init_distributed"],

@@ -43,6 +43,11 @@ next synchronised backward (or `finish_gradient_sync()`) communicates the sum. P
 without a gradient keep `.grad = None` (the optimizer skips them) and their slots are sent as
 zeros; like PyTorch's DDP, every rank must use the same parameters in a step. A tied parameter
 (GPT's embedding and LM head) is reduced once; frozen ones (requires_grad=False) have no slot.
+
+**One wrapper averages a gradient.** DDP's hooks and ZeRO-2's (or fully_shard's) would both
+reduce the same gradient in the same backward, the second reading a half-reduced or already
+averaged one: `hplab.sync` refuses the second wrapper when it is built, in one line. DDP with
+ZeRO-1 is correct (ZeRO-1 reduces at `step()`, after DDP has averaged), only wasteful.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import torch.nn as nn
 from torch._utils import _unflatten_dense_tensors
 
 from hplab.comm import bucket_params, communicator
+from hplab.sync import claim_gradient_sync
 
 
 class Bucket:
@@ -88,6 +94,7 @@ class DDP(nn.Module):
 
     def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25):
         super().__init__()
+        claim_gradient_sync(module.parameters(), "hplab.DDP")
         self.module, self.comm = module, communicator(group, "dp")
         for t in [*module.parameters(), *module.buffers()]:  # start equal: rank 0's values
             self.comm.broadcast(t.data, src=0)

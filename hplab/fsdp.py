@@ -57,6 +57,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from hplab.comm import communicator, copy_markers
+from hplab.sync import claim_gradient_sync
 
 
 class _Param:
@@ -282,6 +283,7 @@ def fully_shard(
     `forward_prefetch` / `backward_prefetch`: while this unit computes, start gathering the unit
     that runs next in forward / in backward (False: that unit gathers when it starts)."""
     prefetch = (forward_prefetch, backward_prefetch)
+    claim_gradient_sync(module.parameters(), "hplab.fully_shard", ("hplab.fully_shard",), False)
     unit = _Unit(module, communicator(group, "dp"), param_dtype, offload, prefetch)
     inner = [m._hplab_fsdp for m in module.modules() if hasattr(m, "_hplab_fsdp")]
     units = [unit] + [u for f in dict.fromkeys(i.family for i in inner) for u in f.units]
@@ -289,6 +291,7 @@ def fully_shard(
     for u in units:
         u.family = family
     module._hplab_fsdp = unit
+    claim_gradient_sync(module.parameters(), "hplab.fully_shard", ("hplab.fully_shard",))
     return module
 
 

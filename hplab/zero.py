@@ -67,6 +67,9 @@ import torch.nn as nn
 from hplab.comm import Communicator, bucket_params, communicator, copy_markers
 from hplab.memory import optimizer_state_tensors
 from hplab.optim import WrappedOptimizer
+from hplab.sync import claim_gradient_sync
+
+DDP_OK = {1: ("hplab.DDP",), 2: ()}  # ZeRO-1 reduces at step(), after DDP's average: right
 
 
 class ZeroError(ValueError):
@@ -254,6 +257,10 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
         if bucket_mb < 0:
             raise ZeroError(f"bucket_mb must be at least 0, got {bucket_mb}")
         super().__init__(params, optimizer_kwargs)
+        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        claim_gradient_sync(
+            trainable, f"hplab.ZeroOptimizer(stage={stage})", DDP_OK[stage], stage == 2
+        )
         self.comm, self.stage, self.offload = communicator(group, "dp"), stage, offload
         self.frozen, self.buckets, inner_groups = [], [], []
         for g in self.param_groups:

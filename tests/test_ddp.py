@@ -109,14 +109,17 @@ def all_reduce_so_far(ledger):
     return (s.calls, s.bytes) if s else (0, 0)
 
 
-def tutorial_loop(model, data, loss_fn, set_to_none=True, ledger=None, finish_calls=None):
+def tutorial_loop(
+    model, data, loss_fn, set_to_none=True, ledger=None, finish_calls=None, optimizer=None
+):
     """The PyTorch tutorial's loop. Distributed (a DDP model), each rank takes its slice of the
     global batch; returns the global-batch losses, and per step the all-reduce (calls, bytes)
-    `ledger` saw. `finish_calls[s]`: how many times to call finish_gradient_sync at step s."""
+    `ledger` saw. `finish_calls[s]`: how many times to call finish_gradient_sync at step s.
+    `optimizer(params)`: the optimizer to build (AdamW by default)."""
     import torch.distributed as dist
 
     n, rank = (dist.get_world_size(), dist.get_rank()) if hasattr(model, "module") else (1, 0)
-    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, foreach=False)))(model.parameters())
     losses, per_step = [], []
     for s, (x, y) in enumerate(data):
         before = all_reduce_so_far(ledger) if ledger else None
@@ -240,6 +243,45 @@ def _toy_checks(out):
         )
 
 
+def _one_wrapper_checks(out):
+    """DDP + ZeRO-1 trains as one process (ZeRO-1 reduces at step(), after DDP's average); a
+    second wrapper that would reduce the same gradient in the same backward is refused when it
+    is built, before any collective (so every rank refuses alike)."""
+    from hplab.ddp import DDP
+    from hplab.fsdp import fully_shard
+    from hplab.sync import DoubleSyncError
+    from hplab.zero import ZeroOptimizer
+
+    data = toy_batches()
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731 (unused parameters stay put)
+    zero = lambda ps, stage=1: ZeroOptimizer(ps, torch.optim.SGD, stage=stage, lr=0.1)  # noqa: E731
+    ref = toy()
+    out["ddp_zero1_ref"] = (tutorial_loop(ref, data, toy_loss, optimizer=sgd)[0], state(ref))
+    ours = DDP(toy(), bucket_mb=SMALL_MB)
+    losses = tutorial_loop(ours, data, toy_loss, optimizer=zero)[0]
+    out["ddp_zero1"] = (losses, state(ours.module))
+
+    def refusal(build):
+        try:
+            build()
+        except DoubleSyncError as err:
+            return str(err)
+
+    refused = {}
+    inner = DDP(toy())
+    refused["zero2 inside DDP"] = refusal(lambda: zero(inner.parameters(), 2))
+    bare = toy()
+    zero(bare.parameters(), 2)
+    refused["DDP around zero2"] = refusal(lambda: DDP(bare))
+    refused["DDP twice"] = refusal(lambda: DDP(inner.module))
+    sharded = fully_shard(nn.Linear(DIM, DIM))
+    refused["DDP over shards"] = refusal(lambda: DDP(sharded))
+    refused["zero1 over shards"] = refusal(lambda: zero(sharded.parameters(), 1))
+    wrapped = DDP(nn.Linear(DIM, DIM))
+    refused["fully_shard inside DDP"] = refusal(lambda: fully_shard(wrapped.module))
+    out["double_sync"] = refused
+
+
 def _gpt_checks(out):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -298,6 +340,7 @@ def convert(obj, fn):
 def _worker(with_hf):
     out = {}
     _toy_checks(out)
+    _one_wrapper_checks(out)
     _gpt_checks(out)
     if with_hf:
         _hf_checks(out)
@@ -442,6 +485,34 @@ def test_ddp_of_hugging_face_gpt2_equals_one_process(results):
 
 
 # --- without processes ------------------------------------------------------------------------
+
+
+def test_ddp_with_zero1_equals_one_process(results):
+    n, per_rank = results
+    for out in per_rank:
+        (losses, params), (ref_losses, ref_params) = out["ddp_zero1"], out["ddp_zero1_ref"]
+        close(torch.tensor(losses), torch.tensor(ref_losses), f"losses, DDP + ZeRO-1, {n} ranks")
+        close(params, ref_params, f"parameters, DDP + ZeRO-1, {n} ranks")
+
+
+REFUSALS = {  # the pair built → what the one line must say
+    "zero2 inside DDP": ("hplab.ZeroOptimizer(stage=2): hplab.DDP already", "stage=1 inside DDP"),
+    "DDP around zero2": ("hplab.DDP: hplab.ZeroOptimizer(stage=2) already", "on the bare model"),
+    "DDP twice": ("hplab.DDP: hplab.DDP already", "wrap the model once"),
+    "DDP over shards": ("hplab.DDP: hplab.fully_shard already", "fully_shard alone"),
+    "zero1 over shards": ("ZeroOptimizer(stage=1): hplab.fully_shard", "fully_shard alone"),
+    "fully_shard inside DDP": ("hplab.fully_shard: hplab.DDP already", "fully_shard alone"),
+}
+
+
+def test_a_second_wrapper_reducing_the_same_gradient_is_refused(results):
+    """ZeRO-2's hooks inside DDP's read a half-reduced or already averaged gradient and average
+    it again (0.5x the true gradient with 25 MiB buckets): refused in one line, either order."""
+    for out in results[1]:
+        assert set(out["double_sync"]) == set(REFUSALS)
+        for pair, (who, fix) in REFUSALS.items():
+            line = out["double_sync"][pair]
+            assert line and who in line and fix in line and "\n" not in line, (pair, line)
 
 
 def test_make_buckets_order_and_sizes():
