@@ -175,8 +175,7 @@ class Communicator:
                 return call()
         except RuntimeError as err:
             text = str(err).lower()
-            signs = next((k for k in WHY_IT_FAILED if any(sign in text for sign in k)), None)
-            why = WHY_IT_FAILED.get(signs)
+            why = next((w for k, w in WHY_IT_FAILED.items() if any(s in text for s in k)), None)
             if why:
                 raise CommTimeout(
                     f"{op} in the {self.name} group (ranks {self.ranks}) {why}"
