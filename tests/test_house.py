@@ -110,3 +110,14 @@ def test_strategies_do_not_import_each_other(name):
     others = {f"hplab.{s[:-3]}" for s in STRATEGIES if s not in same}
     imported = imported_modules(LIBRARY / name)
     assert not imported & others, f"{name} imports another strategy: {imported & others}"
+
+
+def test_readme_lists_every_refusal_with_its_reason():
+    """README's table of what does not compose yet is config.REFUSALS, word for word."""
+    from hplab.config import REFUSALS
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    rows = [line for line in readme.splitlines() if line.startswith("| `--")]
+    for _, fields, why in REFUSALS:
+        flags = ", ".join(f"`--{name.replace('_', '-')}`" for name in fields)
+        assert f"| {flags} | {why} |" in rows, f"README lacks the refusal: {why}"
