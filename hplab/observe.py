@@ -330,8 +330,8 @@ class AttentionMeter:
     ring or for a core that a shared machine adds)."""
 
     def __init__(self, model, comm, style: str, split: str, clock=None):
-        self.per_step = {"attention_s": [], "attention_blocked_s": [], "attention_pairs": []}
-        self.per_step["attention_cpu_s"] = []
+        keys = ("attention_s", "attention_blocked_s", "attention_pairs", "attention_cpu_s")
+        self.per_step = {key: [] for key in keys}
         self.now = dict.fromkeys(self.per_step, 0)  # (calls outside a step count nowhere)
         self.comm, self.style, self.split = comm, style, split
         self.clock, self.spans = clock or clock_for(comm.device), []  # this step's (start, end)
