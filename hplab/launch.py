@@ -8,6 +8,8 @@ MASTER_ADDR, MASTER_PORT), watches them, and stops them all when one fails or on
     launch(nproc, argv, run_rank)   train.py --nproc N: N ranks, forked from this process
                                     (fresh interpreters on a GPU machine), watched to the end
     run_distributed(fn, n, *args)   tests and checkers: fn on n processes, results by rank
+    start_forked(main, argv, ...)   notebooks: a command such as train.py's `main`, forked
+                                    from a process that has imported torch and hplab once
     torchrun_command(n, script)     the torchrun command line, for notebooks and tests
 """
 
@@ -18,10 +20,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
 import torch
+from tqdm import tqdm
 
 from hplab.dist import (
     DEFAULT_TIMEOUT_S,
@@ -32,6 +36,9 @@ from hplab.dist import (
     shutdown,
     torchrun_env,
 )
+
+# What the forkserver of run_distributed and start_train imports once, before it forks.
+FORKSERVER_PRELOAD = [*PRELOAD, "hplab.train"]
 
 # --- train.py --nproc N: start N ranks, watch them, stop them all -----------------------------
 
@@ -160,7 +167,7 @@ def run_distributed(
     function (spawned processes pickle it by name). A child's exception is re-raised here with
     its traceback; a hang becomes a TimeoutError."""
     ctx = multiprocessing.get_context("forkserver")  # forked from a process that has imported
-    ctx.set_forkserver_preload(PRELOAD)  # torch & co. once
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # torch & co. once
     results, port = ctx.Queue(), free_port()
     procs = [
         ctx.Process(
@@ -198,6 +205,39 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]
+
+
+# --- notebooks: train.py without a fresh interpreter ------------------------------------------
+
+
+def start_forked(main, argv: list[str], output: str, env: dict[str, str], cwd: str):
+    """Start the command `main(argv)` (a module-level function that returns an exit code, such
+    as `hplab.train.main`) in `env` and `cwd`, its stdout and stderr appended to the file
+    `output`, in a process group of its own; returns the process (`.pid`, `.exitcode`: the
+    command's exit code once it ended). It is forked from the preloaded server run_distributed
+    uses: a fresh interpreter would import torch and hplab first (~5 s of CPU, most of what a
+    notebook's short run costs)."""
+    server = multiprocessing.get_context("forkserver")
+    server.set_forkserver_preload(FORKSERVER_PRELOAD)
+    process = server.Process(target=_command, args=(main, list(argv), output, dict(env), cwd))
+    process.start()
+    return process
+
+
+def _command(main, argv: list[str], output: str, env: dict[str, str], cwd: str) -> None:
+    os.setsid()  # (the ranks it forks die with it: init_distributed asks Linux for that)
+    out = os.open(output, os.O_WRONLY | os.O_APPEND)
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        os.dup2(out, fd)
+        stream.reconfigure(line_buffering=True)
+    os.close(out)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    # tqdm's default lock is a multiprocessing semaphore, which the resource tracker would
+    # report as leaked when the ranks end without finalizers; a thread lock does the job
+    tqdm.set_lock(threading.RLock())
+    sys.exit(main(argv))
 
 
 def torchrun_command(nproc: int, script: str, *script_args: str) -> list[str]:

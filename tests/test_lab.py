@@ -1,7 +1,13 @@
 """hplab.lab: the α-β fit recovers known parameters, the flag translation, and a failing job
-becomes one clear error line instead of a hang or a wall of output (one 1-process launch)."""
+becomes one clear error line instead of a hang or a wall of output (one 1-process launch); from
+a notebook, train.py and the collectives benchmark are forked from a preloaded process with the
+results a fresh interpreter gives."""
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,7 +49,7 @@ def test_ring_terms_follow_the_bus_factor_convention():
 
 
 def test_flags_translate_python_names_to_the_command_line():
-    assert lab._flags(
+    assert lab.as_flags(
         {"bucket_mb": 0.5, "recompute": True, "zero": None, "no_progress": False}
     ) == ["--bucket-mb", "0.5", "--recompute"]
 
@@ -64,6 +70,47 @@ def test_a_failing_job_raises_its_one_line_error():
         lab.train(nproc=1, dp=3, steps=1, progress=False, timeout_s=120)
     message = str(err.value)
     assert message.startswith("hplab: error: layout dp=3") and "\n" not in message
+
+
+# What a notebook runs (no main module file: jobs are forked from the preloaded forkserver).
+IN_A_NOTEBOOK = """
+import json, multiprocessing.forkserver as server, time
+from hplab import lab
+from hplab.course.jobs import LaunchError
+
+out = {"losses": lab.train(nproc=2, dp=2, steps=2, progress=False).losses}
+out["forkserver"] = server._forkserver._forkserver_pid is not None
+out["sizes"] = len(lab.collectives(nproc=2, min_bytes=2**12, max_bytes=2**13, repeats=1,
+                                   ops=["all_reduce"], progress=False).times("all_reduce"))
+try:
+    lab.train(nproc=1, dp=3, steps=1, progress=False)
+except LaunchError as err:
+    out["error"] = str(err)
+start = time.monotonic()
+try:
+    lab.train(nproc=2, dp=2, steps=100000, progress=False, timeout_s=2)
+except LaunchError as err:
+    out["stopped"], out["stopped_after_s"] = str(err), time.monotonic() - start
+print(json.dumps(out))
+"""
+
+
+def test_a_notebook_forks_its_jobs_and_gets_what_a_fresh_interpreter_gets():
+    done = subprocess.run(
+        [sys.executable, "-c", IN_A_NOTEBOOK],
+        cwd=Path(lab.REPO_DIR),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    fresh = lab.train(nproc=2, dp=2, steps=2, progress=False)  # (pytest's __main__: a script)
+    assert out["forkserver"] and out["losses"] == fresh.losses
+    assert out["sizes"] == 2
+    assert out["error"].startswith("hplab: error: layout dp=3") and "\n" not in out["error"]
+    assert "did not finish in 2 s" in out["stopped"] and out["stopped_after_s"] < 30
+    assert "leaked" not in done.stderr  # (tqdm's semaphore, when the ranks end)
 
 
 def test_plots_draw_from_a_metrics_dict_without_a_notebook():

@@ -1,6 +1,8 @@
 """DDP's step time against its bucket size, in one launch: lab 02's plot and bench/bench_link.py.
 
     torchrun --nproc_per_node 2 hplab/course/bucket_sweep.py --link 50MB/s,1ms --out sweep.json
+    python hplab/course/bucket_sweep.py --nproc 2 --link 50MB/s,1ms --out sweep.json   (the
+        same, its ranks forked from this process as train.py --nproc forks them)
 
 Every rank builds one `hplab.DDP` model per bucket size (same seed, same data) and steps them
 in turn, one step each, round after round, so that the machine's load falls on every size
@@ -31,6 +33,7 @@ if __name__ == "__main__" and not __package__:  # a script: the repo, not its fo
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from statistics import median
@@ -139,6 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-link-too", action="store_true", help="first the same with no link")
     p.add_argument("--trace"), p.add_argument("--trace-mb", type=float)
     p.add_argument("--out", required=True)
+    p.add_argument("--nproc", type=int, help="start this many ranks here (without torchrun)")
     return p.parse_args(argv)
 
 
@@ -185,8 +189,12 @@ def describe(args, config, runs: dict, n: int) -> dict:
     )
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.nproc and "RANK" not in os.environ:  # the launcher: its ranks run main again
+        from hplab.launch import launch
+
+        return launch(args.nproc, sys.argv[1:] if argv is None else list(argv), main, __file__)
     import torch.distributed as dist
 
     from hplab import link
@@ -215,6 +223,7 @@ def main() -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps(describe(args, config, runs, n), indent=1))
     shutdown()
+    return 0
 
 
 # --- the notebook's and the benchmark's side ----------------------------------------------
@@ -242,15 +251,15 @@ class Sweep:
 def sweep(nproc: int = 2, link: str = "50MB/s,1ms", progress: bool = True, **flags) -> Sweep:
     """Launch this file on `nproc` processes with `flags` (python names: bucket_mb=[0, 25],
     no_link_too=True, trace="DIR") and return its Sweep."""
-    from hplab.course.lab import _flags, _launch_json
+    from hplab.course.jobs import as_flags, launch_json
 
     lists = {k: v for k, v in flags.items() if isinstance(v, (list, tuple))}
-    args = _flags({k: v for k, v in flags.items() if k not in lists} | dict(link=link))
+    args = as_flags({k: v for k, v in flags.items() if k not in lists} | dict(link=link))
     for key, values in lists.items():
         args += ["--" + key.replace("_", "-"), *map(str, values)]
     label = f"bucket sweep on {nproc} processes, link {link}"
-    return Sweep(*_launch_json(nproc, Path(__file__), args, "--out", label, progress, 600.0))
+    return Sweep(*launch_json(nproc, Path(__file__), args, "--out", label, progress, 600.0))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

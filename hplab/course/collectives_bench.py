@@ -1,6 +1,8 @@
 """Time each collective against message size: the measurement behind lab 01's α-β model.
 
     torchrun --nproc_per_node 4 hplab/course/collectives_bench.py --out collectives.json
+    python hplab/course/collectives_bench.py --nproc 4 --out collectives.json   (the same,
+        its 4 ranks forked from this process as train.py --nproc forks them)
 
 Every process calls the collective on S bytes of fp32 (S = min..max in powers of two, the payload
 as `hplab.comm` counts it). A call's time is the slowest rank's (barrier, clock, call, clock); a
@@ -108,8 +110,9 @@ def parse_args(argv=None):
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     p.add_argument("--out", help="write the JSON here (rank 0)")
     p.add_argument("--link", help="an emulated link, BANDWIDTH[,LATENCY] (default: HPLAB_LINK)")
+    p.add_argument("--nproc", type=int, help="start this many ranks here (without torchrun)")
     args = p.parse_args(argv)
-    n = int(os.environ.get("WORLD_SIZE", 1))
+    n = int(os.environ.get("WORLD_SIZE", args.nproc or 1))
     if args.min_bytes < 4 * n or args.max_bytes < args.min_bytes:
         if int(os.environ.get("RANK", 0)) == 0:
             print(
@@ -142,6 +145,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args is None:
         return 2
+    if args.nproc and "RANK" not in os.environ:  # the launcher: its ranks run main again
+        from hplab.launch import launch
+
+        return launch(args.nproc, sys.argv[1:] if argv is None else list(argv), main, __file__)
 
     from hplab import link
     from hplab.dist import Mesh, init_distributed, shutdown

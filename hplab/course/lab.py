@@ -4,202 +4,29 @@
 --steps 20 --metrics ...` (train.py launches its ranks as torchrun would) as four real processes
 (gloo on CPU, NCCL on GPUs) behind a progress bar and returns a `Run`, the metrics file with the
 views the labs plot (`run.losses`, `run.memory_bytes()`, `run.comm_bytes("all_reduce")`).
-`lab.collectives(nproc=4)` runs `hplab/course/collectives_bench.py` under torchrun and fits α
+`lab.collectives(nproc=4)` runs `hplab/course/collectives_bench.py --nproc 4` and fits α
 and β.
 
 Why processes, not threads in the kernel? That is how training really runs: the launcher sets
 `RANK`, `WORLD_SIZE` and the rendezvous address and each process joins the group from scratch.
-Their output is captured here (a kernel would not see it); a failed or hung job raises
-LaunchError.
+Their output is captured (`hplab.course.jobs`: a kernel would not see it); a failed or hung
+job raises LaunchError.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import re
-import select
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from hplab.course import viz  # plots; matplotlib itself loads only when one is drawn
+from hplab.course.jobs import REPO_DIR, LaunchError, as_flags, launch, launch_json  # noqa: F401
 from hplab.course.timeline import read_timeline
 
 # in one home, hplab.formulas; lab 00 and tests call them as lab.<name>
 from hplab.formulas import alpha_beta_terms, training_flops_per_token
-
-REPO_DIR = Path(__file__).resolve().parents[2]
-_TQDM_COUNT = re.compile(r"(\d+)/(\d+) \[")  # rank 0's tqdm bar: "12/20 [00:03<..., loss=4.1]"
-_TQDM_LOSS = re.compile(r"loss=([0-9.]+)")
-
-
-class LaunchError(RuntimeError):
-    """A launched job failed; the message holds its error line or the tail of its output."""
-
-
-# --- launching ----------------------------------------------------------------------------
-def _progress(label: str, show: bool):
-    """A one-line progress bar, `draw(text, final=False)`: in a notebook one output updated in
-    place (so the saved notebook shows the final state), in a terminal a line redrawn after \\r."""
-    handle, last_draw = None, 0.0
-    with contextlib.suppress(ImportError):
-        from IPython import get_ipython
-        from IPython.display import Pretty, display
-
-        if show and hasattr(get_ipython(), "kernel"):
-            handle = display(Pretty(f"{label}: starting..."), display_id=True)
-
-    def draw(text: str, final: bool = False) -> None:
-        nonlocal last_draw
-        if not show or (not final and time.monotonic() - last_draw < 0.25):
-            return
-        last_draw = time.monotonic()
-        if handle is not None:
-            handle.update(Pretty(f"{label}: {text}"))
-        else:
-            print(f"\r{label}: {text}", end="\n" if final else "", file=sys.stderr, flush=True)
-
-    return draw
-
-
-def _environment() -> dict:
-    """The launched processes' environment: unbuffered output, one thread each, hplab importable."""
-    return dict(
-        os.environ,
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(REPO_DIR), os.environ.get("PYTHONPATH", "")]),
-    )
-
-
-def _command(nproc: int, script: str | Path, args: list[str]) -> list[str]:
-    """train.py is its own launcher (`--nproc`); any other script runs under torchrun."""
-    from hplab.launch import torchrun_command  # imports torch: only when a job is launched
-
-    if Path(script).name == "train.py":
-        return [sys.executable, str(script), "--nproc", str(nproc), *args]
-    return torchrun_command(nproc, str(script), *args)
-
-
-def _draw_tqdm(draw, output: bytearray, start: float) -> None:
-    """Redraw the progress bar from rank 0's latest tqdm line: a bar of 24 characters, the
-    loss, the seconds so far."""
-    tail = output[-400:].decode(errors="replace")
-    if counts := _TQDM_COUNT.findall(tail):
-        (done, total), loss = map(int, counts[-1]), _TQDM_LOSS.findall(tail)
-        bar = "█" * (24 * done // max(total, 1))
-        draw(
-            f"{bar:·<24} {done}/{total}"
-            + (f"  loss {loss[-1]}" if loss else "")
-            + f"  {time.monotonic() - start:.1f} s"
-        )
-
-
-def _watch(proc, label: str, draw, start: float, timeout_s: float) -> bytearray:
-    """Read `proc`'s output to its end, drawing progress; past `timeout_s` (or on an
-    interrupt) kill its whole process group."""
-    output = bytearray()
-    try:
-        while True:
-            if time.monotonic() - start > timeout_s:
-                raise LaunchError(f"{label} did not finish in {timeout_s:.0f} s and was stopped")
-            if not select.select([proc.stdout], [], [], 0.2)[0]:
-                continue
-            data = os.read(proc.stdout.fileno(), 65536)
-            if not data:
-                break
-            output += data
-            _draw_tqdm(draw, output, start)
-        proc.wait()
-    except BaseException:  # a timeout or an interrupt: kill the launcher's process group
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        raise
-    return output
-
-
-def _failure(text: str, label: str, returncode: int) -> LaunchError:
-    """The job's `hplab: error:` line, or its exit code and the tail of its output."""
-    errors = [line for line in text.splitlines() if line.startswith("hplab: error:")]
-    lines = [line for line in text.replace("\r", "\n").splitlines() if line.strip()]
-    return LaunchError(
-        errors[0]
-        if errors
-        else f"{label} exited with code {returncode}; its last output:\n" + "\n".join(lines[-30:])
-    )
-
-
-def launch(
-    nproc: int,
-    script: str | Path,
-    args: list[str],
-    label: str | None = None,
-    progress: bool = True,
-    timeout_s: float = 600.0,
-) -> tuple[str, float]:
-    """Run `script` on `nproc` local processes; return (captured output, seconds). Progress
-    comes from rank 0's tqdm bar. A non-zero exit raises LaunchError with the job's `hplab:
-    error:` line (or the tail of its output); past `timeout_s` the whole job is killed."""
-    label = label or f"{Path(script).name} on {nproc} processes"
-    draw, start = _progress(label, progress), time.monotonic()
-    proc = subprocess.Popen(
-        _command(nproc, script, args),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=_environment(),
-        cwd=REPO_DIR,
-        start_new_session=True,
-    )  # its own process group, to kill as one
-    output = _watch(proc, label, draw, start, timeout_s)
-    seconds, text = time.monotonic() - start, output.decode(errors="replace")
-    if proc.returncode != 0:
-        draw(f"failed after {seconds:.1f} s", final=True)
-        raise _failure(text, label, proc.returncode)
-    draw("█" * 24 + f" done in {seconds:.1f} s", final=True)
-    return text, seconds
-
-
-def _flags(options: dict) -> list[str]:
-    """{"bucket_mb": 1, "recompute": True} → ["--bucket-mb", "1", "--recompute"]."""
-    return [
-        part
-        for key, value in options.items()
-        if value is not None and value is not False
-        for part in ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
-    ]
-
-
-def _launch_json(
-    nproc: int,
-    script: Path,
-    args: list[str],
-    out_flag: str,
-    label: str,
-    progress: bool,
-    timeout_s: float,
-) -> tuple[dict, float, str]:
-    """Launch `script` with `out_flag PATH` added; return (the JSON it wrote, seconds, output)."""
-    with tempfile.TemporaryDirectory(prefix="hplab-") as tmp:
-        path = Path(tmp) / "out.json"
-        output, seconds = launch(
-            nproc,
-            script,
-            args + [out_flag, str(path)],
-            label,
-            progress,
-            timeout_s,
-        )
-        return json.loads(path.read_text()), seconds, output
 
 
 # --- training runs ------------------------------------------------------------------------
@@ -270,7 +97,7 @@ def train(
     """Run `python hplab/train.py --nproc nproc` with `flags` (python names:
     `bucket_mb=1` is `--bucket-mb 1`, `recompute=True` is `--recompute`) and return its Run.
     `trace=True` (or a folder) adds `--trace` (a new temporary folder): see `Run.timeline()`."""
-    shown = _flags(
+    shown = as_flags(
         {
             k: v
             for k, v in flags.items()
@@ -279,9 +106,9 @@ def train(
     )
     label = " ".join([f"train.py on {nproc} process{'es' if nproc > 1 else ''}", *shown])
     trace = tempfile.mkdtemp(prefix="hplab-trace-") if trace is True else trace or None
-    args = _flags({k: v for k, v in flags.items() if k != "metrics"} | {"trace": trace})
+    args = as_flags({k: v for k, v in flags.items() if k != "metrics"} | {"trace": trace})
     return Run(
-        *_launch_json(
+        *launch_json(
             nproc, REPO_DIR / "hplab" / "train.py", args, "--metrics", label, progress, timeout_s
         ),
         trace_dir=trace,
@@ -375,10 +202,10 @@ def collectives(
     """Time every collective on `nproc` processes for sizes from min_bytes to max_bytes
     (powers of two), under an emulated `link` ("20MB/s,1ms") if given; returns the
     measurement with α-β fits (see `collectives_bench.py`, here)."""
-    args = _flags(dict(min_bytes=min_bytes, max_bytes=max_bytes, repeats=repeats, link=link))
+    args = as_flags(dict(min_bytes=min_bytes, max_bytes=max_bytes, repeats=repeats, link=link))
     args += ["--ops", *ops] if ops else []
     return Collectives(
-        *_launch_json(
+        *launch_json(
             nproc,
             Path(__file__).resolve().parent / "collectives_bench.py",
             args,
