@@ -114,7 +114,7 @@ def parallelize(
             stages, plans[mesh.pp_rank], mesh.pp, links, precision.param_dtype
         )
         tied_comm = pp.tied_embedding_group(mesh)
-    gpt.recompute = layout.recompute == "full"  # recompute: a flag the blocks read
+    gpt.recompute = layout.recompute  # none, selective or full: a mode the blocks read
     moe.parallelize(gpt, mesh.ep, mesh.dp)  # experts: this rank's E/ep (ep groups within dp)
     owned = nn.ModuleList(stages) if stages else gpt  # what this rank holds and steps
     wrapped = data_parallel(gpt, owned, mesh, layout, precision)

@@ -127,7 +127,7 @@ class Layout:
     recompute: str = option(
         "none",
         "recompute activations in backward: full (a bare --recompute) keeps only each block's "
-        "input",
+        "input; selective recomputes attention's core (scores, softmax, weighted sum)",
         nargs="?",
         const="full",
         choices=RECOMPUTE,
@@ -382,21 +382,22 @@ REFUSALS = [
         "--prefetch chooses when ZeRO-3 gathers each block's parameters, so it needs --zero 3",
     ),
     (
-        lambda c, E: c.recompute == "selective",
-        ("recompute",),
-        "selective recompute is not in hplab's models yet (the planner prices it): use "
-        "--recompute full",
+        lambda c, E: c.recompute == "selective" and c.cp > 1,
+        ("recompute", "cp"),
+        "context parallel's attention already keeps no s×s scores (it recomputes them from a "
+        "log-sum-exp per row), and recomputing it would send the ring's K/V again: use "
+        "--recompute full or none",
     ),
     (
         lambda c, E: (
             E
             and (c.pp > 1 or c.cp > 1 or c.zero == 3 or c.sequence_parallel)
             or E
-            and c.recompute != "none"
+            and c.recompute == "full"
         ),
         ("pp", "cp", "zero", "recompute", "sequence_parallel"),
-        "experts run with data, expert and tensor parallel and ZeRO-1/2 only "
-        "(no pipeline, context or sequence parallel, ZeRO-3 or recompute)",
+        "experts run with data, expert and tensor parallel, ZeRO-1/2 and selective recompute "
+        "only (no pipeline, context or sequence parallel, ZeRO-3 or full recompute)",
     ),
     (
         lambda c, E: c.ep > 1 and c.zero > 0,

@@ -306,7 +306,8 @@ def activation_bytes_per_layer(
         no parallelism       sbh·(34 + 5as/h)
         tensor parallel      sbh·(10 + 24/t + 5as/(ht))
         + sequence parallel  sbh/t·(34 + 5as/h)
-        selective recompute  drops the 5as/h term (the scores are recomputed)
+        selective recompute  drops the 5as/h term (the scores are recomputed; with a fused
+                             attention only its log-sum-exp per row was left to drop)
         full recompute       keeps only the block input: 2sbh (2sbh/t with sequence parallel)
     """
     mask = 1 if dropout else 0
@@ -315,10 +316,10 @@ def activation_bytes_per_layer(
         return act_bytes * sbh / (t if sequence_parallel else 1)
     outside = 4 * sbh * act_bytes + 2 * sbh * mask
     inside = (4 + (11 * moe_top_k if moe_top_k else 8)) * sbh * act_bytes
-    if flash_attention:
+    if recompute == "selective":
+        scores = 0  # recomputed in backward (a fused attention's log-sum-exp with them)
+    elif flash_attention:
         scores = a * s * b * 4  # logsumexp, fp32
-    elif recompute == "selective":
-        scores = 0
     else:
         scores = a * s * s * b * (act_bytes + mask + (act_bytes if dropout else 0))
     return outside / (t if sequence_parallel else 1) + (inside + scores) / t

@@ -215,7 +215,7 @@ LAYOUTS_8 = {
 LAYOUTS_4 = {
     "tp2 pp2": dict(tp=2, pp=2),
     "dp2 tp2": dict(dp=2, tp=2),
-    "dp2 tp2 zero1": dict(dp=2, tp=2, zero=1),
+    "dp2 tp2 zero1 selective": dict(dp=2, tp=2, zero=1, recompute="selective"),
     "dp2 pp2": dict(dp=2, pp=2, schedule="gpipe"),
     "dp2 pp2 zero2": dict(dp=2, pp=2, zero=2),
     "dp2 pp2 zero1 zb-h1": dict(dp=2, pp=2, zero=1, schedule="zb-h1"),

@@ -1,5 +1,7 @@
 """hplab's GPT-2 is Hugging Face's GPT-2: same names, same weights, same logits."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -65,19 +67,40 @@ def test_presets_and_overrides():
         config_from_preset("tiny", n_embd=66)
 
 
-def test_recompute_gives_identical_gradients_with_fewer_saved_bytes():
+@pytest.mark.parametrize("flash_attention", [True, False], ids=["fused", "unfused"])
+def test_recompute_gives_identical_gradients_with_fewer_saved_bytes(flash_attention):
+    """Full and selective recompute change what backward keeps, never what it computes. With
+    the unfused attention selective recompute drops the s×s scores; with a fused one there is
+    little left to drop (its log-sum-exp per row)."""
     from hplab.memory import MemoryLedger
 
-    grads, saved = [], []
+    config = replace(PRESETS["tiny"], flash_attention=flash_attention)
+    grads, saved, losses = {}, {}, {}
     idx = torch.randint(0, 2048, (4, 64), generator=torch.Generator().manual_seed(0))
-    for recompute in (False, True):
-        model = build_model(PRESETS["tiny"], seed=0)
+    for recompute in ("none", "selective", "full", True, False):
+        model = build_model(config, seed=0)
         model.recompute = recompute
         ledger = MemoryLedger()
         with ledger.track_activations(exclude=model.parameters()):
-            _, loss = model(idx, idx)
-        loss.backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        saved.append(ledger.activation_bytes)
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-    assert saved[1] < saved[0] / 2
+            _, losses[recompute] = model(idx, idx)
+        losses[recompute].backward()
+        grads[recompute] = [p.grad.clone() for p in model.parameters()]
+        saved[recompute] = ledger.activation_bytes
+    for mode in ("selective", "full", True, False):
+        assert torch.equal(losses[mode], losses["none"])
+        assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads["none"])), mode
+    assert saved[True] == saved["full"] < saved["none"] / 2 and saved[False] == saved["none"]
+    scores = 4 * 4 * 64 * 64 * 4  # b·a·s²·4 bytes per layer: what the unfused attention keeps
+    lse = 4 * 4 * 64 * 4  # b·a·s·4: a fused attention's log-sum-exp
+    dropped = (saved["none"] - saved["selective"]) / config.n_layer
+    assert dropped == (lse if flash_attention else scores)
+    with pytest.raises(ValueError, match="choose none, selective or full"):
+        model.recompute = "some"
+
+
+def test_unfused_attention_equals_the_fused_one():
+    from hplab.models.gpt import causal_attention, unfused_causal_attention
+
+    q, k, v = torch.randn(3, 2, 4, 16, 8).unbind(0)
+    fused, unfused = causal_attention(q, k, v), unfused_causal_attention(q, k, v)
+    assert torch.allclose(unfused, fused, rtol=1e-5, atol=1e-6)

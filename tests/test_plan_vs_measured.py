@@ -43,12 +43,13 @@ def _tiny():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("b", [1, 4])
-def test_activation_bytes_of_one_forward_pass(precision, recompute, b):
-    cfg = gpt.PRESETS["tiny"]
+@pytest.mark.parametrize("flash", [True, False], ids=["fused", "unfused"])
+def test_activation_bytes_of_one_forward_pass(precision, recompute, b, flash):
+    cfg = replace(gpt.PRESETS["tiny"], flash_attention=flash)
     model = gpt.build_model(cfg)
-    model.recompute = recompute == "full"
+    model.recompute = recompute
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     idx = torch.randint(0, cfg.vocab_size, (b, cfg.n_positions))
@@ -56,11 +57,12 @@ def test_activation_bytes_of_one_forward_pass(precision, recompute, b):
     with ledger.track_activations(exclude=list(model.parameters())):
         model(idx, idx)
     lay = P.Layout(batch_size=b, precision=precision, recompute=recompute)
-    planned = P.plan(_tiny(), lay)["activation_bytes_per_microbatch"]
+    planned = P.plan(replace(_tiny(), flash_attention=flash), lay)
+    planned = planned["activation_bytes_per_microbatch"]
     err = planned / ledger.activation_bytes - 1
     print(
-        f"\ntiny {precision} recompute={recompute} b={b}: measured {ledger.activation_bytes} "
-        f"planned {planned:.0f} ({err:+.2%})"
+        f"\ntiny {precision} recompute={recompute} b={b} flash={flash}: measured "
+        f"{ledger.activation_bytes} planned {planned:.0f} ({err:+.2%})"
     )
     assert abs(err) <= ACTIVATION_TOLERANCE
 

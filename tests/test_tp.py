@@ -722,9 +722,9 @@ def test_plans_cut_every_layer(model_plan, sequence_parallel):
 
 
 def test_command_line_tp_with_sequence_parallel_matches_one_process(tmp_path):
-    """`hplab/train.py --nproc 2 --tp 2 --sequence-parallel` (torchrun's command line, its ranks
-    forked) logs the loss curve of the single-process run, and writes per-rank memory and comm
-    to the metrics."""
+    """`hplab/train.py --nproc 2 --tp 2 --sequence-parallel --recompute selective` (torchrun's
+    command line, its ranks forked) logs the loss curve of the single-process run without
+    recompute, and writes per-rank memory and comm to the metrics."""
     common = ["--steps", "2", "--batch-size", "4", "--n-layer", "2", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     single = subprocess.run(
@@ -751,6 +751,8 @@ def test_command_line_tp_with_sequence_parallel_matches_one_process(tmp_path):
             "--tp",
             "2",
             "--sequence-parallel",
+            "--recompute",
+            "selective",
             "--metrics",
             str(tmp_path / "tp.json"),
         ],
@@ -766,6 +768,7 @@ def test_command_line_tp_with_sequence_parallel_matches_one_process(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= RTOL * abs(b["loss"])
     assert two["memory"][0]["params_bytes"] < one["memory"][0]["params_bytes"]
     assert two["comm"][0]["reduce_scatter"]["calls"] > 0
+    assert two["config"]["recompute"] == "selective"
 
 
 def test_command_line_sequence_parallel_needs_tp():

@@ -72,8 +72,8 @@ def test_config_file_gives_defaults_and_flags_override(tmp_path, capsys, monkeyp
 
 def test_layout_flags_are_the_layouts_fields(tmp_path, capsys, monkeypatch):
     """train.py's layout flags come from config.Layout's fields (as the planner's do), and a
-    recipe's `recompute` is a bare --recompute (true) or its mode; selective is refused in one
-    line until hplab's models have it."""
+    recipe's `recompute` is a bare --recompute (true) or its mode; selective with context
+    parallel is refused in one line, with its reason."""
     from dataclasses import fields
 
     from hplab.cli import build_parser, parse_args
@@ -83,13 +83,18 @@ def test_layout_flags_are_the_layouts_fields(tmp_path, capsys, monkeypatch):
     assert {f.name for f in fields(Layout)} <= {a.dest for a in parser._actions}
     assert parser.get_default("batch_size") == 16 and parser.get_default("dp") is None
     recipe = tmp_path / "recipe.toml"
-    for value, mode in (("true", "full"), ("false", "none"), ('"full"', "full")):
+    for value, mode in (
+        ("true", "full"),
+        ("false", "none"),
+        ('"full"', "full"),
+        ('"selective"', "selective"),
+    ):
         recipe.write_text(f"recompute = {value}\n")
         assert parse_args(["--config", str(recipe)]).recompute == mode
-    recipe.write_text('recompute = "selective"\n')
-    code, err = run_main(capsys, monkeypatch, "--nproc", "1", "--config", str(recipe))
+    recipe.write_text('recompute = "selective"\ncp = 2\n')
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--config", str(recipe))
     assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith("hplab: error: --recompute selective: not supported: selective"), err
+    assert err.startswith("hplab: error: --recompute selective --cp 2: not supported: context"), err
 
 
 def test_layout_is_checked_under_torchrun_environment_too(capsys, monkeypatch):

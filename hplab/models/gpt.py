@@ -56,23 +56,42 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def unfused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The same, as the papers' models compute it (`flash_attention=False`): the s×s scores,
+    masked, softmaxed and kept for backward, a·s² numbers per sequence and layer that a fused
+    kernel never keeps and that selective recompute computes again."""
+    T = q.shape[-2]
+    future = torch.full((T, T), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + future  # (+ keeps no mask)
+    return torch.softmax(scores, dim=-1) @ v
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention. `c_attn` projects to Q, K and V at once: its output is
-    [q for all heads | k for all heads | v for all heads], each block n_embd wide."""
+    [q for all heads | k for all heads | v for all heads], each block n_embd wide.
+    `recompute_core` (selective recompute, Korthikanti et al.): attention's core, from Q, K, V
+    to the weighted sum of values, runs again in backward instead of keeping what it saved (the
+    s×s scores of an unfused attention; a fused one's output and log-sum-exp); Q, K, V themselves
+    are kept by the projection anyway. Cheap FLOPs for memory that grows with s²."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.attend = causal_attention  # context parallel swaps in ring attention or Ulysses
+        self.attend = causal_attention if config.flash_attention else unfused_causal_attention
+        # (context parallel swaps in ring attention or Ulysses)
+        self.recompute_core = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         B, T, _ = q.shape  # of the projections: under sequence parallel c_attn gathers all of T
         # [B, T, heads·d] -> [B, heads, T, d]; `-1` lets the same code run on a shard of heads
         q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = self.attend(q, k, v)
+        if self.recompute_core and torch.is_grad_enabled():
+            y = checkpoint(self.attend, q, k, v, use_reentrant=False)
+        else:
+            y = self.attend(q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -117,8 +136,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class GPT(nn.Module):
     """GPT-2 language model. `forward(idx, targets)` returns `(logits, loss)` (loss None without
-    targets). `recompute = True` makes each block keep only its input for backward and recompute
-    the rest (activation checkpointing): less activation memory for one more forward per block."""
+    targets). `recompute = "full"` (or True) makes each block keep only its input for backward
+    and recompute the rest (activation checkpointing): less activation memory for one more
+    forward per block; `"selective"` recomputes only attention's core (`CausalSelfAttention`)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -134,7 +154,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, two uses
         self.loss_fn = cross_entropy  # tensor parallel swaps in a vocab-parallel version
-        self.recompute = False
+        self.recompute = "none"
         self.position_ids = torch.arange  # context parallel: the true positions of its tokens
         self.reset_parameters()
 
@@ -160,8 +180,22 @@ class GPT(nn.Module):
         positions = self.position_ids(T, device=idx.device)
         return self.transformer.wte(idx) + self.transformer.wpe(positions)
 
+    @property
+    def recompute(self) -> str:
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, mode: str | bool) -> None:
+        """ "none" (or False), "selective", "full" (or True): what backward computes again."""
+        mode = {False: "none", True: "full"}.get(mode, mode)
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"recompute {mode!r}: choose none, selective or full")
+        self._recompute = mode
+        for block in self.transformer.h:
+            block.attn.recompute_core = mode == "selective"
+
     def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled():
+        if self.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(block, x, use_reentrant=False)
         return block(x)
 
