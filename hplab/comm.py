@@ -406,9 +406,9 @@ class AllToAll(torch.autograd.Function):
 
 def copy_markers(source: torch.Tensor, target: torch.Tensor) -> None:
     """Give `target` — a tensor standing for `source`, such as its shard or fp32 master — the
-    markers other parts read on `source` (`tp_split` and any other `tp_*` / `hplab_*`)."""
+    markers other parts read on `source` (`tp_*`, `hplab_*`, `sequence_parallel_partial`)."""
     for name, value in vars(source).items():
-        if name.startswith(("tp_", "hplab_")):
+        if name.startswith(("tp_", "hplab_", "sequence_parallel")):
             setattr(target, name, value)
 
 

@@ -111,7 +111,12 @@ def parallelize(
         )
         links = pp.message_links(mesh, plans)  # one communicator each way (NCCL's order)
         pipeline = pp.PipelineExecutor(
-            stages, plans[mesh.pp_rank], mesh.pp, links, precision.param_dtype
+            stages,
+            plans[mesh.pp_rank],
+            mesh.pp,
+            links,
+            precision.param_dtype,
+            layout.tp if layout.sequence_parallel else 1,
         )
         tied_comm = pp.tied_embedding_group(mesh)
     gpt.recompute = layout.recompute  # none, selective or full: a mode the blocks read
@@ -196,22 +201,23 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None)
     """Every synchronisation after backward (Megatron's `finalize_model_grads`), in order:
     1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished; under
        expert parallel (no DDP) dense gradients are averaged over dp, experts' over edp;
-    2. sequence parallel: tp-replicated parameters saw s/tp tokens per rank: sum their grads;
+    2. sequence parallel: tp-replicated parameters saw s/tp tokens per rank: sum their grads
+       (ZeRO-2's, which its hooks have already reduce-scattered, in its shards after 3);
     3. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards;
        context parallel: each rank's loss saw its s/cp tokens: average the grads over cp;
     4. the pipeline's tied embedding: first and last stage sum its gradients (same step)."""
     finish_gradient_sync(model)
     if mesh.ep_size > 1:
         moe.sync_gradients(list(model.parameters()), mesh.dp, mesh.edp)
-    partial = [
-        p.grad
-        for p in model.parameters()
-        if getattr(p, "sequence_parallel_partial", False) and p.grad is not None
-    ]
-    if partial and mesh.tp_size > 1:
-        _all_reduce_grads(partial, mesh.tp)
+    partial = [p for p in model.parameters() if getattr(p, "sequence_parallel_partial", False)]
+    sharded = isinstance(optimizer, ZeroOptimizer) and optimizer.stage == 2  # (grads moved)
+    grads = [p.grad for p in partial if p.grad is not None]
+    if mesh.tp_size > 1 and not sharded and grads:
+        _all_reduce_grads(grads, mesh.tp)
     if isinstance(optimizer, WrappedOptimizer):  # ZeroOptimizer, MasterWeightOptimizer
         optimizer.reduce_gradients()
+    if mesh.tp_size > 1 and sharded and (grads := optimizer.shard_grads(partial)):
+        _all_reduce_grads(grads, mesh.tp)  # (every tp rank's shards hold the same pieces)
     stepped = (
         [t for g in stepped_groups(optimizer) for t in g["params"]]
         if optimizer

@@ -355,11 +355,6 @@ REFUSALS = [
         "and backward (DeepSpeed and Colossal-AI refuse it too); use ZeRO-1 or 2",
     ),
     (
-        lambda c, E: c.sequence_parallel and (c.pp > 1 or c.zero > 0),
-        ("sequence_parallel", "pp", "zero"),
-        "sequence parallel runs with tensor and data parallel only (no pipeline, no ZeRO)",
-    ),
-    (
         lambda c, E: c.sequence_parallel and c.tp == 1,
         ("sequence_parallel", "tp"),
         "sequence parallel splits the sequence over the tensor-parallel group, so it needs 2 or "

@@ -274,11 +274,22 @@ class PipelineExecutor:
     backward is split (the first stage's input is token ids: its B is empty, its W the whole
     backward). `observers` (see hplab.observe) watch from outside: each is called as
     `observer(kind, action, stage)` and returns a context manager wrapped around the whole
-    step ("run"), each wait for a message ("recv"), computation (F, B, W) and "send"."""
+    step ("run"), each wait for a message ("recv"), computation (F, B, W) and "send". Under
+    sequence parallel (`sequence_shards` = tp) a stage's activations hold this tensor-parallel
+    rank's s/tp tokens, and so do the messages: tp times smaller, as in Megatron."""
 
-    def __init__(self, stages: list[Stage], plan: list[Action], comm, links, dtype=torch.float32):
+    def __init__(
+        self,
+        stages: list[Stage],
+        plan: list[Action],
+        comm,
+        links,
+        dtype=torch.float32,
+        sequence_shards: int = 1,
+    ):
         self.stages = {s.chunk: s for s in stages}
         self.plan, self.comm, self.links, self.dtype = plan, comm, links, dtype
+        self.sequence_shards = sequence_shards
         self.split_backward = any(a.kind == "W" for a in plan)
         self.release = "W" if self.split_backward else "B"  # frees a microbatch's activations
         self.loss_scale = 1.0  # fp16: the loss is multiplied by this before backward
@@ -355,8 +366,13 @@ class PipelineExecutor:
         link = self.links[self.comm.rank, a.peer]  # (this rank at 0, the peer at 1)
         step.sends.append((tensor, link.send(tensor, 1, async_op=True)))
 
+    def message_shape(self, tokens: torch.Tensor) -> tuple[int, ...]:
+        """[b, s/sequence_shards, h]: one microbatch's activations between stages."""
+        b, s = tokens.shape
+        return b, s // self.sequence_shards, next(iter(self.stages.values())).gpt.config.n_embd
+
     def post_receive(self, a: Action, step: _Step) -> None:
-        shape = (*step.inputs[0].shape, next(iter(self.stages.values())).gpt.config.n_embd)
+        shape = self.message_shape(step.inputs[0])
         buffer = torch.empty(shape, dtype=self.dtype, device=step.inputs[0].device)
         link = self.links[a.peer, self.comm.rank]  # (the peer at 0, this rank at 1)
         step.received[message_key(a)] = (buffer, link.recv(buffer, 0, async_op=True))
@@ -372,7 +388,7 @@ class PipelineExecutor:
                 if c - 1 in self.stages:
                     self.links[me, chunk_owner(c, p)].send(x, 1)
                 elif c in self.stages and c > 0:
-                    x = x.new_empty((*y.shape, self.stages[c].gpt.config.n_embd), dtype=self.dtype)
+                    x = x.new_empty(self.message_shape(y), dtype=self.dtype)
                     self.links[chunk_owner(c - 1, p), me].recv(x, 0)
                 if c in self.stages:
                     x = self.stages[c](x)

@@ -315,6 +315,19 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
                 else b.grad_shard.to(b.master.device, torch.float32)
             )
 
+    def shard_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """After `reduce_gradients()`: the pieces of `params`' averaged gradients that this
+        rank's master shards hold (views into their `.grad`), in bucket order, for a sum the
+        gradients still owe over another group (sequence parallel's over tp). Under stage 2
+        this is the only copy left: backward's hooks freed the parameters' own."""
+        wanted, pieces = set(params), []
+        for b in self.buckets:
+            for p, where in b.slices:
+                lo, hi = max(where.start, b.lo), min(where.stop, b.hi)
+                if p in wanted and lo < hi:
+                    pieces.append(b.master.grad[lo - b.lo : hi - b.lo])
+        return pieces
+
     def _write_back(self) -> None:
         """Every rank's new shards into every rank's flat buffers, all in flight at once."""
         for _, pending in [b.start_all_gather() for b in self.buckets]:

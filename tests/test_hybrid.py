@@ -131,7 +131,7 @@ def run_layouts(layouts: dict[str, dict]) -> dict:
 # every rank skip that step and halve its scale, or stages would step different models.
 HALF_LAYOUTS_4 = {
     "tp2 pp2 bf16 recompute": dict(tp=2, pp=2, precision="bf16", recompute="full"),
-    "dp2 tp2 zero2 bf16": dict(dp=2, tp=2, zero=2, precision="bf16"),
+    "dp2 tp2 zero2 bf16 sp": dict(dp=2, tp=2, zero=2, precision="bf16", sequence_parallel=True),
     "dp2 pp2 zero1 fp16": dict(dp=2, pp=2, zero=1, precision="fp16"),
     "tp2 pp2 fp16 interleaved": dict(
         tp=2, pp=2, precision="fp16", schedule="interleaved", virtual_stages=2
@@ -208,14 +208,29 @@ def run_half_layouts(layouts: dict[str, dict]) -> dict:
 LAYOUTS_8 = {
     "dp2 tp2 pp2 zero0": dict(dp=2, tp=2, pp=2, zero=0),
     "dp2 tp2 pp2 zero1 recompute": dict(dp=2, tp=2, pp=2, zero=1, recompute="full"),
+    # the planner's GPT-3 175B winner, scaled down (README: dp32 tp4 pp8 zero1 zb-h1 ... sp)
+    "dp2 tp2 pp2 zero1 zb-h1 selective sp": dict(
+        dp=2,
+        tp=2,
+        pp=2,
+        zero=1,
+        schedule="zb-h1",
+        recompute="selective",
+        sequence_parallel=True,
+    ),
     "dp2 tp2 pp2 zero2 interleaved": dict(
         dp=2, tp=2, pp=2, zero=2, schedule="interleaved", virtual_stages=2
     ),
 }
 LAYOUTS_4 = {
     "tp2 pp2": dict(tp=2, pp=2),
+    "tp2 pp2 sp interleaved": dict(
+        tp=2, pp=2, sequence_parallel=True, schedule="interleaved", virtual_stages=2
+    ),
     "dp2 tp2": dict(dp=2, tp=2),
     "dp2 tp2 zero1 selective": dict(dp=2, tp=2, zero=1, recompute="selective"),
+    "dp2 tp2 zero2 sp": dict(dp=2, tp=2, zero=2, sequence_parallel=True),
+    "dp2 tp2 zero3 sp": dict(dp=2, tp=2, zero=3, sequence_parallel=True),
     "dp2 pp2": dict(dp=2, pp=2, schedule="gpipe"),
     "dp2 pp2 zero2": dict(dp=2, pp=2, zero=2),
     "dp2 pp2 zero1 zb-h1": dict(dp=2, pp=2, zero=1, schedule="zb-h1"),
@@ -434,14 +449,14 @@ def test_saved_directory_is_a_hugging_face_model(world4, ref, saved_dir):
     [
         (dict(pp=2, zero=3), "ZeRO-3 with a pipeline", "--zero 3 --pp 2"),
         (
-            dict(pp=2, tp=2, sequence_parallel=True),
-            "sequence parallel runs with tensor and data",
-            "--sequence-parallel --pp 2",
+            dict(tp=2, cp=2, sequence_parallel=True),
+            "context parallel already splits the sequence",
+            "--cp 2 --sequence-parallel",
         ),
         (
-            dict(dp=2, tp=2, zero=1, sequence_parallel=True),
-            "no pipeline, no ZeRO",
-            "--sequence-parallel --zero 1",
+            dict(cp=2, recompute="selective"),
+            "would send the ring's K/V",
+            "--recompute selective --cp 2",
         ),
         (
             dict(pp=2, zero=2, schedule="zb-h1"),
