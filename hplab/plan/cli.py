@@ -185,7 +185,10 @@ def _planner_flags() -> dict[str, dict]:
             for f in fields(Efficiency)
         },
         "output": {
-            "--search": dict(on, help="rank every layout of --gpus GPUs"),
+            "--search": dict(on, help="rank every layout of --gpus GPUs that hplab runs"),
+            "--include-refused": dict(
+                on, help="with --search: rank the layouts hplab refuses too (priced all the same)"
+            ),
             "--top": dict(n, default=10),
             "--json": on,
         },
@@ -291,7 +294,16 @@ def _run(args) -> tuple[dict, str]:
     if args.search:
         if not args.gpus:
             raise PlanError("--search needs --gpus N")
-        res = search(model, args.gpus, cluster, eff, batch, precision, allow_offload=args.offload)
+        res = search(
+            model,
+            args.gpus,
+            cluster,
+            eff,
+            batch,
+            precision,
+            allow_offload=args.offload,
+            include_refused=args.include_refused,
+        )
         del res["_all"]
         text = format_search(res, args.top)
         res["ranking"] = res["ranking"][: args.top]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from hplab.config import RECOMPUTE, Layout, ModelConfig
+from hplab.config import RECOMPUTE, Layout, LayoutError, ModelConfig, validate
 from hplab.formulas import model_state_bytes
 from hplab.plan.estimate import PlanError, plan
 from hplab.plan.presets import GB, GPU_PRESETS, Cluster, Efficiency, default_batch_size
@@ -18,13 +18,15 @@ def candidate_layouts(
     precision: str = "bf16",
     fixed: dict | None = None,
     allow_offload: bool = False,
+    include_refused: bool = False,
 ):
     """Every layout of `gpus` GPUs that can run: dp·tp·pp = gpus (cp = ep = 1: the search
     splits neither sequences nor experts; plan() takes them), whole heads per tensor-
     parallel rank, a global batch that splits into whole microbatches of 1, 2, 4 or 8, and each
     ZeRO stage, recompute mode, sequence parallel and pipeline schedule (interleaved with 2 to 8
-    chunks). `fixed` pins fields of Layout to a value or a tuple of allowed values (e.g.
-    {"tp": 8, "schedule": ("1f1b", "gpipe")})."""
+    chunks), that `config.validate` accepts: what train.py would run (`include_refused`: also
+    what hplab refuses, priced all the same). `fixed` pins fields of Layout to a value or a
+    tuple of allowed values (e.g. {"tp": 8, "schedule": ("1f1b", "gpipe")})."""
     fixed = {
         k: v if isinstance(v, (tuple, list, set, frozenset)) else (v,)
         for k, v in (fixed or {}).items()
@@ -65,8 +67,18 @@ def candidate_layouts(
                 sequence_parallel=sp,
                 offload=off,
             )
-            if all(getattr(lay, k) in allowed for k, allowed in fixed.items()):
+            if all(getattr(lay, k) in allowed for k, allowed in fixed.items()) and (
+                include_refused or _runs(lay, model, gpus)
+            ):
                 yield lay
+
+
+def _runs(layout: Layout, model: ModelConfig, gpus: int) -> bool:
+    try:
+        validate(layout, model, gpus)
+    except LayoutError:
+        return False
+    return True
 
 
 def search(
@@ -78,6 +90,7 @@ def search(
     precision: str = "bf16",
     fixed: dict | None = None,
     allow_offload: bool = False,
+    include_refused: bool = False,
     tie: float = 0.02,
     comfortable_memory: float = 0.8,
 ) -> dict:
@@ -91,7 +104,9 @@ def search(
     batch_size = batch_size or default_batch_size(model)
     plans = [
         plan(model, lay, cluster, eff)
-        for lay in candidate_layouts(model, gpus, batch_size, precision, fixed, allow_offload)
+        for lay in candidate_layouts(
+            model, gpus, batch_size, precision, fixed, allow_offload, include_refused
+        )
     ]
     if not plans:
         raise PlanError(
