@@ -1,16 +1,18 @@
-"""examples/finetune_classification.py: GPT2ForSequenceClassification fine-tuned with hplab's
-building blocks on 2 processes learns which play two lines come from; bad input is one line."""
+"""examples/finetune_classification.py: bad input is one line. That GPT2ForSequenceClassification
+fine-tuned with hplab's building blocks on 2 processes learns which play two lines come from
+(65% held-out accuracy or more, 4 standard deviations above chance) is checked where lab 06
+runs it, in its cell after the run (nbval compares that line): one 2-process run, not two.
+Measured from a random tiny init with seeds 0-5: 76.5, 72.0, 68.0, 70.5, 73.0 and 78.5%; ddp,
+zero2 and fsdp give the same losses."""
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hplab import checkpoint
-from hplab.models.gpt import GPTConfig, build_model, config_from_preset
+from hplab.models.gpt import GPTConfig, build_model
 
 pytest.importorskip("transformers")
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "finetune_classification.py"
@@ -19,30 +21,6 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "finetune_classi
 def gpt2_directory(path: Path, config: GPTConfig) -> Path:
     """A GPT-2 directory (config.json + model.safetensors, what `train.py --save` writes)."""
     return checkpoint.save(path, config, build_model(config, seed=0).state_dict(), {}, {"step": 0})
-
-
-def test_fine_tuning_on_two_processes_beats_chance(tmp_path):
-    """Chance is 50% (two plays, 100 held-out examples each). Under chance, the accuracy on 200
-    examples has a standard deviation of sqrt(0.25 / 200) = 3.5 points, so 65% is more than 4
-    of them above chance. Measured from this init with seeds 0-5 on 2 processes: 76.5, 72.0,
-    68.0, 70.5, 73.0 and 78.5% after fine-tuning (seed 0, run here: 76.5%; ddp, zero2 and fsdp
-    gave the same losses), the mean loss of the first 5 steps 0.68-0.71 (about ln 2, a coin)
-    and of the last 5 steps 0.16-0.23."""
-    init = gpt2_directory(tmp_path / "init", config_from_preset("tiny"))
-    out = tmp_path / "result.json"
-    run = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--init", str(init), "--wrap", "fsdp", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    result = json.loads(out.read_text())
-    assert result["processes"] == 2 and result["steps"] == 100
-    assert result["accuracy_after"] >= 0.65, result
-    first, last = sum(result["losses"][:5]) / 5, sum(result["losses"][-5:]) / 5
-    assert last < 0.6 * first, (first, last)
-    assert "held-out accuracy: before" in run.stdout
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

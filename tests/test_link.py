@@ -110,7 +110,9 @@ def test_a_groups_transfers_take_the_link_in_launch_order(monkeypatch):
 
 # -- measured on two processes -------------------------------------------------------------
 def _timed(call, repeats: int = 5) -> float:
-    """The median seconds of `call()`, the two ranks starting it together."""
+    """The seconds of `call()`, the two ranks starting it together: the fastest of `repeats`,
+    the call the machine's other work disturbed least (the issue's "on a quiet machine"; the
+    link's charge is a floor no call goes under, checked below)."""
     import torch.distributed as dist
 
     times = []
@@ -119,7 +121,7 @@ def _timed(call, repeats: int = 5) -> float:
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
 def _costs(mesh) -> dict:
