@@ -3,12 +3,13 @@
 Two levels:
   * in this process, on the `tiny` preset: the activations autograd saves in one forward pass,
     and the model states of one real Adam step, against the planner's formulas;
-  * a real 4-rank run of `hplab/train.py --nproc 4` at every ZeRO stage, against the planner's
-    per-kind model-state bytes and per-microbatch activation bytes. It skips itself until train.py
-    exists and accepts the ZeRO stage, and then checks automatically;
+  * a real 4-rank run of train.py (its parse_args and run(), what each rank of `train.py
+    --nproc 4` runs) at every ZeRO stage, against the planner's per-kind model-state bytes and
+    per-microbatch activation bytes;
   * one short 2-rank run each of context parallel (--cp 2: activations, weights, the ring's
-    bytes) and expert parallel (--moe-experts 4 --ep 2 --dp 2: weights, all-to-all bytes,
-    activations), and a mixture of experts' activations in this process.
+    bytes), expert parallel (--moe-experts 4 --ep 2 --dp 2: weights, all-to-all bytes,
+    activations) and ZeRO-3 offload, and a mixture of experts' activations in this process.
+The runs share two launches (4 and 2 ranks) instead of a fresh launcher each.
 
 Tolerances: model states must agree up to padding (a flat ZeRO shard is padded to a multiple
 of dp; allowed: one element per parameter tensor per kind). Activations within 2 % in-process
@@ -19,9 +20,6 @@ here). Bytes sent agree exactly: the ledger counts payload, as the formulas do.
 """
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -98,43 +96,46 @@ def test_offloaded_bytes_are_a_subset_counted_by_kind():
     }
 
 
-# --- a real run of hplab/train.py ------------------------------------------------------------
+# --- real runs of hplab/train.py: its own run(), in two launches ----------------------------
 
-TRAIN = ROOT / "hplab" / "train.py"
-
-
-def _run_train(zero: int, tmp_path: Path, *flags: str, nproc: int = 4) -> dict:
-    metrics = tmp_path / f"zero{zero}.json"
-    cmd = [
-        sys.executable,
-        "hplab/train.py",
-        "--nproc",
-        str(nproc),
-        "--zero",
-        str(zero),
-        "--model",
-        "tiny",
-        "--steps",
-        "1",
-        "--metrics",
-        str(metrics),
-        *(flags or ("--dp", "4")),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if run.returncode != 0:
-        if "not available yet" in run.stdout + run.stderr:
-            pytest.skip(f"train.py does not offer --zero {zero} yet")
-        raise AssertionError(
-            f"train.py failed (zero={zero} {' '.join(flags)}):\n{run.stderr[-3000:]}"
-        )
-    return json.loads(metrics.read_text())
+COMMON = ["--model", "tiny", "--steps", "1", "--no-progress"]
+RUNS = {  # world size: {name: train.py's flags}
+    4: {f"zero{z}": ["--zero", str(z), "--dp", "4"] for z in range(4)},
+    2: {
+        "zero3 offload": ["--zero", "3", "--dp", "2", "--precision", "bf16", "--offload"],
+        "cp2": ["--cp", "2", "--batch-size", "2"],
+        "ep2": "--moe-experts 4 --moe-top-k 2 --ep 2 --dp 2 --batch-size 2".split(),
+    },
+}
 
 
-@pytest.mark.skipif(not TRAIN.exists(), reason="hplab/train.py does not exist yet")
+def _train_runs() -> dict:
+    """Each of RUNS[world] through train.py's parse_args and run() (what `train.py --nproc N`
+    runs on each rank), one after another in this launch; rank 0 returns their metrics as the
+    metrics file holds them."""
+    import torch.distributed as dist
+
+    from hplab import train
+
+    out = {}
+    for name, flags in RUNS[dist.get_world_size()].items():
+        out[name] = json.loads(json.dumps(train.run(train.parse_args(COMMON + flags))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    from hplab.launch import run_distributed
+
+    return {
+        **run_distributed(_train_runs, 4, timeout_s=600)[0],
+        **run_distributed(_train_runs, 2, timeout_s=600)[0],
+    }
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_planner_matches_a_real_run(zero, tmp_path):
-    metrics = _run_train(zero, tmp_path)
+def test_planner_matches_a_real_run(zero, runs):
+    metrics = runs[f"zero{zero}"]
     cfg = metrics["config"]
     model = P.model_presets()["tiny"]
     over = {
@@ -181,11 +182,11 @@ def test_planner_matches_a_real_run(zero, tmp_path):
             assert abs(err) <= RUN_ACTIVATION_TOLERANCE, rank
 
 
-def test_offload_keeps_zero3s_shards_grads_and_adam_state_on_the_host(tmp_path):
+def test_offload_keeps_zero3s_shards_grads_and_adam_state_on_the_host(runs):
     """`--zero 3 --offload` (FSDP2's CPU offload): the fp32 shards (the masters under bf16),
     their gradients and Adam's state live in host memory, measured by kind; nothing of the
     model states stays on the device between steps."""
-    metrics = _run_train(3, tmp_path, "--dp", "2", "--precision", "bf16", "--offload", nproc=2)
+    metrics = runs["zero3 offload"]
     shard = _tiny().num_params() // 2  # (tiny's sizes split evenly: no padding)
     for entry in metrics["memory"]:
         host = entry["offloaded_bytes"]
@@ -196,11 +197,11 @@ def test_offload_keeps_zero3s_shards_grads_and_adam_state_on_the_host(tmp_path):
 # --- context parallel and experts (issue 12): one short run each --------------------------------
 
 
-def test_planner_matches_a_context_parallel_run(tmp_path):
+def test_planner_matches_a_context_parallel_run(runs):
     """2 ranks share each sequence (ring attention, zig-zag): each holds half the tokens'
     activations and all the weights; the ring's sends are the planner's bytes, exactly (the
     ledger counts payload), and the gradient all-reduce over cp moves what each rank steps."""
-    metrics = _run_train(0, tmp_path, "--cp", "2", "--batch-size", "2", nproc=2)
+    metrics = runs["cp2"]
     lay = P.Layout(cp=2, batch_size=2, precision=metrics["config"]["precision"])
     planned = P.plan(_tiny(), lay)
     for rank, (memory, comm) in enumerate(zip(metrics["memory"], metrics["comm_by_group"])):
@@ -217,26 +218,12 @@ def test_planner_matches_a_context_parallel_run(tmp_path):
         assert comm["cp"]["all_reduce"]["bytes"] == planned["grads_bytes"], rank
 
 
-def test_planner_matches_an_expert_parallel_run(tmp_path):
+def test_planner_matches_an_expert_parallel_run(runs):
     """4 experts, top-2, over ep=2 of dp=2 ranks: each rank holds the dense weights and 2 of the
     experts of each layer, exactly the planner's bytes. A rank's all-to-all bytes depend on where
     the router sent the tokens, but every slot one rank sends, another receives: their mean over
     the ep group is the planner's balanced number, exactly. Activations: within 5 % per rank."""
-    metrics = _run_train(
-        0,
-        tmp_path,
-        "--moe-experts",
-        "4",
-        "--moe-top-k",
-        "2",
-        "--ep",
-        "2",
-        "--dp",
-        "2",
-        "--batch-size",
-        "2",
-        nproc=2,
-    )
+    metrics = runs["ep2"]
     model = replace(_tiny(), n_experts=4, moe_top_k=2)
     lay = P.Layout(dp=2, ep=2, batch_size=2, precision=metrics["config"]["precision"])
     planned = P.plan(model, lay)
