@@ -243,18 +243,21 @@ def check_batch(layout: Layout) -> None:
         )
 
 
-def check_tensor_parallel(n_head: int, n_embd: int, tp: int, seq_len: int | None = None):
+def check_tensor_parallel(
+    n_head: int, n_embd: int, tp: int, seq_len: int | None = None, cp: int = 1
+):
     """Whole attention heads and hidden columns per rank; with sequence parallel (`seq_len`
-    given), whole tokens per rank."""
+    given), whole tokens per rank: of each context-parallel rank's seq_len/cp."""
     ranks, use = f"{tp} tensor-parallel ranks", "use a tensor-parallel size that divides"
     if n_head % tp:
         raise LayoutError(f"{n_head} attention heads do not split over {ranks}: {use} {n_head}")
     if n_embd % tp:
         raise LayoutError(f"a hidden size of {n_embd} does not split over {ranks}: {use} {n_embd}")
-    if seq_len and seq_len % tp:
+    if seq_len and seq_len % (tp * cp):
+        cp_text = (f" × {cp} context-parallel", f"{tp * cp} (tp × cp)") if cp > 1 else ("", tp)
         raise LayoutError(
-            f"sequence parallel cuts the {seq_len}-token sequence over {ranks}: "
-            f"make the sequence length a multiple of {tp}"
+            f"sequence parallel cuts the {seq_len}-token sequence over {ranks}{cp_text[0]}: "
+            f"make the sequence length a multiple of {cp_text[1]}"
         )
 
 
@@ -400,11 +403,6 @@ REFUSALS = [
         "ZeRO shards over the whole dp group, whose ranks hold different experts under expert "
         "parallel",
     ),
-    (
-        lambda c, E: c.cp > 1 and c.sequence_parallel,
-        ("cp", "sequence_parallel"),
-        "context parallel already splits the sequence: use it without sequence parallel",
-    ),
 ]
 
 
@@ -421,7 +419,7 @@ def validate(layout: Layout, model: ModelConfig, world_size: int | None = None, 
     check_experts(model.n_experts, layout.ep, layout.dp)
     if layout.tp > 1:
         seq_len = model.n_positions if layout.sequence_parallel else None
-        check_tensor_parallel(model.n_head, model.n_embd, layout.tp, seq_len)
+        check_tensor_parallel(model.n_head, model.n_embd, layout.tp, seq_len, layout.cp)
     if layout.cp > 1:  # (Ulysses shares each tensor-parallel rank's heads)
         heads, c = model.n_head // layout.tp, layout
         check_context_parallel(model.n_positions, heads, c.cp, c.cp_style, c.cp_split)

@@ -86,8 +86,9 @@ LAYOUTS = {
         "cp4 ring zigzag": dict(cp=4),
         "cp4 ring contiguous": dict(cp=4, cp_split="contiguous"),
         "cp4 ulysses": dict(cp=4, cp_style="ulysses"),
-        "cp2 tp2": dict(cp=2, tp=2),
+        "cp2 tp2 sp": dict(cp=2, tp=2, sequence_parallel=True),
         "cp2 tp2 ulysses": dict(cp=2, tp=2, cp_style="ulysses"),
+        "cp2 tp2 ulysses sp": dict(cp=2, tp=2, cp_style="ulysses", sequence_parallel=True),
         "cp2 dp2 zero2": dict(cp=2, dp=2, zero=2),
         "cp2 dp2": dict(cp=2, dp=2),
         "cp2 dp2 zero3": dict(cp=2, dp=2, zero=3),
@@ -350,9 +351,10 @@ def test_the_mesh_puts_cp_between_tp_and_dp():
             "(of each tensor-parallel rank: 1) over 2 context",
         ),
         (["--nproc", "4", "--cp", "3"], "cannot be split into tp=1 × pp=1 × cp=3"),
-        (
-            ["--nproc", "4", "--cp", "2", "--tp", "2", "--sequence-parallel"],
-            "--cp 2 --sequence-parallel: not supported: context parallel already splits",
+        (  # sequence parallel splits each cp rank's 6 tokens over 4 tp ranks: not whole
+            "--nproc 8 --cp 2 --tp 4 --sequence-parallel --seq-len 12".split(),
+            "over 4 tensor-parallel ranks × 2 context-parallel: make the sequence length a "
+            "multiple of 8 (tp × cp)",
         ),
     ],
 )

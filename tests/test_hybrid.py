@@ -449,11 +449,6 @@ def test_saved_directory_is_a_hugging_face_model(world4, ref, saved_dir):
     [
         (dict(pp=2, zero=3), "ZeRO-3 with a pipeline", "--zero 3 --pp 2"),
         (
-            dict(tp=2, cp=2, sequence_parallel=True),
-            "context parallel already splits the sequence",
-            "--cp 2 --sequence-parallel",
-        ),
-        (
             dict(cp=2, recompute="selective"),
             "would send the ring's K/V",
             "--recompute selective --cp 2",
