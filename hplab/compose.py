@@ -120,7 +120,7 @@ def parallelize(
         )
         tied_comm = pp.tied_embedding_group(mesh)
     gpt.recompute = layout.recompute  # none, selective or full: a mode the blocks read
-    moe.parallelize(gpt, mesh.ep, mesh.dp)  # experts: this rank's E/ep (ep groups within dp)
+    moe.parallelize(gpt, mesh.ep, mesh.dp, mesh.cp)  # experts: this rank's E/ep (within dp)
     owned = nn.ModuleList(stages) if stages else gpt  # what this rank holds and steps
     wrapped = data_parallel(gpt, owned, mesh, layout, precision)
     optimizer = make_sharded_optimizer(owned, stages, mesh, layout, optim, precision)

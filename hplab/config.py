@@ -388,14 +388,11 @@ REFUSALS = [
     ),
     (
         lambda c, E: (
-            E
-            and (c.pp > 1 or c.cp > 1 or c.zero == 3 or c.sequence_parallel)
-            or E
-            and c.recompute == "full"
+            E and (c.pp > 1 or c.zero == 3 or c.sequence_parallel) or E and c.recompute == "full"
         ),
-        ("pp", "cp", "zero", "recompute", "sequence_parallel"),
-        "experts run with data, expert and tensor parallel, ZeRO-1/2 and selective recompute "
-        "only (no pipeline, context or sequence parallel, ZeRO-3 or full recompute)",
+        ("pp", "zero", "recompute", "sequence_parallel"),
+        "experts run with data, expert, tensor and context parallel, ZeRO-1/2 and selective "
+        "recompute only (no pipeline, sequence parallel, ZeRO-3 or full recompute)",
     ),
     (
         lambda c, E: c.ep > 1 and c.zero > 0,

@@ -15,10 +15,11 @@ routed to expert e (counted, no gradient) and P_e the mean probability the route
 
     balance = E · Σ_e f_e · P_e            (1 when perfectly balanced)
 
-Here f_e is counted over the whole data-parallel batch (one all-reduce of E numbers, as
-Megatron's "global" aux loss), so the loss does not depend on how the batch is split over
-ranks. The optional router z-loss (ST-MoE), mean over tokens of logsumexp(router logits)²,
-keeps the logits small. `aux_loss` holds aux_coef · balance + z_coef · z; the model adds it.
+Here f_e is counted over the whole batch (one all-reduce of E numbers over dp, and over cp
+when context parallel splits each sequence, as Megatron's "global" aux loss), so the loss does
+not depend on how the batch is split over ranks. The optional router z-loss (ST-MoE), mean
+over tokens of logsumexp(router logits)², keeps the logits small. `aux_loss` holds
+aux_coef · balance + z_coef · z; the model adds it.
 
 **Dropless, or a capacity.** By default every token reaches its k experts. With a capacity
 factor cf, each expert takes at most capacity = ceil(cf · T · k / E) of a rank's T·k
@@ -73,7 +74,7 @@ class MoE(nn.Module):
         for p in self.experts.parameters():
             p.hplab_expert = True  # replicated over the expert-data-parallel group only
         self.ep = None  # the expert-parallel Communicator (None: every expert is here)
-        self.dp = None  # where f_e is counted (None: this process's tokens are the batch)
+        self.counted_over = []  # the groups f_e is summed over (none: these tokens are the batch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]
@@ -112,8 +113,8 @@ class MoE(nn.Module):
     def auxiliary_loss(self, logits, probs, routed, T: int) -> torch.Tensor:
         """aux_coef · E · Σ_e f_e · P_e  +  z_coef · mean(logsumexp(logits)²)."""
         counts = torch.cat([routed.to(probs.dtype), probs.new_tensor([T])]).detach()
-        if self.dp is not None:  # f_e over the whole data-parallel batch
-            self.dp.all_reduce(counts)
+        for group in self.counted_over:  # f_e over the whole batch
+            group.all_reduce(counts)
         f = counts[:-1] / (counts[-1] * self.top_k)
         balance = self.n_experts * (f * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
@@ -150,12 +151,13 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def parallelize(model: nn.Module, ep=None, dp=None) -> None:
+def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> None:
     """Expert parallel over the Communicator `ep` (None or one rank: all experts here): each MoE
-    layer keeps its E/ep experts and frees the others; `dp` is where the balance loss counts
-    tokens (the whole data-parallel group, of which ep is a part)."""
+    layer keeps its E/ep experts and frees the others; the balance loss counts tokens over `dp`
+    (the whole data-parallel group, of which ep is a part) and `cp` (the ranks that share each
+    sequence)."""
     for layer in moe_layers(model):
-        layer.dp = dp if dp is not None and dp.size > 1 else None
+        layer.counted_over = [g for g in (dp, cp) if g is not None and g.size > 1]
         if ep is None or ep.size == 1:
             continue
         check_experts(layer.n_experts, ep.size, dp.size if dp else ep.size)

@@ -171,6 +171,7 @@ TRAIN_RUNS = {
     4: {
         "dp4 ep4, saved at step 2": ["--dp", "4", "--ep", "4", "--steps", "2", "--save", "{saved}"],
         "dp4 ep2": ["--dp", "4", "--ep", "2"],
+        "dp2 cp2 ep2": ["--dp", "2", "--cp", "2", "--ep", "2"],
         "dp2 tp2 ep2 selective": [
             "--dp",
             "2",
@@ -257,6 +258,7 @@ def test_train_expert_parallel_and_resharded_resume_equal_one_process(runs):
     for name, run, steps in (
         ("dp4 ep4, saved at step 2", four, slice(0, 2)),
         ("dp4 ep2", four, slice(0, 3)),
+        ("dp2 cp2 ep2", four, slice(0, 3)),
         ("dp2 tp2 ep2 selective", four, slice(0, 3)),
         ("dp4 ep2 resumed", four, slice(2, 3)),
         ("one process resumed", one, slice(2, 3)),
@@ -305,10 +307,10 @@ def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
         ("--moe-experts 4 --ep 2 --zero 1", "ZeRO shards over the whole dp group"),
         (
             "--moe-experts 4 --pp 2",
-            "experts run with data, expert and tensor parallel, ZeRO-1/2 and selective",
+            "experts run with data, expert, tensor and context parallel, ZeRO-1/2 and selective",
         ),
         ("--moe-experts 4 --recompute", "ZeRO-3 or full recompute)"),
-        ("--moe-experts 4 --cp 2", "(no pipeline, context or sequence parallel, ZeRO-3 or"),
+        ("--moe-experts 4 --dp 4 --zero 3", "(no pipeline, sequence parallel, ZeRO-3 or"),
         (
             "--moe-experts 4 --tp 2 --sequence-parallel",
             "--sequence-parallel: not supported: experts run",
