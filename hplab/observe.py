@@ -284,10 +284,11 @@ class PipelineTrace:
 class RoutingStats:
     """Observes every MoE layer of `model` from outside (a forward hook): in `per_step`, per
     training step (`with stats.step():`) and layer, the token-slots each expert took, the slots
-    dropped, and the auxiliary loss (mean over the step's microbatches). Evaluation: uncounted."""
+    dropped, and the auxiliary loss (mean over the step's microbatches). Evaluation and full
+    recompute's second forward: uncounted."""
 
     def __init__(self, model):
-        self.layers, self.per_step, self.now = moe.moe_layers(model), [], None
+        self.model, self.layers, self.per_step, self.now = model, moe.moe_layers(model), [], None
         for index, layer in enumerate(self.layers):
             layer.register_forward_hook(functools.partial(self._record, index))
 
@@ -309,7 +310,7 @@ class RoutingStats:
             self.per_step.append(step)
 
     def _record(self, index: int, layer, args, output) -> None:
-        if self.now is None:
+        if self.now is None or getattr(self.model, "recomputing", False):  # (counted once)
             return
         routing, now = layer.routing, self.now
         now["tokens_per_expert"][index] = [

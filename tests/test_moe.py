@@ -171,7 +171,7 @@ TRAIN_RUNS = {
     4: {
         "dp4 ep4, saved at step 2": ["--dp", "4", "--ep", "4", "--steps", "2", "--save", "{saved}"],
         "dp4 ep2": ["--dp", "4", "--ep", "2"],
-        "dp2 cp2 ep2": ["--dp", "2", "--cp", "2", "--ep", "2"],
+        "dp2 cp2 ep2 recompute": ["--dp", "2", "--cp", "2", "--ep", "2", "--recompute", "full"],
         "dp2 tp2 ep2 selective": [
             "--dp",
             "2",
@@ -258,7 +258,7 @@ def test_train_expert_parallel_and_resharded_resume_equal_one_process(runs):
     for name, run, steps in (
         ("dp4 ep4, saved at step 2", four, slice(0, 2)),
         ("dp4 ep2", four, slice(0, 3)),
-        ("dp2 cp2 ep2", four, slice(0, 3)),
+        ("dp2 cp2 ep2 recompute", four, slice(0, 3)),
         ("dp2 tp2 ep2 selective", four, slice(0, 3)),
         ("dp4 ep2 resumed", four, slice(2, 3)),
         ("one process resumed", one, slice(2, 3)),
@@ -271,11 +271,13 @@ def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
     metrics, seq = runs[0][0]["dp4 ep2"], 64
     experts = metrics["experts"]
     assert experts["n_experts"] == E and experts["ep"] == 2
+    recomputed = runs[0][0]["dp2 cp2 ep2 recompute"]["experts"]  # its forward counted once
     for step in range(3):
         for layer in range(2):
-            sent = [experts["tokens_per_expert"][r][step][layer] for r in range(4)]
-            assert sum(map(sum, sent)) == 8 * seq * 2  # dropless: every token reaches 2 experts
-            assert all(experts["dropped"][r][step][layer] == 0 for r in range(4))
+            for counted in (experts, recomputed):
+                sent = [counted["tokens_per_expert"][r][step][layer] for r in range(4)]
+                assert sum(map(sum, sent)) == 8 * seq * 2  # dropless: each token, 2 experts
+                assert all(counted["dropped"][r][step][layer] == 0 for r in range(4))
     for rank in range(4):  # ep groups {0, 1} and {2, 3}; rank r holds experts 2·(r % 2) + {0, 1}
         group, mine = (
             range(rank - rank % 2, rank - rank % 2 + 2),
@@ -307,10 +309,9 @@ def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
         ("--moe-experts 4 --ep 2 --zero 1", "ZeRO shards over the whole dp group"),
         (
             "--moe-experts 4 --pp 2",
-            "experts run with data, expert, tensor and context parallel, ZeRO-1/2 and selective",
+            "experts run with data, expert, tensor and context parallel, ZeRO-1/2 and recompute",
         ),
-        ("--moe-experts 4 --recompute", "ZeRO-3 or full recompute)"),
-        ("--moe-experts 4 --dp 4 --zero 3", "(no pipeline, sequence parallel, ZeRO-3 or"),
+        ("--moe-experts 4 --dp 4 --zero 3", "(no pipeline, sequence parallel or ZeRO-3)"),
         (
             "--moe-experts 4 --tp 2 --sequence-parallel",
             "--sequence-parallel: not supported: experts run",

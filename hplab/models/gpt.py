@@ -16,6 +16,7 @@ block: Hugging Face's `Conv1D` weight is `[in, out]`, an `nn.Linear`'s `[out, in
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 
@@ -154,7 +155,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, two uses
         self.loss_fn = cross_entropy  # tensor parallel swaps in a vocab-parallel version
-        self.recompute = "none"
+        self.recompute, self.recomputing = "none", False
         self.position_ids = torch.arange  # context parallel: the true positions of its tokens
         self.reset_parameters()
 
@@ -196,8 +197,21 @@ class GPT(nn.Module):
 
     def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(block, x, use_reentrant=False)
+            return checkpoint(block, x, use_reentrant=False, context_fn=self._recompute_contexts)
         return block(x)
+
+    def _recompute_contexts(self):
+        """Around a block's forward, and around its second run in backward: `recomputing` is
+        True during the second, so observers (hplab.observe) count each forward once."""
+        return contextlib.nullcontext(), self._recomputing()
+
+    @contextlib.contextmanager
+    def _recomputing(self):
+        self.recomputing = True
+        try:
+            yield
+        finally:
+            self.recomputing = False
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.transformer.ln_f(x))
