@@ -130,6 +130,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Recomputing:
+    """`model.recomputing` is True inside (re-entered when a split backward recomputes twice)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        self.model.recomputing = True
+
+    def __exit__(self, *exc):
+        self.model.recomputing = False
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean cross-entropy over every token: logits [B, T, V], targets [B, T]."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -201,17 +214,9 @@ class GPT(nn.Module):
         return block(x)
 
     def _recompute_contexts(self):
-        """Around a block's forward, and around its second run in backward: `recomputing` is
-        True during the second, so observers (hplab.observe) count each forward once."""
-        return contextlib.nullcontext(), self._recomputing()
-
-    @contextlib.contextmanager
-    def _recomputing(self):
-        self.recomputing = True
-        try:
-            yield
-        finally:
-            self.recomputing = False
+        """Around a block's forward, and around each later run of it in backward: `recomputing`
+        is True during those, so observers (hplab.observe) count each forward once."""
+        return contextlib.nullcontext(), Recomputing(self)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.transformer.ln_f(x))
@@ -221,8 +226,14 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = self.run_block(block, x)
         logits = self.head(x)
-        aux = sum(b.mlp.aux_loss for b in self.transformer.h if isinstance(b.mlp, MoE))
+        aux = self.aux_loss(self.transformer.h)
         return logits, None if targets is None else self.loss_fn(logits, targets) + aux
+
+    @staticmethod
+    def aux_loss(blocks) -> torch.Tensor | float:
+        """The auxiliary losses of these blocks' last forward (a mixture of experts' balance and
+        z-loss, `hplab.moe`), summed; 0 for dense blocks."""
+        return sum(b.mlp.aux_loss for b in blocks if isinstance(b.mlp, MoE))
 
 
 def build_model(config: GPTConfig, seed: int = 0) -> GPT:
