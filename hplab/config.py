@@ -387,10 +387,10 @@ REFUSALS = [
         "--recompute full or none",
     ),
     (
-        lambda c, E: E and (c.pp > 1 or c.zero == 3 or c.sequence_parallel),
-        ("pp", "zero", "sequence_parallel"),
-        "experts run with data, expert, tensor and context parallel, ZeRO-1/2 and recompute "
-        "only (no pipeline, sequence parallel or ZeRO-3)",
+        lambda c, E: E and (c.zero == 3 or c.sequence_parallel),
+        ("zero", "sequence_parallel"),
+        "experts run with data, expert, tensor and context parallel, pipelines, ZeRO-1/2 and "
+        "recompute only (no sequence parallel or ZeRO-3)",
     ),
     (
         lambda c, E: c.ep > 1 and c.zero > 0,

@@ -87,6 +87,27 @@ class Stage(nn.Module):
             x = self.gpt.run_block(block, x)
         return self.gpt.head(x) if self.is_last else x
 
+    def aux_loss(self):
+        """This chunk's auxiliary losses of its last forward (experts' balance; 0 if dense)."""
+        return self.gpt.aux_loss(self.blocks)
+
+
+class AuxLossRidesAlong(torch.autograd.Function):
+    """The activation, unchanged; in backward, the chunk's auxiliary loss gets the gradient
+    `weight` (its microbatch's weight in the step's loss). The loss is computed on the last
+    stage, so a mixture of experts on another stage learns to balance through the activation
+    it sends (Megatron-LM's MoEAuxLossAutoScaler does the same)."""
+
+    @staticmethod
+    def forward(ctx, activation, aux_loss, weight: float):
+        ctx.aux, ctx.weight = (aux_loss.shape, aux_loss.dtype, aux_loss.device), weight
+        return activation.view_as(activation)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.aux
+        return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
+
 
 def build_stages(gpt, rank: int, p: int, virtual_stages: int = 1) -> list[Stage]:
     """The chunks this pipeline rank runs, in chunk order."""
@@ -302,7 +323,8 @@ class PipelineExecutor:
         return stack
 
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[float]:
-        """One step: the losses of the microbatches whose last chunk is here (else empty).
+        """One step: the losses of the microbatches whose last chunk is here, and the auxiliary
+        losses of the experts' chunks here (their sum over the pipeline is the step's loss).
         Gradients are left accumulated in `.grad` for the caller to sync and step."""
         step = _Step(inputs, targets)
         with self.observed("run", None):
@@ -335,7 +357,10 @@ class PipelineExecutor:
     def forward(self, a: Action, step: _Step, message) -> None:
         stage, mb = self.stages[a.chunk], a.microbatch
         x = step.inputs[mb] if stage.is_first else message.requires_grad_()
-        out = stage(x)
+        out, aux = stage(x), stage.aux_loss()
+        if torch.is_tensor(aux):  # experts: counted in the step's loss, trained through `out`
+            step.losses.append(aux.detach())
+            out = AuxLossRidesAlong.apply(out, aux, self.loss_scale / len(step.inputs))
         if stage.is_last:
             loss = stage.gpt.loss_fn(out, step.targets[mb])  # vocab-parallel under TP
             step.losses.append(loss.detach())
@@ -380,7 +405,8 @@ class PipelineExecutor:
     @torch.no_grad()
     def forward_only(self, microbatches: list) -> list[float]:
         """Evaluation: each (x, y) microbatch through every chunk in order, a blocking message per
-        hop; nothing kept, traced or counted. The losses, on the last chunk's rank (else [])."""
+        hop; nothing kept, traced or counted. The losses, on the last chunk's rank, and each
+        chunk's auxiliary loss where it ran (experts; 0 for dense): the pipeline's sum."""
         p, me, losses = self.comm.size, self.comm.rank, []
         last = p * len(self.stages) - 1  # (every rank holds as many chunks)
         for x, y in microbatches:
@@ -392,6 +418,7 @@ class PipelineExecutor:
                     self.links[chunk_owner(c - 1, p), me].recv(x, 0)
                 if c in self.stages:
                     x = self.stages[c](x)
+                    losses.append(float(self.stages[c].aux_loss()))  # (experts; else 0)
             if last in self.stages:  # x: the logits
                 losses.append(float(self.stages[last].gpt.loss_fn(x, y)))
         return losses

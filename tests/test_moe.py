@@ -171,6 +171,8 @@ TRAIN_RUNS = {
     4: {
         "dp4 ep4, saved at step 2": ["--dp", "4", "--ep", "4", "--steps", "2", "--save", "{saved}"],
         "dp4 ep2": ["--dp", "4", "--ep", "2"],
+        "dp2 ep2 pp2 zb-h1": "--dp 2 --ep 2 --pp 2 --schedule zb-h1 --microbatches 1".split(),
+        "tp2 pp2 1f1b, 2 microbatches": "--tp 2 --pp 2 --microbatches 2".split(),
         "dp2 cp2 ep2 recompute": ["--dp", "2", "--cp", "2", "--ep", "2", "--recompute", "full"],
         "dp2 tp2 ep2 selective": [
             "--dp",
@@ -184,7 +186,11 @@ TRAIN_RUNS = {
         ],
         "dp4 ep2 resumed": ["--dp", "4", "--ep", "2", "--resume", "{saved}"],
     },
-    1: {"one process": [], "one process resumed": ["--resume", "{saved}"]},
+    1: {
+        "one process": [],
+        "one process resumed": ["--resume", "{saved}"],
+        "one process, 2 microbatches": ["--microbatches", "2"],
+    },
 }
 
 
@@ -267,6 +273,22 @@ def test_train_expert_parallel_and_resharded_resume_equal_one_process(runs):
         assert run[f"{name}: gradient norms"] == pytest.approx(norms[steps], rel=1e-5), name
 
 
+def test_train_experts_in_a_pipeline_equal_one_process(runs):
+    """Each stage's experts learn to balance through the activation it sends
+    (`pp.AuxLossRidesAlong`), and the step's loss sums every stage's auxiliary loss. The
+    balance loss is counted per microbatch over the dp group (as Megatron's), so a reference
+    must see the same tokens in each microbatch: dp2 ep2 pp2 runs one microbatch (the whole
+    batch, as one process), tp2 pp2 two (the halves one process with 2 microbatches sees)."""
+    one, four = runs[1], runs[0][0]
+    for run, reference in (
+        ("dp2 ep2 pp2 zb-h1", "one process"),
+        ("tp2 pp2 1f1b, 2 microbatches", "one process, 2 microbatches"),
+    ):
+        assert losses(four[run]) == pytest.approx(losses(one[reference]), rel=1e-5, abs=0), run
+        norms = four[f"{run}: gradient norms"]
+        assert norms == pytest.approx(one[f"{reference}: gradient norms"], rel=1e-5), run
+
+
 def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
     metrics, seq = runs[0][0]["dp4 ep2"], 64
     experts = metrics["experts"]
@@ -308,10 +330,10 @@ def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
         ("--moe-experts 4 --moe-capacity-factor 0", "--moe-capacity-factor: must be a positive"),
         ("--moe-experts 4 --ep 2 --zero 1", "ZeRO shards over the whole dp group"),
         (
-            "--moe-experts 4 --pp 2",
-            "experts run with data, expert, tensor and context parallel, ZeRO-1/2 and recompute",
+            "--moe-experts 4 --dp 4 --zero 3",
+            "experts run with data, expert, tensor and context parallel, pipelines, ZeRO-1/2",
         ),
-        ("--moe-experts 4 --dp 4 --zero 3", "(no pipeline, sequence parallel or ZeRO-3)"),
+        ("--moe-experts 4 --tp 2 --dp 2 --zero 3", "(no sequence parallel or ZeRO-3)"),
         (
             "--moe-experts 4 --tp 2 --sequence-parallel",
             "--sequence-parallel: not supported: experts run",
