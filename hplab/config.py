@@ -355,7 +355,9 @@ REFUSALS = [
         lambda c, E: c.zero == 3 and c.pp > 1,
         ("zero", "pp"),
         "ZeRO-3 with a pipeline would gather every layer again for every microbatch's forward "
-        "and backward (DeepSpeed and Colossal-AI refuse it too); use ZeRO-1 or 2",
+        "and backward, or, kept gathered across the step's microbatches as torchtitan keeps "
+        "them, hold its whole stage like ZeRO-1/2 for most of the step (DeepSpeed and "
+        "Colossal-AI refuse it); use ZeRO-1 or 2",
     ),
     (
         lambda c, E: c.sequence_parallel and c.tp == 1,
