@@ -389,10 +389,10 @@ REFUSALS = [
         "--recompute full or none",
     ),
     (
-        lambda c, E: E and (c.zero == 3 or c.sequence_parallel),
-        ("zero", "sequence_parallel"),
-        "experts run with data, expert, tensor and context parallel, pipelines, ZeRO-1/2 and "
-        "recompute only (no sequence parallel or ZeRO-3)",
+        lambda c, E: E and c.zero == 3,
+        ("zero",),
+        "experts run with every dimension but ZeRO-3 (its per-layer gathers would gather every "
+        "expert on every rank): use ZeRO-1 or 2",
     ),
     (
         lambda c, E: c.ep > 1 and c.zero > 0,

@@ -158,6 +158,24 @@ class ReduceScatterSequence(torch.autograd.Function):
         return _all_gather(grad, ctx.comm), None
 
 
+class ReplicatedSequence(torch.autograd.Function):
+    """Around a computation every rank repeats on all s tokens: `gather` joins the ranks' s/T
+    tokens, else this rank keeps its s/T; backward does the other (its gradient is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, gather: bool):
+        ctx.comm, ctx.gather = comm, gather
+        return _all_gather(x, comm) if gather else _split(x, comm, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (
+            (_split(grad, ctx.comm, 1) if ctx.gather else _all_gather(grad, ctx.comm)),
+            None,
+            None,
+        )
+
+
 class LinearWithSequenceGather(torch.autograd.Function):
     """`GatherSequence` then a linear layer, saving only this rank's s/T tokens: autograd would
     keep the *gathered* input (all s tokens) for the weight gradient, undoing sequence parallel's
@@ -377,9 +395,25 @@ GPT_PLAN = {  # hplab's GPT (hplab/models/gpt.py); the order matters: wte before
     "transformer.h.*.attn": divide("n_head"),  # this rank's heads
     "": vocab_parallel_loss,
 }
-MOE_GPT_PLAN = {  # with a mixture of experts (hplab/moe.py) each expert's MLP is cut the same way
-    pattern.replace(".mlp.", ".mlp.experts.*."): style for pattern, style in GPT_PLAN.items()
-}
+
+
+def experts_see_every_token(moe, comm, sequence_parallel=False):
+    """Under sequence parallel a mixture of experts routes all s tokens on every rank (gathered
+    first; this rank keeps its s/T of the output): its gradients are whole, `tp_every_token`."""
+    if sequence_parallel:
+        moe.register_forward_pre_hook(lambda _, a: (ReplicatedSequence.apply(a[0], comm, True),))
+        moe.register_forward_hook(lambda _, a, out: ReplicatedSequence.apply(out, comm, False))
+        for p in moe.parameters():
+            p.tp_every_token = True
+    return moe
+
+
+MOE_GPT_PLAN = dict(  # each expert's MLP cut as the dense one, without sequence parallel inside
+    (p.replace(".mlp.", ".mlp.experts.*."), lambda m, c, _, cut=cut: cut(m, c, False))
+    if ".mlp." in p
+    else (p, cut)
+    for p, cut in GPT_PLAN.items()
+) | {"transformer.h.*.mlp": experts_see_every_token}
 HF_GPT2_PLAN = {  # Hugging Face GPT2LMHeadModel, handed s/T ids under sequence parallel
     "": needs_sdpa,
     "transformer.wte": functools.partial(VocabParallelEmbedding, given_slice=True),
@@ -410,6 +444,7 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
             old = model.get_submodule(name)
             if (new := style(old, comm, sequence_parallel)) is not old:
                 model.set_submodule(name, new)
-    for p in model.parameters():
-        p.sequence_parallel_partial = sequence_parallel and not is_split(p)
+    for p in model.parameters():  # (tp_every_token: a mixture of experts' own, see above)
+        every_token = getattr(p, "tp_every_token", False)
+        p.sequence_parallel_partial = sequence_parallel and not is_split(p) and not every_token
     return model
