@@ -80,14 +80,15 @@ def _start(nproc: int, script: str | Path, args: list[str], output: Path):
     run again in the child, a fresh interpreter). Any other script runs under torchrun."""
     from hplab import launch  # imports torch: only when a job is launched
 
-    command = launch.torchrun_command(nproc, str(script), *args)
-    if (module := _OWN_LAUNCHERS.get(Path(script).name)) is not None:
-        args = ["--nproc", str(nproc), *args]
-        if getattr(sys.modules["__main__"], "__file__", None) is None:  # a notebook, a REPL
-            main = importlib.import_module(module).main
-            job = launch.start_forked(main, args, str(output), _environment(), REPO_DIR)
-            return job.pid, lambda: job.exitcode
-        command = [sys.executable, str(script), *args]
+    if (module := _OWN_LAUNCHERS.get(Path(script).name)) is None:
+        command = launch.torchrun_command(nproc, str(script), *args)
+    elif getattr(sys.modules["__main__"], "__file__", None) is None:  # a notebook, a REPL
+        main = importlib.import_module(module).main
+        argv = ["--nproc", str(nproc), *args]
+        job = launch.start_forked(main, argv, str(output), _environment(), REPO_DIR)
+        return job.pid, lambda: job.exitcode
+    else:
+        command = [sys.executable, str(script), "--nproc", str(nproc), *args]
     with open(output, "ab") as out:
         job = subprocess.Popen(
             command,
