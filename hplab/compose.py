@@ -159,12 +159,15 @@ def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) 
 
 def make_sharded_optimizer(owned, stages, mesh, layout: Layout, optim: OptimConfig, precision):
     """AdamW over this rank's parameters, grouped by where their copies live: as ZeRO-1/2 over
-    dp, over fp32 masters (mixed precision without ZeRO), or plain (ZeRO-3: the fp32 shards)."""
+    dp (experts over their edp replicas), over fp32 masters (mixed precision without ZeRO), or
+    plain (ZeRO-3: the fp32 shards)."""
     ends = [s.wte for s in stages if s.is_first] + [s.lm_head for s in stages if s.is_last]
     tied, is_first = (ends[0].weight if ends else None), any(s.is_first for s in stages)
     groups = parameter_groups(owned.parameters(), tied, is_first or not stages, optim.weight_decay)
     settings = dict(lr=optim.lr, weight_decay=optim.weight_decay, **ADAMW)
     if layout.zero in (1, 2):
+        for group in (g for g in groups if "edp" in g["replicated_over"]):  # the experts':
+            group.update(shard_over=mesh.edp, average_over=mesh.dp_size)  # over their replicas
         return ZeroOptimizer(
             groups,
             torch.optim.AdamW,
@@ -200,14 +203,15 @@ def _all_reduce_grads(grads: list[torch.Tensor], comm, scale: float = 1.0) -> No
 def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None) -> None:
     """Every synchronisation after backward (Megatron's `finalize_model_grads`), in order:
     1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished; under
-       expert parallel (no DDP) dense gradients are averaged over dp, experts' over edp;
+       expert parallel (no DDP) dense gradients are averaged over dp, experts' over edp (under
+       ZeRO-1/2 its optimizer does both, in 3);
     2. sequence parallel: tp-replicated parameters saw s/tp tokens per rank: sum their grads
        (ZeRO-2's, which its hooks have already reduce-scattered, in its shards after 3);
     3. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards;
        context parallel: each rank's loss saw its s/cp tokens: average the grads over cp;
     4. the pipeline's tied embedding: first and last stage sum its gradients (same step)."""
     finish_gradient_sync(model)
-    if mesh.ep_size > 1:
+    if mesh.ep_size > 1 and not isinstance(optimizer, ZeroOptimizer):  # (ZeRO: two groups)
         moe.sync_gradients(list(model.parameters()), mesh.dp, mesh.edp)
     partial = [p for p in model.parameters() if getattr(p, "sequence_parallel_partial", False)]
     sharded = isinstance(optimizer, ZeroOptimizer) and optimizer.stage == 2  # (grads moved)
@@ -236,13 +240,13 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None)
 def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
     """Scale the stepped gradients so the whole model's gradient has L2 norm ≤ max_norm; return
     the norm. Each element counts once: here unless a rank with a lower coordinate holds the
-    same numbers (`replicated_over`; ZeRO and FSDP shards are disjoint over dp)."""
+    same numbers (`replicated_over`; ZeRO and FSDP shards are disjoint over dp or edp)."""
     counted, grads = [], []
     for group in stepped_groups(optimizer):
         for t in (t for t in group["params"] if t.grad is not None):
             grads.append(t.grad)
             families = set(group.get("replicated_over", ("dp", "tp"))) | {"cp"}  # all: cp
-            families -= {"dp"} if getattr(t, "dp_sharded", False) else set()
+            families -= {"dp", "edp"} if getattr(t, "dp_sharded", False) else set()
             if all(getattr(mesh, f"{family}_rank") == 0 for family in families):
                 counted.append(t.grad.float().pow(2).sum())
     # each tensor's sum of squares in fp32, added up in fp64: one host sync, not one per tensor

@@ -394,12 +394,6 @@ REFUSALS = [
         "experts run with every dimension but ZeRO-3 (its per-layer gathers would gather every "
         "expert on every rank): use ZeRO-1 or 2",
     ),
-    (
-        lambda c, E: c.ep > 1 and c.zero > 0,
-        ("ep", "zero"),
-        "ZeRO shards over the whole dp group, whose ranks hold different experts under expert "
-        "parallel",
-    ),
 ]
 
 

@@ -50,6 +50,12 @@ waits for all. Gradient accumulation: stage 1 accumulates in p.grad, stage 2 in 
 
 **Offload** (ZeRO-Offload): masters, their grads and the optimizer state live on the CPU; each
 step copies the gradient shard there and the updated shard back (frees K·Ψ/n device bytes).
+**Two sharding groups** (Megatron's distributed optimizer keeps two buffers): a param group
+may name its own `shard_over` group and `average_over` count. Under expert parallel an expert
+lives only on its expert-data-parallel ranks (dp/ep of them), so its shards are cut over those;
+its gradient already sums the tokens of its whole ep group, so it is divided by dp's size, not
+by its group's. Without these keys a group is sharded over `group` and divided by its size.
+
 Any element-wise `torch.optim` optimizer works (SGD, Adam, AdamW); LAMB or Adafactor, which
 look at whole tensors, would not. A trainable parameter without a gradient steps with a zero
 gradient (as in DDP). Frozen parameters are broadcast and left out. Every rank must run the
@@ -69,6 +75,7 @@ from hplab.memory import optimizer_state_tensors
 from hplab.optim import WrappedOptimizer
 from hplab.sync import claim_gradient_sync
 
+UNSAVED = ("params", "shard_over")  # a state_dict's groups hold no communicator
 DDP_OK = {1: ("hplab.DDP",), 2: ()}  # ZeRO-1 reduces at step(), after DDP's average: right
 
 
@@ -80,8 +87,8 @@ class FlatBucket:
     """Parameters laid end to end in one flat buffer of `padded` elements (a multiple of n),
     cut into n shards of `shard_numel`; this rank owns elements [lo, hi)."""
 
-    def __init__(self, params: list[nn.Parameter], comm: Communicator, offload: bool):
-        self.params, self.comm = params, comm
+    def __init__(self, params: list[nn.Parameter], comm: Communicator, offload: bool, divisor: int):
+        self.params, self.comm, self.divisor = params, comm, divisor
         ends = [0, *itertools.accumulate(p.numel() for p in params)]
         self.slices = [(p, slice(a, b)) for p, a, b in zip(params, ends, ends[1:])]
         self.padded = math.ceil(ends[-1] / comm.size) * comm.size
@@ -101,7 +108,7 @@ class FlatBucket:
             )
         )
         copy_markers(params[0], self.master)
-        self.master.dp_sharded = True  # disjoint over dp: a global norm counts it everywhere
+        self.master.dp_sharded = True  # disjoint over its group: a global norm counts it on all
         self.grad_shard: torch.Tensor | None = None
         self.ready: set = set()  # stage 2: params whose gradient arrived since the last send
         self.reducing: list = []  # (input, output, Pending) of in-flight reduce-scatters
@@ -109,14 +116,14 @@ class FlatBucket:
     @torch.no_grad()
     def start_reduce_scatter(self, free_grads: bool) -> None:
         """Pack the params' gradients (None → zeros) into one padded buffer, pre-divided by n
-        so the sum is the average, and reduce-scatter it asynchronously."""
+        (`divisor`) so the sum is the average, and reduce-scatter it asynchronously."""
         flat = torch.zeros_like(self.flat)
         for p, where in self.slices:
             if p.grad is not None:
                 flat[where].copy_(p.grad.reshape(-1))
                 if free_grads:
                     p.grad = None
-        flat.div_(self.comm.size)
+        flat.div_(self.divisor)
         out = torch.empty(self.shard_numel, dtype=flat.dtype, device=flat.device)
         self.reducing.append((flat, out, self.comm.reduce_scatter(out, flat, async_op=True)))
         self.ready.clear()
@@ -205,7 +212,7 @@ class ShardedState:
                 "state": {i: states[p] for i, p in enumerate(params) if states.get(p)},
                 "param_groups": [
                     {
-                        **{k: v for k, v in g.items() if k != "params"},
+                        **{k: v for k, v in g.items() if k not in UNSAVED},
                         "params": [next(index) for _ in g["params"]],
                     }
                     for g in self.param_groups
@@ -227,15 +234,16 @@ class ShardedState:
         masters are re-read from the params (exact in fp32; rounded for bf16/fp16 params)."""
         params = [p for g in self.param_groups for p in g["params"]]
         for g, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            g.update({k: v for k, v in saved.items() if k != "params"})
+            g.update({k: v for k, v in saved.items() if k not in UNSAVED})
         states = {params[int(i)]: s for i, s in state_dict["state"].items()}
         self.load_full_state({p: p.detach().float() for p in params}, states)
 
 
 class ZeroOptimizer(ShardedState, WrappedOptimizer):
     """ZeRO-1/2: `optimizer_class` steps only this rank's fp32 shard of each bucket. `group`:
-    the dp group (an hplab Communicator, a torch ProcessGroup or None for the world); the rest
-    goes to `optimizer_class`. `self.inner`, that optimizer over the master shards, mirrors
+    the dp group (an hplab Communicator, a torch ProcessGroup or None for the world), which a
+    param group's `shard_over` and `average_over` may replace; the rest goes to
+    `optimizer_class`. `self.inner`, that optimizer over the master shards, mirrors
     `self.param_groups` and takes their hyperparameters before each step (so an LR scheduler
     on this optimizer works)."""
 
@@ -264,16 +272,18 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
         self.comm, self.stage, self.offload = communicator(group, "dp"), stage, offload
         self.frozen, self.buckets, inner_groups = [], [], []
         for g in self.param_groups:
-            self.frozen += [p for p in g["params"] if not p.requires_grad]
+            comm = communicator(g.get("shard_over", self.comm), "dp")
+            divisor = g.get("average_over", comm.size)
+            frozen = [p for p in g["params"] if not p.requires_grad]
+            with torch.no_grad():
+                for p in frozen:  # not stepped, but the replicas must start equal too
+                    comm.broadcast(p.detach(), src=0)
             mine = [
-                FlatBucket(ps, self.comm, offload)
+                FlatBucket(ps, comm, offload, divisor)
                 for ps in bucket_params([p for p in g["params"] if p.requires_grad], bucket_mb)
             ]
-            self.buckets += mine
+            self.frozen, self.buckets = self.frozen + frozen, self.buckets + mine
             inner_groups.append({**g, "params": [b.master for b in mine]})
-        with torch.no_grad():
-            for p in self.frozen:  # not stepped, but the replicas must start equal too
-                self.comm.broadcast(p.detach(), src=0)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.wrap(optimizer_class, inner_groups, **optimizer_kwargs)
         self.callback_queued = False

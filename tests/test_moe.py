@@ -177,10 +177,11 @@ TRAIN_RUNS = {
         "dp2 tp2 ep2 selective sp": (
             "--dp 2 --tp 2 --ep 2 --recompute selective --sequence-parallel".split()
         ),
-        "dp4 ep2 resumed": ["--dp", "4", "--ep", "2", "--resume", "{saved}"],
+        "dp4 ep2 zero1": "--dp 4 --ep 2 --zero 1 --save {saved}-zero1".split(),
+        "dp4 ep2 zero2 resumed": "--dp 4 --ep 2 --zero 2 --bucket-mb 0.01 --resume {saved}".split(),
     },
     1: {
-        "one process": [],
+        "one process": ["--save", "{saved}-one"],
         "one process resumed": ["--resume", "{saved}"],
         "one process, 2 microbatches": ["--microbatches", "2"],
     },
@@ -207,7 +208,7 @@ def _launch(directory: str):
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("moe"))
     four = run_distributed(_launch, 4, directory, timeout_s=300)
-    return four, run_distributed(_launch, 1, directory, timeout_s=300)[0]
+    return four, run_distributed(_launch, 1, directory, timeout_s=300)[0], directory
 
 
 def test_expert_parallel_layer_equals_one_process(runs):
@@ -259,11 +260,35 @@ def test_train_expert_parallel_and_resharded_resume_equal_one_process(runs):
         ("dp4 ep2", four, slice(0, 3)),
         ("dp2 cp2 ep2 recompute", four, slice(0, 3)),
         ("dp2 tp2 ep2 selective sp", four, slice(0, 3)),
-        ("dp4 ep2 resumed", four, slice(2, 3)),
+        ("dp4 ep2 zero1", four, slice(0, 3)),
+        ("dp4 ep2 zero2 resumed", four, slice(2, 3)),
         ("one process resumed", one, slice(2, 3)),
     ):
         assert losses(run[name]) == pytest.approx(reference[steps], rel=1e-5, abs=0), name
         assert run[f"{name}: gradient norms"] == pytest.approx(norms[steps], rel=1e-5), name
+
+
+def test_zero_with_expert_parallel_saves_what_one_process_holds(runs, tmp_path_factory):
+    """ZeRO-1 under ep 2 shards the dense states over dp 4 and each expert's over its 2
+    replicas (Megatron's two buffers); its checkpoint, gathered over edp and then ep, holds
+    every expert's weights and Adam moments as one process holds them after the same 3 steps."""
+    from hplab import checkpoint
+
+    directory = runs[2]
+    zero, one = (checkpoint.load(f"{directory}/saved-{n}") for n in ("zero1", "one"))
+    assert zero["model"].keys() == one["model"].keys()
+    assert sum("experts" in name for name in zero["model"]) == 2 * 4 * 4  # layers × E × 4
+    # as one vector each (tests/test_ddp.py: Adam turns the key bias's rounding-noise gradient
+    # into ±lr steps); v as √v, the gradients' RMS, whose relative error is theirs
+    names = list(one["optimizer"])  # (lm_head.weight is wte's: its state is under wte)
+    for what, pick in (
+        ("weights", lambda saved, n: saved["model"][n]),
+        ("exp_avg", lambda saved, n: saved["optimizer"][n]["exp_avg"]),
+        ("√exp_avg_sq", lambda saved, n: saved["optimizer"][n]["exp_avg_sq"].sqrt()),
+    ):
+        got, want = (torch.cat([pick(s, n).flatten() for n in names]) for s in (zero, one))
+        assert float((got - want).norm()) <= 1e-5 * float(want.norm()), what
+    assert {float(zero["optimizer"][n]["step"]) for n in names} == {3.0}
 
 
 def test_train_experts_in_a_pipeline_equal_one_process(runs):
@@ -321,7 +346,6 @@ def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
             "--moe-top-k 5 must be between 1 and the number of experts",
         ),
         ("--moe-experts 4 --moe-capacity-factor 0", "--moe-capacity-factor: must be a positive"),
-        ("--moe-experts 4 --ep 2 --zero 1", "ZeRO shards over the whole dp group"),
         (
             "--moe-experts 4 --dp 4 --zero 3",
             "--zero 3: not supported: experts run with every dimension but ZeRO-3",
