@@ -138,9 +138,10 @@ def parallelize(
 
 
 def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) -> nn.Module:
-    """Over mesh.dp: ZeRO-3 as fully_shard (each block a unit, then the root), else DDP around
-    what this rank holds; none under ZeRO-1/2 (its optimizer syncs) or expert parallel
-    (finalize_grads syncs experts over their own replicas)."""
+    """Over mesh.dp_cp (the dp ranks and their cp ranks: all hold the same weights): ZeRO-3 as
+    fully_shard (each block a unit, then the root), else DDP around what this rank holds; none
+    under ZeRO-1/2 (its optimizer syncs) or expert parallel (finalize_grads syncs experts over
+    their own replicas)."""
     if layout.zero == 3:  # (no pipeline: owned is gpt; its parameters become fp32 shards)
         ahead = dict(
             forward_prefetch=layout.prefetch in ("both", "forward"),
@@ -148,30 +149,34 @@ def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) 
         )
         for block in [*gpt.transformer.h, gpt]:  # the blocks first, then the root
             fsdp.fully_shard(
-                block, mesh.dp, param_dtype=precision.compute_dtype, offload=layout.offload, **ahead
+                block,
+                mesh.dp_cp,
+                param_dtype=precision.compute_dtype,
+                offload=layout.offload,
+                **ahead,
             )
         return gpt
     owned.to(precision.param_dtype)  # half-precision copies; fp32 masters in the optimizer
     if layout.zero or layout.ep > 1:
         return owned
-    return DDP(owned, mesh.dp, layout.bucket_mb)
+    return DDP(owned, mesh.dp_cp, layout.bucket_mb)
 
 
 def make_sharded_optimizer(owned, stages, mesh, layout: Layout, optim: OptimConfig, precision):
     """AdamW over this rank's parameters, grouped by where their copies live: as ZeRO-1/2 over
-    dp (experts over their edp replicas), over fp32 masters (mixed precision without ZeRO), or
-    plain (ZeRO-3: the fp32 shards)."""
+    dp × cp (experts over their replicas, dp/ep × cp), over fp32 masters (mixed precision
+    without ZeRO), or plain (ZeRO-3: the fp32 shards)."""
     ends = [s.wte for s in stages if s.is_first] + [s.lm_head for s in stages if s.is_last]
     tied, is_first = (ends[0].weight if ends else None), any(s.is_first for s in stages)
     groups = parameter_groups(owned.parameters(), tied, is_first or not stages, optim.weight_decay)
     settings = dict(lr=optim.lr, weight_decay=optim.weight_decay, **ADAMW)
     if layout.zero in (1, 2):
         for group in (g for g in groups if "edp" in g["replicated_over"]):  # the experts':
-            group.update(shard_over=mesh.edp, average_over=mesh.dp_size)  # over their replicas
+            group.update(shard_over=mesh.edp_cp, average_over=mesh.dp_cp.size)  # replicas
         return ZeroOptimizer(
             groups,
             torch.optim.AdamW,
-            mesh.dp,
+            mesh.dp_cp,
             stage=layout.zero,
             bucket_mb=layout.bucket_mb,
             offload=layout.offload,
@@ -204,15 +209,15 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None)
     """Every synchronisation after backward (Megatron's `finalize_model_grads`), in order:
     1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished; under
        expert parallel (no DDP) dense gradients are averaged over dp, experts' over edp (under
-       ZeRO-1/2 its optimizer does both, in 3);
+       ZeRO-1/2 its optimizer does both, in 3). Context parallel's ranks hold the same weights
+       and each rank's loss saw its s/cp tokens: all of these average over dp × cp;
     2. sequence parallel: tp-replicated parameters saw s/tp tokens per rank: sum their grads
        (ZeRO-2's, which its hooks have already reduce-scattered, in its shards after 3);
     3. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards;
-       context parallel: each rank's loss saw its s/cp tokens: average the grads over cp;
     4. the pipeline's tied embedding: first and last stage sum its gradients (same step)."""
     finish_gradient_sync(model)
     if mesh.ep_size > 1 and not isinstance(optimizer, ZeroOptimizer):  # (ZeRO: two groups)
-        moe.sync_gradients(list(model.parameters()), mesh.dp, mesh.edp)
+        moe.sync_gradients(list(model.parameters()), mesh.dp_cp, mesh.edp_cp)
     partial = [p for p in model.parameters() if getattr(p, "sequence_parallel_partial", False)]
     sharded = isinstance(optimizer, ZeroOptimizer) and optimizer.stage == 2  # (grads moved)
     grads = [p.grad for p in partial if p.grad is not None]
@@ -222,13 +227,6 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None)
         optimizer.reduce_gradients()
     if mesh.tp_size > 1 and sharded and (grads := optimizer.shard_grads(partial)):
         _all_reduce_grads(grads, mesh.tp)  # (every tp rank's shards hold the same pieces)
-    stepped = (
-        [t for g in stepped_groups(optimizer) for t in g["params"]]
-        if optimizer
-        else list(model.parameters())
-    )  # (ZeRO: this rank's shards, the same on every cp rank)
-    if mesh.cp_size > 1 and (grads := [t.grad for t in stepped if t.grad is not None]):
-        _all_reduce_grads(grads, mesh.cp, 1 / mesh.cp_size)
     for group in stepped_groups(optimizer) if tied_comm and optimizer is not None else ():
         for t in group["params"] if group.get("tied") else ():
             if t.grad is None:
@@ -246,7 +244,7 @@ def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
         for t in (t for t in group["params"] if t.grad is not None):
             grads.append(t.grad)
             families = set(group.get("replicated_over", ("dp", "tp"))) | {"cp"}  # all: cp
-            families -= {"dp", "edp"} if getattr(t, "dp_sharded", False) else set()
+            families -= set(getattr(t, "sharded_over", "").split("_"))  # e.g. dp_cp: dp, cp
             if all(getattr(mesh, f"{family}_rank") == 0 for family in families):
                 counted.append(t.grad.float().pow(2).sum())
     # each tensor's sum of squares in fp32, added up in fp64: one host sync, not one per tensor

@@ -2,7 +2,8 @@
 
 Activations grow with the sequence length s. Context parallel splits the *sequence itself* over
 N ranks: each embeds, norms, projects and runs the MLP on its s/N tokens only, with its own copy
-of every weight (so gradients are averaged over cp, as over dp). Only attention needs the other
+of every weight (so gradients average, and ZeRO shards, over the dp × cp ranks together: the
+mesh's `dp_cp` group, as Megatron and torchtitan do). Only attention needs the other
 tokens: each query, the keys and values of every earlier one. Two ways to give it them:
 
 **Ring attention** (Liu et al. 2023). Each rank starts with its own K/V block and, N times,

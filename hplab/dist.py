@@ -207,6 +207,22 @@ def group_ranks(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[i
     }
 
 
+def replicas_with_context_parallel(dp: int, tp: int, pp: int, cp: int, ep: int = 1) -> dict:
+    """The ranks holding the same weights when context parallel splits sequences: a dp group
+    and each of its ranks' cp group (`dp_cp`; Megatron's data-parallel group with context
+    parallel, torchtitan's dp_shard_cp), and under expert parallel an expert's (`edp_cp`)."""
+    rank = lambda d, t, p, c: global_rank(d, t, p, dp, tp, c, cp)  # noqa: E731
+    grid = list(itertools.product(range(pp), range(tp)))
+    groups = {"dp_cp": [[rank(d, t, p, c) for d in range(dp) for c in range(cp)] for p, t in grid]}
+    if ep > 1:
+        groups["edp_cp"] = [
+            [rank(d, t, p, c) for d in range(j, dp, ep) for c in range(cp)]
+            for p, t in grid
+            for j in range(ep)
+        ]
+    return groups
+
+
 class Mesh:
     """This rank's place in the dp × cp × tp × pp grid, and a communicator for each family:
     build it with `Mesh.create(dp, tp, pp, cp=cp)` after `init_distributed()`. `mesh.dp`,
@@ -240,6 +256,8 @@ class Mesh:
         self.groups["ep"] = [d[s : s + ep] for d in dps for s in range(0, dp, ep)]
         if ep > 1:
             self.groups["edp"] = [d[j::ep] for d in dps for j in range(ep)]
+        if cp > 1:  # the ranks that hold the same parameters: gradients average, ZeRO shards
+            self.groups.update(replicas_with_context_parallel(dp, tp, pp, cp, ep))
         for family, lists in self.groups.items():
             for ranks in lists:  # every rank must create every group, in the same order
                 group = new_group(ranks) if len(ranks) > 1 else None
@@ -249,6 +267,10 @@ class Mesh:
                     )
         if ep == 1:  # every expert on every rank: their replicas are the whole dp group
             self.edp = self.dp
+        if cp == 1:  # (with cp: dp_cp, and edp_cp under ep, are their own groups)
+            self.dp_cp, self.edp_cp = self.dp, self.edp
+        elif ep == 1:
+            self.edp_cp = self.dp_cp
 
     @classmethod
     def create(cls, *args, **kwargs) -> Mesh:

@@ -71,7 +71,7 @@ class _Param:
         mine = self.mine(p.detach().float())
         self.shard = nn.Parameter(mine.to(shard_device, copy=True), requires_grad=p.requires_grad)
         copy_markers(p, self.shard)
-        self.shard.dp_sharded, self.shard._fsdp = True, self  # (`is_shard`)
+        self.shard.sharded_over, self.shard._fsdp = comm.name, self  # (`is_shard`)
         self.buffer = torch.empty((comm.size * self.rows, *self.rest), dtype=dtype, device=device)
         self.full = nn.Parameter(
             self.buffer[: self.d0].view(p.shape), requires_grad=p.requires_grad

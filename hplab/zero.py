@@ -108,7 +108,7 @@ class FlatBucket:
             )
         )
         copy_markers(params[0], self.master)
-        self.master.dp_sharded = True  # disjoint over its group: a global norm counts it on all
+        self.master.sharded_over = comm.name  # disjoint there: a global norm counts it on all
         self.grad_shard: torch.Tensor | None = None
         self.ready: set = set()  # stage 2: params whose gradient arrived since the last send
         self.reducing: list = []  # (input, output, Pending) of in-flight reduce-scatters

@@ -116,6 +116,7 @@ def train(layout: dict) -> dict:
     from hplab.dist import Mesh
     from hplab.models.gpt import GPTConfig, build_model
     from hplab.observe import AttentionMeter
+    from hplab.optim import stepped_groups
 
     mesh = Mesh.create(
         layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1), cp=layout.get("cp", 1)
@@ -135,7 +136,9 @@ def train(layout: dict) -> dict:
                 losses.append(train_step(par, x[mine], y[mine]))
     finally:
         compose.clip_grad_norm_ = clip
-    return {"losses": losses + norms, "meter": meter and meter.per_step}
+    stepped = sum(t.numel() for g in stepped_groups(par.optimizer) for t in g["params"])
+    whole = sum(p.numel() for p in build_model(GPTConfig(**CONFIG), 0).parameters())
+    return {"losses": losses + norms, "meter": meter and meter.per_step, "share": stepped / whole}
 
 
 def worker():
@@ -160,13 +163,25 @@ def world(request):
     results = run_distributed(worker, request.param)
     losses = {name: run["losses"] for name, run in results[0]["losses"].items()}
     meters = {name: [r["losses"][name]["meter"] for r in results] for name in losses}
-    return request.param, [r["attention"] for r in results], losses, meters
+    shares = {name: [r["losses"][name]["share"] for r in results] for name in losses}
+    return request.param, [r["attention"] for r in results], losses, meters, shares
 
 
 def test_every_layout_trains_the_model_one_process_trains(world):
     reference = run_distributed(train, 1, {})[0]["losses"]
     for name, losses in world[2].items():
         torch.testing.assert_close(losses, reference, rtol=RTOL, atol=0, msg=name)
+
+
+def test_zero_shards_over_the_dp_and_cp_ranks_that_hold_the_same_weights(world):
+    """Context parallel's ranks hold the same weights as data parallel's: ZeRO-2 and ZeRO-3
+    shard them over all dp × cp = 4 ranks (as Megatron and torchtitan do), so each rank steps a
+    quarter of the model (plus padding to a multiple of 4), not dp's half."""
+    if world[0] != 4:
+        pytest.skip("the sharded layouts run on 4 ranks")
+    for name in ("cp2 dp2 zero2", "cp2 dp2 zero3"):
+        assert all(0.25 <= share < 0.2525 for share in world[4][name]), (name, world[4][name])
+    assert world[4]["cp2 dp2"] == [1.0] * 4  # (no ZeRO: every rank steps the whole model)
 
 
 @pytest.mark.parametrize(
@@ -231,7 +246,7 @@ def test_ulysses_moves_four_all_to_alls(world):
 
 def test_the_meter_counts_each_ranks_attention_work(world):
     """Per step: b·heads·layers × the pairs each rank attends, seconds ≥ blocked ≥ 0."""
-    (n, *_, meters), seq = world, CONFIG["n_positions"]
+    (n, _, _, meters, _), seq = world, CONFIG["n_positions"]
     per_rank = BATCH * CONFIG["n_head"] * CONFIG["n_layer"]
     for name, split, style in (
         (f"cp{n} ring contiguous", "contiguous", "ring"),
@@ -292,12 +307,16 @@ def test_layouts_that_do_not_split_are_refused_in_one_sentence():
 def test_the_mesh_puts_cp_between_tp_and_dp():
     """Megatron's order: tp innermost, then cp, then dp, then pp (8 ranks, dp2 × cp2 × tp2)."""
     from hplab.config import Layout, LayoutError, check_mesh
-    from hplab.dist import group_ranks
+    from hplab.dist import group_ranks, replicas_with_context_parallel
 
     groups = group_ranks(dp=2, tp=2, pp=1, cp=2)
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # the ranks that hold the same weights: gradients average and ZeRO shards over them
+    assert replicas_with_context_parallel(2, 2, 1, 2) == {"dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]]}
+    experts = replicas_with_context_parallel(dp=4, tp=1, pp=1, cp=2, ep=2)["edp_cp"]
+    assert experts == [[0, 1, 4, 5], [2, 3, 6, 7]]  # dp ranks {0, 2} and {1, 3}, both cp ranks
     with pytest.raises(
         LayoutError,
         match=r"dp=1 × tp=2 × pp=1 × cp=3 = 6 processes, but "

@@ -284,8 +284,8 @@ def _toy_checks(out):
         float((a - b).abs().max()) for a, b in zip(model.parameters(), toy().parameters())
     )
     out["inner_keys"] = sorted(opt.inner.param_groups[0])
-    out["dp_sharded"] = all(
-        getattr(t, "dp_sharded", False) for t in opt.inner.param_groups[0]["params"]
+    out["sharded_over_dp"] = all(
+        getattr(t, "sharded_over", "") == "dp" for t in opt.inner.param_groups[0]["params"]
     )
 
 
@@ -472,7 +472,7 @@ def test_lr_schedule_and_inner_groups(results):
     r = results[2]
     assert r["lr_zero_moves"] == 0.0
     assert {"lr", "weight_decay", "betas", "initial_lr"} <= set(r["inner_keys"])
-    assert r["dp_sharded"]
+    assert r["sharded_over_dp"]
 
 
 def test_bad_stage_is_refused():

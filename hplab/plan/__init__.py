@@ -10,7 +10,7 @@ the formulas about clusters no laptop has:
     python -m hplab.plan ... --json          # the same numbers for a notebook
 
 Memory per GPU = model states (parameters, gradients, optimizer state, fp32 master weights;
-sharded by ZeRO over data parallel, split by tensor, pipeline and expert parallel) +
+sharded by ZeRO over data × context parallel, split by tensor, pipeline and expert parallel) +
 activations (per layer per microbatch of s/cp tokens × layers on a stage × microbatches the
 schedule keeps in flight). Step time = compute of the busiest stage (FLOPs ÷ achievable FLOP/s,
 plus memory-bound element-wise work) + tensor-, context- and expert-parallel traffic +

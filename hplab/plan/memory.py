@@ -97,13 +97,15 @@ def activation_memory(model: ModelConfig, lay: Layout) -> dict:
 
 def stage_states(lay: Layout, stage: dict, padded: bool = False) -> dict[str, dict]:
     """Model-state bytes per GPU (`formulas.model_state_bytes`) on the first and on the last
-    stage: ZeRO shards the dense states over dp and the experts' over their dp/ep replicas;
-    context parallel keeps them whole on every rank (as hplab does). `stage`: params_per_stage."""
-    sharding = (lay.zero, lay.precision, lay.offload, padded)
-    experts = model_state_bytes(stage["experts"], lay.dp // lay.ep, *sharding)
+    stage: ZeRO shards the dense states over their replicas, the dp × cp ranks (context
+    parallel's ranks hold the same weights: Megatron and torchtitan shard over both), and the
+    experts' over theirs, dp/ep × cp. `stage`: params_per_stage."""
+    sharding, replicas = (lay.zero, lay.precision, lay.offload, padded), lay.dp * lay.cp
+    experts = model_state_bytes(stage["experts"], replicas // lay.ep, *sharding)
     return {
         where: {
-            k: v + experts[k] for k, v in model_state_bytes(stage[where], lay.dp, *sharding).items()
+            k: v + experts[k]
+            for k, v in model_state_bytes(stage[where], replicas, *sharding).items()
         }
         for where in STAGES
     }
@@ -146,7 +148,7 @@ def memory_per_gpu(
     stage = stage or params_per_stage(model, lay.tp, lay.pp, lay.ep)
     acts = acts or activation_memory(model, lay)
     states = stage_states(lay, stage, padded)
-    gathered = lay.zero == 3 and lay.dp > 1
+    gathered = lay.zero == 3 and lay.dp * lay.cp > 1
     zero3 = 2 * stage["block"] * PRECISION_BYTES[lay.precision][0] if gathered else 0.0
     totals = {
         where: states[where]["total_bytes"]

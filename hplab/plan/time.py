@@ -181,15 +181,15 @@ class DataParallel:
 
 
 def data_parallel(lay: Layout, cluster: Cluster, eff: Efficiency, stage: dict) -> DataParallel:
-    """Dense gradients over dp, the experts' over their dp/ep replicas; then hplab averages
-    what each rank steps over cp. `stage`: params_per_stage."""
+    """Dense gradients over their replicas, the dp × cp ranks (context parallel's hold the same
+    weights), the experts' over theirs, dp/ep × cp. `stage`: params_per_stage."""
     dp, cp, tp, ep, m = lay.dp, lay.cp, lay.tp, lay.ep, lay.microbatches
     p_bytes, g_bytes = PRECISION_BYTES[lay.precision][:2]
-    bw, alpha, crosses = group_link(cluster, dp, tp * cp, eff)
+    bw, alpha, crosses = group_link(cluster, dp * cp, tp, eff)  # (cp inside dp: one block)
     local, experts = max(stage["first"], stage["last"]), stage["experts"]
     groups = [
-        (local, dp, bw, alpha),
-        (experts, dp // ep, *group_link(cluster, dp // ep, tp * cp * ep, eff)[:2]),
+        (local, dp * cp, bw, alpha),
+        (experts, dp // ep * cp, *group_link(cluster, dp // ep * cp, tp * ep, eff)[:2]),
     ]
     ar, rs, ag = (
         sum(collective_time_s(op, psi * nbytes, n, b, a) for psi, n, b, a in groups)
@@ -199,15 +199,14 @@ def data_parallel(lay: Layout, cluster: Cluster, eff: Efficiency, stage: dict) -
             ("all_gather", p_bytes),
         )
     )
-    shard = local / dp + experts / (dp // ep) if lay.zero else local + experts
-    cp_bw, cp_alpha, _ = group_link(cluster, cp, tp, eff)
+    shard = local / (dp * cp) + experts / (dp // ep * cp) if lay.zero else local + experts
     seconds = (
         ar,  # DDP: one all-reduce of the gradients
         rs + ag,  # ZeRO-1: reduce-scatter + all-gather, the same volume
         m * rs + ag,  # ZeRO-2 keeps no full gradient: reduce-scatter every microbatch
         # ZeRO-3, every microbatch: gather for forward, (recompute,) backward; scatter grads
         m * ((1 + forward_passes(lay)) * ag + rs),
-    )[lay.zero] + collective_time_s("all_reduce", shard * g_bytes, cp, cp_bw, cp_alpha)
+    )[lay.zero]
     return DataParallel(seconds, seconds * (1 - eff.dp_overlap), crosses, shard)
 
 
