@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hplab.config import Layout, OptimConfig, from_values
+from hplab.config import BALANCES, Layout, OptimConfig, from_values
 from hplab.flags import COUNT, NONNEGATIVE, OneLineParser, add_flags, at_least, shown
 from hplab.formulas import LR_DECAYS
 
@@ -29,6 +29,11 @@ MODEL_FLAGS = {
         help="drop token-slots beyond cf · tokens · k / E per expert (default: none)",
     ),
     "--moe-aux-coef": dict(type=NONNEGATIVE, default=0.01, help="load-balancing loss weight"),
+    "--moe-balance": dict(
+        default="batch",
+        choices=BALANCES,
+        help="balance the experts over each microbatch's tokens, or per sequence (DeepSeek-V3)",
+    ),
 }
 TRAINING_FLAGS = {
     "--data": dict(

@@ -38,6 +38,7 @@ from hplab.formulas import (
 
 RECOMPUTE = ("none", "selective", "full")  # (in the planner's order of preference)
 PRECISIONS = tuple(PRECISION_BYTES)
+BALANCES = ("batch", "sequence")  # what a load-balancing loss counts over (hplab/moe.py)
 
 
 class LayoutError(ValueError):
@@ -70,6 +71,7 @@ class ModelConfig:
     moe_top_k: int = 2  # experts per token
     moe_capacity_factor: float = 0.0  # 0: dropless
     moe_aux_coef: float = 0.01  # weight of the load-balancing loss added to the loss
+    moe_balance: str = "batch"  # count the balance over the batch, or per sequence (DeepSeek-V3)
     dropout: bool = False
     flash_attention: bool = True
     name: str = field(default="", compare=False)
@@ -203,6 +205,14 @@ def check_model(model: ModelConfig) -> None:
         )
     if E:
         check_top_k(E, model.moe_top_k)
+        check_balance(model.moe_balance)
+
+
+def check_balance(balance: str) -> str:
+    """What the load-balancing loss counts tokens over (hplab/moe.py)."""
+    if balance not in BALANCES:
+        raise LayoutError(f"--moe-balance must be one of {', '.join(BALANCES)}, got {balance!r}")
+    return balance
 
 
 def check_top_k(n_experts: int, top_k: int) -> None:

@@ -17,9 +17,14 @@ routed to expert e (counted, no gradient) and P_e the mean probability the route
 
 Here f_e is counted over the whole batch (one all-reduce of E numbers over dp, and over cp
 when context parallel splits each sequence, as Megatron's "global" aux loss), so the loss does
-not depend on how the batch is split over ranks. The optional router z-loss (ST-MoE), mean
-over tokens of logsumexp(router logits)², keeps the logits small. `aux_loss` holds
-aux_coef · balance + z_coef · z; the model adds it.
+not depend on how the batch is split over ranks — only on how it is split into microbatches:
+each microbatch counts its own f_e, so a run with m microbatches of B/m sequences matches one
+process with the same microbatches. DeepSeek-V3's *sequence-wise* balance loss
+(`balance="sequence"`, Megatron's "seq_aux_loss") counts f_e and P_e per sequence and averages
+the sequences' losses: one sequence's tokens are all it sees (summed over cp, which splits a
+sequence), so it is the same in every layout and every microbatching. The optional router
+z-loss (ST-MoE), mean over tokens of logsumexp(router logits)², keeps the logits small.
+`aux_loss` holds aux_coef · balance + z_coef · z; the model adds it.
 
 **Dropless, or a capacity.** By default every token reaches its k experts. With a capacity
 factor cf, each expert takes at most capacity = ceil(cf · T · k / E) of a rank's T·k
@@ -45,7 +50,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hplab.comm import AllToAll
-from hplab.config import check_experts, check_top_k
+from hplab.config import check_balance, check_experts, check_top_k
 
 
 class MoE(nn.Module):
@@ -63,11 +68,13 @@ class MoE(nn.Module):
         aux_coef: float = 0.01,
         z_coef: float = 0.0,
         renormalize: bool = True,
+        balance: str = "batch",
     ):
         super().__init__()
         check_top_k(n_experts, top_k)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_coef, self.z_coef, self.renormalize = aux_coef, z_coef, renormalize
+        self.per_sequence = check_balance(balance) == "sequence"
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         # a dict keyed by the expert's global number: under ep a rank keeps some, names unchanged
         self.experts = nn.ModuleDict({str(e): make_expert() for e in range(n_experts)})
@@ -85,8 +92,6 @@ class MoE(nn.Module):
         if self.renormalize:
             gates = gates / gates.sum(dim=-1, keepdim=True)
         slot_expert = chosen.flatten()  # token-slot s = t·k + j: token t's j-th choice
-        routed = torch.bincount(slot_expert, minlength=E)  # before any drop
-
         kept = self.within_capacity(slot_expert, T)
         # stable sort by expert: each expert's slots contiguous, in position order
         order = torch.argsort(slot_expert.masked_fill(~kept, E), stable=True)[: int(kept.sum())]
@@ -97,7 +102,8 @@ class MoE(nn.Module):
             0, slot_token, outputs * gates.flatten()[order, None].to(outputs.dtype)
         )
 
-        self.aux_loss = self.auxiliary_loss(logits, probs, routed, T)
+        sequences = x.shape[0] if self.per_sequence and x.dim() == 3 else 1  # x: [b, s, h]
+        self.aux_loss = self.auxiliary_loss(logits, probs, slot_expert, sequences)
         self.routing = dict(tokens_per_expert=per_expert, dropped=int((~kept).sum()), slots=T * k)
         return combined.view_as(x)
 
@@ -110,13 +116,21 @@ class MoE(nn.Module):
         place = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1)  # 1 for an expert's first slot
         return place <= capacity
 
-    def auxiliary_loss(self, logits, probs, routed, T: int) -> torch.Tensor:
-        """aux_coef · E · Σ_e f_e · P_e  +  z_coef · mean(logsumexp(logits)²)."""
-        counts = torch.cat([routed.to(probs.dtype), probs.new_tensor([T])]).detach()
-        for group in self.counted_over:  # f_e over the whole batch
+    def auxiliary_loss(self, logits, probs, slot_expert, sequences: int = 1) -> torch.Tensor:
+        """aux_coef · E · Σ_e f_e · P_e  +  z_coef · mean(logsumexp(logits)²); per sequence
+        (the mean of `sequences` such losses) or over all these tokens (`sequences` = 1)."""
+        E, T = self.n_experts, probs.shape[0]
+        group_of_slot = (
+            torch.arange(T * self.top_k, device=probs.device) * sequences // (T * self.top_k)
+        )  # token-slots are in sequence order: the first T·k/b belong to sequence 0, ...
+        routed = torch.bincount(group_of_slot * E + slot_expert, minlength=sequences * E)
+        tokens = probs.new_full((sequences, 1), T // sequences)  # each group's tokens here
+        counts = torch.cat([routed.view(sequences, E).to(probs.dtype), tokens], 1).detach()
+        for group in self.counted_over:  # f_e over the whole batch, or the whole sequence
             group.all_reduce(counts)
-        f = counts[:-1] / (counts[-1] * self.top_k)
-        balance = self.n_experts * (f * probs.mean(dim=0)).sum()
+        f = counts[:, :-1] / (counts[:, -1:] * self.top_k)
+        shares = probs.view(sequences, -1, E).mean(dim=1)  # P_e of each sequence's tokens here
+        balance = E * (f * shares).sum(dim=1).mean()
         z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
         return self.aux_coef * balance + self.z_coef * z
 
@@ -155,9 +169,10 @@ def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> None:
     """Expert parallel over the Communicator `ep` (None or one rank: all experts here): each MoE
     layer keeps its E/ep experts and frees the others; the balance loss counts tokens over `dp`
     (the whole data-parallel group, of which ep is a part) and `cp` (the ranks that share each
-    sequence)."""
+    sequence); a sequence-wise one over `cp` only."""
     for layer in moe_layers(model):
-        layer.counted_over = [g for g in (dp, cp) if g is not None and g.size > 1]
+        groups = (cp,) if layer.per_sequence else (dp, cp)
+        layer.counted_over = [g for g in groups if g is not None and g.size > 1]
         if ep is None or ep.size == 1:
             continue
         check_experts(layer.n_experts, ep.size, dp.size if dp else ep.size)

@@ -124,6 +124,7 @@ def model_of(args) -> tuple[dict | None, ModelConfig]:
             moe_top_k=args.moe_top_k,
             moe_capacity_factor=args.moe_capacity_factor or 0.0,
             moe_aux_coef=args.moe_aux_coef,
+            moe_balance=args.moe_balance,
         )
     if saved:  # (after --moe-experts, which it may contradict too)
         advice = f"leave those flags out: --init-from {args.init_from} sets the model"

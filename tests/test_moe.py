@@ -74,6 +74,32 @@ def test_layer_equals_the_per_token_reference():
         torch.testing.assert_close(got_x, xb.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_sequence_wise_balance_is_the_mean_of_each_sequences_loss():
+    """DeepSeek-V3's sequence-wise balance loss: f_e and P_e per sequence, the losses averaged.
+    The plain reference, run on each of the 4 sequences alone and averaged, gives the same loss
+    and gradients; and it differs from the batch-wide balance (else the test could not tell)."""
+    x, w = inputs()
+    kw = dict(aux_coef=0.1, z_coef=0.01, renormalize=True)
+    layer = make_layer(2, balance="sequence", **kw)
+    xa = x.clone().requires_grad_()
+    out = layer(xa.view(4, 6, H))
+    loss = (out.view(-1, H) * w).sum(-1).mean() + layer.aux_loss
+    loss.backward()
+    got, got_x = grads(layer), xa.grad
+    layer.zero_grad()
+    xb = x.clone().requires_grad_()
+    pieces = [reference_loss(layer, xs, ws, 2, **kw)[0] for xs, ws in zip(xb.split(6), w.split(6))]
+    want_loss = torch.stack(pieces).mean()
+    want_loss.backward()
+    torch.testing.assert_close(loss, want_loss, atol=1e-6, rtol=1e-5)
+    for name, want in grads(layer).items():
+        torch.testing.assert_close(got[name], want, atol=1e-5, rtol=1e-5, msg=name)
+    torch.testing.assert_close(got_x, xb.grad, atol=1e-5, rtol=1e-5)
+    batch_wide = make_layer(2, **kw)
+    batch_wide(x.view(4, 6, H))
+    assert abs(float(batch_wide.aux_loss.detach()) - float(layer.aux_loss.detach())) > 1e-4
+
+
 def test_gpt_blocks_are_mixtures_of_experts_and_counted():
     from hplab.models.gpt import build_model
 
@@ -177,12 +203,19 @@ TRAIN_RUNS = {
         "dp2 tp2 ep2 selective sp": (
             "--dp 2 --tp 2 --ep 2 --recompute selective --sequence-parallel".split()
         ),
+        "dp2 ep2 pp2 1f1b, 4 microbatches, sequence balance": (
+            "--dp 2 --ep 2 --pp 2 --microbatches 4 --moe-balance sequence".split()
+        ),
+        "dp2 cp2 ep2 zero2, 2 microbatches, sequence balance": (
+            "--dp 2 --cp 2 --ep 2 --zero 2 --microbatches 2 --moe-balance sequence".split()
+        ),
         "dp4 ep2 zero1": "--dp 4 --ep 2 --zero 1 --save {saved}-zero1".split(),
         "dp4 ep2 zero2 resumed": "--dp 4 --ep 2 --zero 2 --bucket-mb 0.01 --resume {saved}".split(),
     },
     1: {
         "one process": ["--save", "{saved}-one"],
         "one process resumed": ["--resume", "{saved}"],
+        "one process, sequence balance": ["--moe-balance", "sequence"],
         "one process, 2 microbatches": ["--microbatches", "2"],
     },
 }
@@ -296,11 +329,16 @@ def test_train_experts_in_a_pipeline_equal_one_process(runs):
     (`pp.AuxLossRidesAlong`), and the step's loss sums every stage's auxiliary loss. The
     balance loss is counted per microbatch over the dp group (as Megatron's), so a reference
     must see the same tokens in each microbatch: dp2 ep2 pp2 runs one microbatch (the whole
-    batch, as one process), tp2 pp2 two (the halves one process with 2 microbatches sees)."""
+    batch, as one process), tp2 pp2 two (the halves one process with 2 microbatches sees).
+    DeepSeek-V3's sequence-wise balance loss needs no such care: 4 or 2 microbatches, over dp
+    and cp, against one process with one."""
     one, four = runs[1], runs[0][0]
     for run, reference in (
         ("dp2 ep2 pp2 zb-h1", "one process"),
         ("tp2 pp2 1f1b, 2 microbatches", "one process, 2 microbatches"),
+        # counted per sequence, the balance loss is the same however the batch is cut
+        ("dp2 ep2 pp2 1f1b, 4 microbatches, sequence balance", "one process, sequence balance"),
+        ("dp2 cp2 ep2 zero2, 2 microbatches, sequence balance", "one process, sequence balance"),
     ):
         assert losses(four[run]) == pytest.approx(losses(one[reference]), rel=1e-5, abs=0), run
         norms = four[f"{run}: gradient norms"]

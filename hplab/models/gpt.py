@@ -120,6 +120,7 @@ class Block(nn.Module):
                 lambda: MLP(config),
                 config.moe_capacity_factor,
                 config.moe_aux_coef,
+                balance=config.moe_balance,
             )
             if config.n_experts
             else MLP(config)
