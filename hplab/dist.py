@@ -223,6 +223,19 @@ def replicas_with_context_parallel(dp: int, tp: int, pp: int, cp: int, ep: int =
     return groups
 
 
+def mesh_groups(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict:
+    """Every group a Mesh builds, by family (pure arithmetic): tp, dp, pp, cp (`group_ranks`);
+    ep, each dp group cut into blocks of ep ranks, and edp, the same place in every block (an
+    expert's replicas); with cp, dp_cp and edp_cp (`replicas_with_context_parallel`)."""
+    groups = group_ranks(dp, tp, pp, cp)
+    groups["ep"] = [d[s : s + ep] for d in groups["dp"] for s in range(0, dp, ep)]
+    if ep > 1:
+        groups["edp"] = [d[j::ep] for d in groups["dp"] for j in range(ep)]
+    if cp > 1:  # the ranks that hold the same parameters: gradients average, ZeRO shards
+        groups.update(replicas_with_context_parallel(dp, tp, pp, cp, ep))
+    return groups
+
+
 class Mesh:
     """This rank's place in the dp × cp × tp × pp grid, and a communicator for each family:
     build it with `Mesh.create(dp, tp, pp, cp=cp)` after `init_distributed()`. `mesh.dp`,
@@ -249,15 +262,8 @@ class Mesh:
         self.cp_rank = (self.rank // tp) % cp
         self.device, self.ledger = device or current_device(), ledger or CommLedger()
         self.world = Communicator(dist.group.WORLD, "world", self.ledger, device=self.device)
-        self.groups = group_ranks(dp, tp, pp, cp)
-        # ep: each dp group cut into blocks of ep ranks; edp: the same place in every block
+        self.groups = mesh_groups(dp, tp, pp, cp, ep)
         self.ep_size, self.ep_rank, self.edp_rank = ep, self.dp_rank % ep, self.dp_rank // ep
-        dps = self.groups["dp"]
-        self.groups["ep"] = [d[s : s + ep] for d in dps for s in range(0, dp, ep)]
-        if ep > 1:
-            self.groups["edp"] = [d[j::ep] for d in dps for j in range(ep)]
-        if cp > 1:  # the ranks that hold the same parameters: gradients average, ZeRO shards
-            self.groups.update(replicas_with_context_parallel(dp, tp, pp, cp, ep))
         for family, lists in self.groups.items():
             for ranks in lists:  # every rank must create every group, in the same order
                 group = new_group(ranks) if len(ranks) > 1 else None

@@ -8,7 +8,8 @@ table): `test_every_pair_is_in_a_layout_or_refused_for_a_reason` checks both lis
 `LAYOUTS`, which hold every other pair at least once — in an fp32 layout, where the check is
 exact, unless the pair has a precision in it. The first three are the frontier layouts of lab
 06 (Llama-3, DeepSeek-V3 and Megatron-Mixtral style, 8 ranks each), the fourth the planner's
-GPT-3 winner in miniature; the rest were picked greedily (most pairs not yet held per rank) from the layouts `config.validate` accepts.
+GPT-3 winner in miniature; the rest were picked greedily (most pairs not yet held per rank)
+from the layouts `config.validate` accepts.
 
 Each layout trains 3 AdamW steps (clipped, decayed, 2 microbatches) and is compared with one
 process on the same global batch: fp32 losses and the whole model to 1e-5 relative; bf16 and
