@@ -35,9 +35,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hplab import fsdp, moe, tp
-from hplab.models.gpt import (
-    GPT,
-    GPTConfig,
+from hplab.models.gpt import GPTConfig, build_model
+from hplab.models.hf import (
+    architecture,
     config_from_hf,
     from_hf_state_dict,
     to_hf_config,
@@ -77,14 +77,13 @@ def save(
     if previous.exists() and not directory.exists():  # a kill between the renames: restore
         os.rename(previous, directory)
     tmp.mkdir()
-    hf_state = to_hf_state_dict(
-        {k: v.detach().float().cpu().contiguous() for k, v in model_state.items()}
+    hf_state = to_hf_state_dict(  # (a tied head once: transformers ties it again on load)
+        {k: v.detach().float().cpu().contiguous() for k, v in model_state.items()}, config
     )
-    hf_state.pop("lm_head.weight", None)  # tied to transformer.wte.weight: HF re-ties on load
     save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
     hf_config = {
         **to_hf_config(config).to_dict(),
-        "architectures": ["GPT2LMHeadModel"],
+        "architectures": [architecture(config)],
         "hplab": {"format_version": FORMAT_VERSION, "config": asdict(config)},
     }
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
@@ -182,8 +181,9 @@ def _refuse(directory: Path, problem: str, names: list[str], advice: str = "") -
 
 
 def load_pretrained(directory: str | Path) -> dict:
-    """{"config", "model"}: hplab names, fp32, from any GPT-2 folder `save_pretrained` wrote
-    (config.json, model.safetensors or its shards) or --save; checked against config.json."""
+    """{"config", "model"}: hplab names, fp32, from any GPT-2, Llama or Qwen2 folder
+    `save_pretrained` wrote (config.json, model.safetensors or its shards) or --save; checked
+    against config.json."""
     directory = Path(directory)
     try:
         config = config_from_hf(json.loads((directory / "config.json").read_text()))
@@ -207,11 +207,9 @@ def load_pretrained(directory: str | Path) -> dict:
             f"{directory} holds no readable model.safetensors ({err}); a "
             "pytorch_model.bin is never read: unpickling can run code"
         ) from None
-    if not any(name.startswith("transformer.") for name in hf_state):  # a bare GPT2Model
-        hf_state = {f"transformer.{name}": t for name, t in hf_state.items()}
-    model = from_hf_state_dict(hf_state)
+    model = from_hf_state_dict(hf_state, config)
     with torch.device("meta"):  # the model's names and shapes, without its memory
-        shapes = {name: t.shape for name, t in GPT(config).state_dict().items()}
+        shapes = {name: t.shape for name, t in build_model(config).state_dict().items()}
     _refuse(directory, "lacks tensors of its model:", [n for n in shapes if n not in model])
     _refuse(
         directory,

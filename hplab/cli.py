@@ -17,10 +17,13 @@ from hplab.formulas import LR_DECAYS
 
 on = dict(action="store_true")
 MODEL_FLAGS = {
-    "--model": dict(default="tiny", help="preset: tiny, gpt2, gpt2-medium"),
+    "--model": dict(
+        default="tiny", help="preset: tiny, gpt2, gpt2-medium (GPT-2); llama-tiny, llama-125m"
+    ),
     "--n-layer": dict(type=COUNT),
     "--n-embd": dict(type=COUNT),
     "--n-head": dict(type=COUNT),
+    "--n-kv-head": dict(type=COUNT, help="grouped-query attention's K/V heads (Llama models)"),
     "--seq-len": dict(type=COUNT),
     "--moe-experts": dict(type=at_least(0), default=0, help="experts per MLP"),
     "--moe-top-k": dict(type=COUNT, default=2, help="experts each token goes to"),

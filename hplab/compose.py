@@ -60,11 +60,11 @@ class Parallel:
 
 
 def mark_no_decay(model: nn.Module) -> None:
-    """No weight decay on biases, layer norms, embeddings (the tied LM head too), marked by role
+    """No weight decay on biases, norms, embeddings (the tied LM head too), marked by role
     on the whole model: tp slices and pp stages keep it, `copy_markers` passes it to shards."""
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if name == "bias" or isinstance(module, (nn.LayerNorm, nn.Embedding)):
+            if name == "bias" or isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.Embedding)):
                 p.hplab_no_decay = True
 
 
@@ -147,7 +147,7 @@ def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) 
             forward_prefetch=layout.prefetch in ("both", "forward"),
             backward_prefetch=layout.prefetch in ("both", "backward"),
         )
-        for block in [*gpt.transformer.h, gpt]:  # the blocks first, then the root
+        for block in [*gpt.blocks, gpt]:  # the blocks first, then the root
             fsdp.fully_shard(
                 block,
                 mesh.dp_cp,

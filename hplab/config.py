@@ -34,10 +34,13 @@ from hplab.formulas import (
     PREFETCH,
     SCHEDULES,
     gpt_num_params,
+    llama_num_params,
 )
+from hplab.refusals import REFUSALS  # what does not compose yet, and why
 
 RECOMPUTE = ("none", "selective", "full")  # (in the planner's order of preference)
 PRECISIONS = tuple(PRECISION_BYTES)
+ARCHS = ("gpt2", "llama")  # hplab/models/gpt.py, hplab/models/llama.py
 BALANCES = ("batch", "sequence")  # what a load-balancing loss counts over (hplab/moe.py)
 
 
@@ -74,6 +77,13 @@ class ModelConfig:
     moe_balance: str = "batch"  # count the balance over the batch, or per sequence (DeepSeek-V3)
     dropout: bool = False
     flash_attention: bool = True
+    # the Llama family (arch "llama", hplab/models/llama.py); GPT-2 reads none of these
+    arch: str = "gpt2"  # gpt2 or llama
+    n_kv_head: int = 0  # grouped-query attention's K/V heads (0: as many as n_head)
+    intermediate_size: int = 0  # the MLP's width (0: GPT-2's 4·n_embd)
+    rope_theta: float = 10000.0  # RoPE's base θ
+    tie_word_embeddings: bool = True  # the LM head is the token embedding (GPT-2 always)
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -83,8 +93,23 @@ class ModelConfig:
     def seq_len(self) -> int:
         return self.n_positions
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate_size or 4 * self.n_embd
+
     def num_params(self) -> int:
-        """Ψ = V·h + S·h + L·(12h² + 13h) + 2h, tied embedding once (experts: gpt_num_params)."""
+        """Ψ = V·h + S·h + L·(12h² + 13h) + 2h for GPT-2, tied embedding once (experts:
+        gpt_num_params); a Llama's: llama_num_params."""
+        if self.arch == "llama":
+            h, kv = self.n_embd, self.n_embd * self.kv_heads // self.n_head
+            return llama_num_params(
+                self.n_layer, h, self.vocab_size, kv, self.mlp_width,
+                self.tie_word_embeddings, self.qkv_bias,
+            )  # fmt: skip
         return gpt_num_params(
             self.n_layer, self.n_embd, self.vocab_size, self.n_positions, self.n_experts
         )
@@ -206,6 +231,32 @@ def check_model(model: ModelConfig) -> None:
     if E:
         check_top_k(E, model.moe_top_k)
         check_balance(model.moe_balance)
+    if model.arch not in ARCHS:
+        raise LayoutError(f"arch must be one of {', '.join(ARCHS)}, got {model.arch!r}")
+    if model.arch == "llama":
+        check_llama(model)
+    elif model.n_kv_head not in (0, model.n_head):
+        raise LayoutError(
+            "--n-kv-head: GPT-2 has as many K/V heads as heads; grouped-query attention is "
+            "the Llama models' (--model llama-tiny)"
+        )
+
+
+def check_llama(model: ModelConfig) -> None:
+    """Whole groups of query heads per K/V head, RoPE's channel pairs, and no experts yet."""
+    a, kv = model.n_head, model.kv_heads
+    if not 1 <= kv <= a or a % kv:
+        raise LayoutError(
+            f"--n-kv-head {kv} must divide --n-head ({a}): each K/V head serves a whole group "
+            "of query heads"
+        )
+    if (model.n_embd // a) % 2:
+        raise LayoutError(
+            f"head width n_embd / n_head = {model.n_embd // a} must be even: RoPE turns "
+            "channels in pairs"
+        )
+    if model.n_experts:
+        raise LayoutError("--moe-experts: hplab's Llama has no mixture-of-experts variant yet")
 
 
 def check_balance(balance: str) -> str:
@@ -359,54 +410,6 @@ def check_sizes_and_choices(layout: Layout) -> None:
         raise LayoutError(f"--bucket-mb must be at least 0, got {layout.bucket_mb}")
 
 
-#: What hplab's strategies do not compose (yet): (refused, the fields behind it, why).
-REFUSALS = [
-    (
-        lambda c, E: c.zero == 3 and c.pp > 1,
-        ("zero", "pp"),
-        "ZeRO-3 with a pipeline would gather every layer again for every microbatch's forward "
-        "and backward, or, kept gathered across the step's microbatches as torchtitan keeps "
-        "them, hold its whole stage like ZeRO-1/2 for most of the step (DeepSpeed and "
-        "Colossal-AI refuse it); use ZeRO-1 or 2",
-    ),
-    (
-        lambda c, E: c.sequence_parallel and c.tp == 1,
-        ("sequence_parallel", "tp"),
-        "sequence parallel splits the sequence over the tensor-parallel group, so it needs 2 or "
-        "more tp ranks",
-    ),
-    (
-        lambda c, E: c.zero == 2 and c.pp > 1 and c.schedule == "zb-h1",
-        ("zero", "schedule"),
-        "ZeRO-2 reduce-scatters each layer's gradients as backward finishes them, and ZB-H1 "
-        "defers weight gradients; use ZeRO-1",
-    ),
-    (
-        lambda c, E: c.offload and c.zero == 0,
-        ("offload", "zero"),
-        "offload moves ZeRO's sharded optimizer state to the CPU, so it needs ZeRO 1, 2 or 3",
-    ),
-    (
-        lambda c, E: c.prefetch != "both" and c.zero != 3,
-        ("prefetch", "zero"),
-        "--prefetch chooses when ZeRO-3 gathers each block's parameters, so it needs --zero 3",
-    ),
-    (
-        lambda c, E: c.recompute == "selective" and c.cp > 1,
-        ("recompute", "cp"),
-        "context parallel's attention already keeps no s×s scores (it recomputes them from a "
-        "log-sum-exp per row), and recomputing it would send the ring's K/V again: use "
-        "--recompute full or none",
-    ),
-    (
-        lambda c, E: E and c.zero == 3,
-        ("zero",),
-        "experts run with every dimension but ZeRO-3 (its per-layer gathers would gather every "
-        "expert on every rank): use ZeRO-1 or 2",
-    ),
-]
-
-
 def validate(layout: Layout, model: ModelConfig, world_size: int | None = None, runs=True):
     """Raise LayoutError, one sentence, unless `layout` can train `model` on `world_size`
     processes; `runs`: also unless hplab's strategies compose it (the planner passes False)."""
@@ -414,8 +417,8 @@ def validate(layout: Layout, model: ModelConfig, world_size: int | None = None, 
     check_model(model)
     check_mesh(layout, world_size)
     check_batch(layout)
-    for refused, settings, reason in REFUSALS if runs else ():
-        if refused(layout, model.n_experts):
+    for refused, settings, reason in REFUSALS if runs else ():  # (hplab/refusals.py)
+        if refused(layout, model):
             raise LayoutError(f"not supported: {reason}", settings)
     check_experts(model.n_experts, layout.ep, layout.dp)
     if layout.tp > 1:
@@ -427,15 +430,3 @@ def validate(layout: Layout, model: ModelConfig, world_size: int | None = None, 
     if layout.pp > 1:
         check_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
         check_pipeline_depth(model.n_layer, layout.pp * layout.virtual_stages)
-
-
-def resolve_dp(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
-    """--dp when not given: what is left of the processes, world ÷ (tp × pp × cp)."""
-    if world_size % (tp * pp * cp):
-        cp_text = (f" × cp={cp}", " × cp") if cp > 1 else ("", "")
-        raise LayoutError(
-            f"{world_size} processes cannot be split into tp={tp} × pp={pp}"
-            f"{cp_text[0]} groups: make tp × pp{cp_text[1]} divide "
-            "--nproc_per_node"
-        )
-    return world_size // (tp * pp * cp)

@@ -171,20 +171,20 @@ def gpt_num_params(
     return vocab_size * h + seq_len * h + L * (12 * h * h + 13 * h) + 2 * h + moe
 
 
-#: hplab's own model presets (`hplab.models.gpt.PRESETS` builds its GPTConfigs from these).
-HPLAB_PRESETS = {
-    # trains in seconds on a laptop CPU, on the small BPE shipped in data/hplab-bpe
-    "tiny": dict(
-        vocab_size=2048, n_positions=64, n_embd=64, n_layer=4, n_head=4, tokenizer="hplab-bpe"
-    ),
-    # the real GPT-2 sizes, on the genuine GPT-2 BPE shipped in data/gpt2-tokenizer
-    "gpt2": dict(
-        vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, tokenizer="gpt2"
-    ),
-    "gpt2-medium": dict(
-        vocab_size=50257, n_positions=1024, n_embd=1024, n_layer=24, n_head=16, tokenizer="gpt2"
-    ),
-}
+def llama_num_params(
+    n_layer: int, n_embd: int, vocab_size: int, kv_width: int, intermediate: int,
+    tied: bool = True, qkv_bias: bool = False,
+) -> int:  # fmt: skip
+    """Ψ of a Llama (RoPE: no position table; RMSNorm: a gain, no bias; SwiGLU; no biases):
+
+        Ψ = V·h·(1 if tied else 2) + L·(2h² + 2h·h_kv + 3h·I + 2h) + h
+
+    per block: q and o h² each, k and v h·h_kv each (h_kv = h·n_kv_head/n_head), gate, up and
+    down h·I each, two RMSNorm gains; then the final norm. Qwen2 adds h + 2h_kv biases a block."""
+    h, L = n_embd, n_layer
+    block = 2 * h * h + 2 * h * kv_width + 3 * h * intermediate + 2 * h
+    block += (h + 2 * kv_width) if qkv_bias else 0
+    return vocab_size * h * (1 if tied else 2) + L * block + h
 
 
 def training_flops_per_token(num_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:

@@ -46,8 +46,8 @@ class Recorder:
         self.window = (steps[1:3] or steps[:1]) if directory else range(0)
         self.modules = [
             ("model", model),
-            ("embedding", model.transformer.wte),
-            *((f"block {i}", b) for i, b in enumerate(model.transformer.h)),
+            ("embedding", model.get_input_embeddings()),
+            *((f"block {i}", b) for i, b in enumerate(model.blocks)),
             ("head", model.lm_head),
         ]
 

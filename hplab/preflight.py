@@ -23,7 +23,7 @@ import torch
 
 from hplab import checkpoint, link
 from hplab.cli import build_parser, layout_of, optim_of
-from hplab.config import Layout, LayoutError, ModelConfig, OptimConfig, resolve_dp, validate
+from hplab.config import Layout, LayoutError, ModelConfig, OptimConfig, validate
 from hplab.data import TokenDataset
 from hplab.dist import choose_backend
 from hplab.metrics import is_metrics_file
@@ -116,7 +116,9 @@ def model_of(args) -> tuple[dict | None, ModelConfig]:
     saved = checkpoint.load_pretrained(args.init_from) if args.init_from else None
     preset = build_parser().get_default("model")
     name = saved["config"] if saved and args.model == preset else args.model
-    model = config_from_preset(name, args.n_layer, args.n_embd, args.n_head, args.seq_len)
+    model = config_from_preset(
+        name, args.n_layer, args.n_embd, args.n_head, args.seq_len, args.n_kv_head
+    )
     if args.moe_experts:  # each block's MLP a mixture of experts
         model = dataclasses.replace(
             model,
@@ -240,3 +242,15 @@ def token_files(args, model: ModelConfig) -> tuple[TokenDataset, TokenDataset | 
             f" exceeds the validation split: {len(validation)} sequences (last 5%)"
         )
     return dataset, validation
+
+
+def resolve_dp(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
+    """--dp when not given: what is left of the processes, world ÷ (tp × pp × cp)."""
+    if world_size % (tp * pp * cp):
+        cp_text = (f" × cp={cp}", " × cp") if cp > 1 else ("", "")
+        raise LayoutError(
+            f"{world_size} processes cannot be split into tp={tp} × pp={pp}"
+            f"{cp_text[0]} groups: make tp × pp{cp_text[1]} divide "
+            "--nproc_per_node"
+        )
+    return world_size // (tp * pp * cp)

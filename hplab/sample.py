@@ -16,7 +16,7 @@ import torch
 
 from hplab import checkpoint
 from hplab.data import load_tokenizer
-from hplab.models.gpt import GPT
+from hplab.models.gpt import build_model
 
 
 @torch.no_grad()
@@ -55,13 +55,14 @@ def generate(
 
 def load_model(directory):
     """(model, tokenizer) from a `train.py --save` checkpoint (checksums verified) or any Hugging
-    Face GPT-2 folder, in eval mode. Missing or damaged files: a CheckpointError (ValueError)."""
+    Face GPT-2, Llama or Qwen2 folder, in eval mode. Missing or damaged files: a
+    CheckpointError (ValueError)."""
     saved = (
         checkpoint.load
         if (Path(directory) / "trainer_state.json").is_file()
         else checkpoint.load_pretrained
     )(directory)
-    model = GPT(saved["config"])
+    model = build_model(saved["config"])
     model.load_state_dict(saved["model"])
     return model.eval(), load_tokenizer(saved["config"].tokenizer)
 

@@ -94,7 +94,7 @@ def run(args) -> dict | None:
     layout = job.layout
     mesh = Mesh(layout.dp, layout.tp, layout.pp, device, cp=layout.cp, ep=layout.ep)
     par = parallelize(build_model(job.model, args.seed).to(device), mesh, layout, job.optim)
-    for block in par.gpt.transformer.h if args.compile else ():  # (their hooks stay eager)
+    for block in par.gpt.blocks if args.compile else ():  # (their hooks stay eager)
         block.forward = torch.compile(block.forward)
     first_step = checkpoint.restore(par, job.saved, bool(args.resume)) if job.saved else 0
     watch = Observers(par, args.trace, range(first_step, args.steps))

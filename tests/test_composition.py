@@ -3,7 +3,7 @@
 The features (`FEATURES`): dp, ZeRO-1, ZeRO-2, ZeRO-3, tp, sp, the three pipeline schedules
 (1F1B, interleaved, ZB-H1), context parallel's ring and Ulysses, ep, full and selective
 recompute, bf16, fp16 and offload. Of their 136 pairs, 9 are two choices of one setting (two
-ZeRO stages, two schedules, ...) and 7 are refused with a reason (`config.REFUSALS`, README's
+ZeRO stages, two schedules, ...) and 7 are refused with a reason (`hplab.refusals`, README's
 table): `test_every_pair_is_in_a_layout_or_refused_for_a_reason` checks both lists against
 `LAYOUTS`, which hold every other pair at least once — in an fp32 layout, where the check is
 exact, unless the pair has a precision in it. The first three are the frontier layouts of lab
@@ -266,7 +266,8 @@ def test_every_pair_is_in_a_layout_or_refused_for_a_reason():
     LAYOUTS that `validate` accepts (in fp32 unless the pair names a precision), or refused
     with one of README's reasons (7: ZeRO-3 with each schedule and with experts, ZeRO-2 with
     ZB-H1, selective recompute with each context-parallel style) — nothing else."""
-    from hplab.config import REFUSALS, LayoutError, validate
+    from hplab.config import LayoutError, validate
+    from hplab.refusals import REFUSALS
 
     held = set()
     for settings in LAYOUTS.values():

@@ -37,13 +37,11 @@ def test_old_locations_are_the_same_objects():
         assert old is new
     for name, config in gpt.PRESETS.items():
         shape = plan.model_presets()[name]
-        assert (
-            config.num_params()
-            == shape.num_params()
-            == F.gpt_num_params(
+        assert config.num_params() == shape.num_params()
+        if config.arch == "gpt2":  # (a Llama's Ψ: tests/test_llama.py counts its modules)
+            assert config.num_params() == F.gpt_num_params(
                 config.n_layer, config.n_embd, config.vocab_size, config.n_positions
             )
-        )
         assert (shape.n_layer, shape.n_embd, shape.n_head, shape.seq_len, shape.vocab_size) == (
             config.n_layer,
             config.n_embd,

@@ -113,8 +113,8 @@ def test_strategies_do_not_import_each_other(name):
 
 
 def test_readme_lists_every_refusal_with_its_reason():
-    """README's table of what does not compose yet is config.REFUSALS, word for word."""
-    from hplab.config import REFUSALS
+    """README's table of what does not compose yet is hplab.refusals.REFUSALS, word for word."""
+    from hplab.refusals import REFUSALS
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     rows = [line for line in readme.splitlines() if line.startswith("| `--")]

@@ -231,7 +231,7 @@ def folder(tmp_path, hf_dir, change: str):
     ("change", "flags", "message"),
     [
         ("no config", [], "config.json: No such file or directory: expected a Hugging Face model"),
-        ("llama", [], "config.json says model_type 'llama': not a GPT-2 model ('gpt2')"),
+        ("llama", [], "config.json says model_type 'llama' but lacks hidden_size"),
         (
             "vocab 1000",
             [],

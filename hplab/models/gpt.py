@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hplab.config import ModelConfig
-from hplab.formulas import HPLAB_PRESETS
 from hplab.moe import MoE
+from hplab.presets import HPLAB_PRESETS
 
 #: hplab's GPT-2 is described by the one model description the planner reads too.
 GPTConfig = ModelConfig
@@ -39,16 +39,14 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def config_from_preset(
-    name: str | GPTConfig, n_layer=None, n_embd=None, n_head=None, seq_len=None
+    name: str | GPTConfig, n_layer=None, n_embd=None, n_head=None, seq_len=None, n_kv_head=None
 ) -> GPTConfig:
-    """A preset (or a GPTConfig) with the overrides `--n-layer --n-embd --n-head --seq-len`."""
+    """A preset (or a GPTConfig) with the overrides `--n-layer --n-embd --n-head --seq-len`
+    (and `--n-kv-head`, Llama's)."""
     if isinstance(name, str) and name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
-    overrides = {
-        k: v
-        for k, v in dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq_len).items()
-        if v is not None
-    }
+    sizes = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq_len)
+    overrides = {k: v for k, v in {**sizes, "n_kv_head": n_kv_head}.items() if v is not None}
     return replace(PRESETS[name] if isinstance(name, str) else name, **overrides)
 
 
@@ -65,6 +63,14 @@ def unfused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     future = torch.full((T, T), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
     scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + future  # (+ keeps no mask)
     return torch.softmax(scores, dim=-1) @ v
+
+
+def attention_core(attention: nn.Module, q, k, v) -> torch.Tensor:
+    """`attention.attend(q, k, v)`, run again in backward instead of keeping what it saved when
+    `attention.recompute_core` is on (selective recompute)."""
+    if attention.recompute_core and torch.is_grad_enabled():
+        return checkpoint(attention.attend, q, k, v, use_reentrant=False)
+    return attention.attend(q, k, v)
 
 
 class CausalSelfAttention(nn.Module):
@@ -89,10 +95,7 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = q.shape  # of the projections: under sequence parallel c_attn gathers all of T
         # [B, T, heads·d] -> [B, heads, T, d]; `-1` lets the same code run on a shard of heads
         q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(self.attend, q, k, v, use_reentrant=False)
-        else:
-            y = self.attend(q, k, v)
+        y = attention_core(self, q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -149,15 +152,76 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-class GPT(nn.Module):
-    """GPT-2 language model. `forward(idx, targets)` returns `(logits, loss)` (loss None without
-    targets). `recompute = "full"` (or True) makes each block keep only its input for backward
-    and recompute the rest (activation checkpointing): less activation memory for one more
-    forward per block; `"selective"` recomputes only attention's core (`CausalSelfAttention`)."""
+class Decoder(nn.Module):
+    """What hplab's decoders share (GPT here, Llama in `llama.py`): the forward in three parts,
+    so a pipeline can run them on different ranks (`embed`, `run_block` over `blocks`, `head`),
+    the loss, and what backward computes again. `recompute = "full"` (or True) makes each block
+    keep only its input for backward and recompute the rest (activation checkpointing): less
+    activation memory for one more forward per block; `"selective"` recomputes only
+    attention's core (each attention module's `recompute_core`)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        self.loss_fn = cross_entropy  # tensor parallel swaps in a vocab-parallel version
+        self._recompute, self.recomputing = "none", False
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def check_length(self, T: int) -> None:
+        if T > self.config.n_positions:
+            raise ValueError(
+                f"sequence of {T} tokens is longer than n_positions={self.config.n_positions}"
+            )
+
+    @property
+    def recompute(self) -> str:
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, mode: str | bool) -> None:
+        """ "none" (or False), "selective", "full" (or True): what backward computes again."""
+        mode = {False: "none", True: "full"}.get(mode, mode)
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"recompute {mode!r}: choose none, selective or full")
+        self._recompute = mode
+        for module in self.blocks.modules():
+            if hasattr(module, "recompute_core"):  # each block's attention
+                module.recompute_core = mode == "selective"
+
+    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(block, x, use_reentrant=False, context_fn=self._recompute_contexts)
+        return block(x)
+
+    def _recompute_contexts(self):
+        """Around a block's forward, and around each later run of it in backward: `recomputing`
+        is True during those, so observers (hplab.observe) count each forward once."""
+        return contextlib.nullcontext(), Recomputing(self)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = self.run_block(block, x)
+        logits = self.head(x)
+        aux = self.aux_loss(self.blocks)
+        return logits, None if targets is None else self.loss_fn(logits, targets) + aux
+
+    @staticmethod
+    def aux_loss(blocks) -> torch.Tensor | float:
+        """The auxiliary losses of these blocks' last forward (a mixture of experts' balance and
+        z-loss, `hplab.moe`), summed; 0 for dense blocks."""
+        return sum(b.mlp.aux_loss for b in blocks if isinstance(b.mlp, MoE))
+
+
+class GPT(Decoder):
+    """GPT-2 language model. `forward(idx, targets)` returns `(logits, loss)` (loss None without
+    targets); `recompute` as `Decoder` says."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
         self.transformer = nn.ModuleDict(
             dict(  # what HF calls `transformer`
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -168,10 +232,15 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, two uses
-        self.loss_fn = cross_entropy  # tensor parallel swaps in a vocab-parallel version
-        self.recompute, self.recomputing = "none", False
         self.position_ids = torch.arange  # context parallel: the true positions of its tokens
         self.reset_parameters()
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -188,60 +257,24 @@ class GPT(nn.Module):
     # The forward pass in three parts, so a pipeline can run them on different ranks.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
-        if T > self.config.n_positions:
-            raise ValueError(
-                f"sequence of {T} tokens is longer than n_positions={self.config.n_positions}"
-            )
+        self.check_length(T)
         positions = self.position_ids(T, device=idx.device)
         return self.transformer.wte(idx) + self.transformer.wpe(positions)
-
-    @property
-    def recompute(self) -> str:
-        return self._recompute
-
-    @recompute.setter
-    def recompute(self, mode: str | bool) -> None:
-        """ "none" (or False), "selective", "full" (or True): what backward computes again."""
-        mode = {False: "none", True: "full"}.get(mode, mode)
-        if mode not in ("none", "selective", "full"):
-            raise ValueError(f"recompute {mode!r}: choose none, selective or full")
-        self._recompute = mode
-        for block in self.transformer.h:
-            block.attn.recompute_core = mode == "selective"
-
-    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(block, x, use_reentrant=False, context_fn=self._recompute_contexts)
-        return block(x)
-
-    def _recompute_contexts(self):
-        """Around a block's forward, and around each later run of it in backward: `recomputing`
-        is True during those, so observers (hplab.observe) count each forward once."""
-        return contextlib.nullcontext(), Recomputing(self)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.transformer.ln_f(x))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        x = self.embed(idx)
-        for block in self.transformer.h:
-            x = self.run_block(block, x)
-        logits = self.head(x)
-        aux = self.aux_loss(self.transformer.h)
-        return logits, None if targets is None else self.loss_fn(logits, targets) + aux
 
-    @staticmethod
-    def aux_loss(blocks) -> torch.Tensor | float:
-        """The auxiliary losses of these blocks' last forward (a mixture of experts' balance and
-        z-loss, `hplab.moe`), summed; 0 for dense blocks."""
-        return sum(b.mlp.aux_loss for b in blocks if isinstance(b.mlp, MoE))
-
-
-def build_model(config: GPTConfig, seed: int = 0) -> GPT:
+def build_model(config: GPTConfig, seed: int = 0) -> Decoder:
     """The same initial weights for a given seed on every rank and in every layout: weights
-    are drawn on the CPU from a generator seeded only by `seed`, then moved to the device."""
+    are drawn on the CPU from a generator seeded only by `seed`, then moved to the device.
+    `config.arch` picks the model: GPT-2 here, or `llama.LlamaLM`."""
     with torch.random.fork_rng(devices=[]):  # the caller's CPU generator is left as it was
         torch.manual_seed(seed)
+        if config.arch == "llama":
+            from hplab.models.llama import LlamaLM  # (it builds on this module)
+
+            return LlamaLM(config)
         return GPT(config)
 
 

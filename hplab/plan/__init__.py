@@ -48,7 +48,6 @@ from __future__ import annotations
 from hplab.config import RECOMPUTE, Layout, LayoutError, ModelConfig
 from hplab.formulas import (
     CP_STYLES,
-    HPLAB_PRESETS,
     PRECISION_BYTES,
     SCHEDULES,
     activation_bytes_per_layer,
@@ -80,6 +79,7 @@ from hplab.plan.presets import (
 )
 from hplab.plan.search import candidate_layouts, explain, search
 from hplab.plan.time import group_link
+from hplab.presets import HPLAB_PRESETS
 
 __all__ = [
     "CP_STYLES",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hplab.config import ModelConfig
-from hplab.formulas import HPLAB_PRESETS
+from hplab.presets import HPLAB_PRESETS
 
 GB, GIB = 1e9, 2**30
 
