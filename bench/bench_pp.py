@@ -104,7 +104,9 @@ def torch_1f1b():
         loss_fn=pp.loss_fn,
     )
     optim = OptimConfig(lr=1e-3)  # grouped as hplab's: the tied weight apart
-    opt = make_sharded_optimizer(stage, [stage], mesh, Layout(pp=WORLD), optim, MixedPrecision())
+    opt = make_sharded_optimizer(
+        model, stage, [stage], mesh, Layout(pp=WORLD), optim, MixedPrecision()
+    )
 
     def step(x, y):
         if mesh.pp_rank == 0:

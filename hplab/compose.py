@@ -99,6 +99,7 @@ def parallelize(
         mark_no_decay(gpt)
     if layout.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
         plan = tp.MOE_GPT_PLAN if gpt.config.n_experts else tp.GPT_PLAN
+        plan = tp.LLAMA_PLAN if gpt.config.arch == "llama" else plan
         tp.parallelize(gpt, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)
     if layout.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
         cp.parallelize(gpt, mesh.cp, layout.cp_style, layout.cp_split)
@@ -123,7 +124,7 @@ def parallelize(
     moe.parallelize(gpt, mesh.ep, mesh.dp, mesh.cp)  # experts: this rank's E/ep (within dp)
     owned = nn.ModuleList(stages) if stages else gpt  # what this rank holds and steps
     wrapped = data_parallel(gpt, owned, mesh, layout, precision)
-    optimizer = make_sharded_optimizer(owned, stages, mesh, layout, optim, precision)
+    optimizer = make_sharded_optimizer(gpt, owned, stages, mesh, layout, optim, precision)
     # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one
     factor = lambda i: (
         learning_rate(  # noqa: E731
@@ -162,12 +163,13 @@ def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) 
     return DDP(owned, mesh.dp_cp, layout.bucket_mb)
 
 
-def make_sharded_optimizer(owned, stages, mesh, layout: Layout, optim: OptimConfig, precision):
+def make_sharded_optimizer(gpt, owned, stages, mesh, layout: Layout, optim: OptimConfig, precision):
     """AdamW over this rank's parameters, grouped by where their copies live: as ZeRO-1/2 over
     dp × cp (experts over their replicas, dp/ep × cp), over fp32 masters (mixed precision
     without ZeRO), or plain (ZeRO-3: the fp32 shards)."""
-    ends = [s.wte for s in stages if s.is_first] + [s.lm_head for s in stages if s.is_last]
-    tied, is_first = (ends[0].weight if ends else None), any(s.is_first for s in stages)
+    is_first = any(s.is_first for s in stages)
+    ends = any(s.is_first or s.is_last for s in stages) and gpt.config.tie_word_embeddings
+    tied = gpt.lm_head.weight if ends else None  # (the embedding's too: on both ends)
     groups = parameter_groups(owned.parameters(), tied, is_first or not stages, optim.weight_decay)
     settings = dict(lr=optim.lr, weight_decay=optim.weight_decay, **ADAMW)
     if layout.zero in (1, 2):

@@ -424,6 +424,12 @@ def validate(layout: Layout, model: ModelConfig, world_size: int | None = None, 
     if layout.tp > 1:
         seq_len = model.n_positions if layout.sequence_parallel else None
         check_tensor_parallel(model.n_head, model.n_embd, layout.tp, seq_len, layout.cp)
+        if model.kv_heads % layout.tp:  # (replicating K/V heads over tp ranks: not yet)
+            raise LayoutError(
+                f"--tp {layout.tp} must divide the {model.kv_heads} K/V heads: each "
+                "tensor-parallel rank holds whole K/V heads",
+                ("tp",),
+            )
     if layout.cp > 1:  # (Ulysses shares each tensor-parallel rank's heads)
         heads, c = model.n_head // layout.tp, layout
         check_context_parallel(model.n_positions, heads, c.cp, c.cp_style, c.cp_split)

@@ -66,18 +66,18 @@ def split_layers(n_layer: int, num_chunks: int) -> list[range]:
 class Stage(nn.Module):
     """One model chunk: the embedding (first chunk only), some blocks, the head (last only).
     Its registered submodules are only the pieces it owns, so `stage.parameters()` is the
-    chunk's own weights (on the last chunk `lm_head.weight` is `wte.weight`: tied)."""
+    chunk's own weights (on the last chunk a tied `lm_head.weight` is the embedding's)."""
 
     def __init__(self, gpt, chunk: int, num_chunks: int, layers: range):
         super().__init__()
         self.__dict__["gpt"] = gpt  # the model the pieces come from (not registered here)
         self.chunk, self.layers = chunk, layers
         self.is_first, self.is_last = chunk == 0, chunk == num_chunks - 1
-        if self.is_first:
-            self.wte, self.wpe = gpt.transformer.wte, gpt.transformer.wpe
-        self.blocks = nn.ModuleList(gpt.transformer.h[i] for i in layers)
-        if self.is_last:
-            self.ln_f, self.lm_head = gpt.transformer.ln_f, gpt.lm_head
+        if self.is_first:  # what `embed` uses (GPT-2: wte, wpe; a Llama: embed_tokens)
+            self.embedding = gpt.embedding_part()
+        self.blocks = nn.ModuleList(gpt.blocks[i] for i in layers)
+        if self.is_last:  # what `head` uses: the final norm and the LM head
+            self.final = gpt.head_part()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first chunk) or an activation in; an activation or logits out."""

@@ -52,9 +52,9 @@ REFUSALS = [
         "expert on every rank): use ZeRO-1 or 2",
     ),
     (
-        lambda c, m: m.arch == "llama" and c.tp * c.pp * c.cp > 1,
-        ("tp", "pp", "cp"),
-        "hplab's Llama trains under data parallel, ZeRO 1-3, recompute and mixed precision so "
-        "far; tensor, pipeline and context parallel cut GPT-2's modules only: use --dp",
+        lambda c, m: m.arch == "llama" and c.cp > 1,
+        ("cp",),
+        "context parallel swaps GPT-2's attention and positions; hplab's Llama's RoPE attention "
+        "has no ring or Ulysses form yet: use --tp, --pp or --dp",
     ),
 ]

@@ -169,11 +169,8 @@ class ReplicatedSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (
-            (_split(grad, ctx.comm, 1) if ctx.gather else _all_gather(grad, ctx.comm)),
-            None,
-            None,
-        )
+        grad = _split(grad, ctx.comm, 1) if ctx.gather else _all_gather(grad, ctx.comm)
+        return grad, None, None
 
 
 class LinearWithSequenceGather(torch.autograd.Function):
@@ -201,9 +198,8 @@ class LinearWithSequenceGather(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Split:
-    """Where a tensor-parallel parameter comes from: the full tensor cut along `dim`, each of
-    its `fused` blocks (c_attn's Q | K | V) on its own; `full_size`: the size along `dim`
-    before zero padding to a multiple of T (the vocabulary)."""
+    """A piece of the full tensor cut along `dim`, each of its `fused` blocks (c_attn's Q|K|V)
+    on its own; `full_size`: the size before zero padding to a multiple of T (a vocabulary)."""
 
     dim: int
     fused: int = 1
@@ -230,8 +226,7 @@ def unshard(local: torch.Tensor, split: Split, comm: Communicator) -> torch.Tens
     return full.narrow(split.dim, 0, split.full_size or full.shape[split.dim]).contiguous()
 
 
-def is_split(p: torch.Tensor) -> bool:
-    return getattr(p, "tp_split", None) is not None
+is_split = lambda p: getattr(p, "tp_split", None) is not None  # noqa: E731 (a piece of a param)
 
 
 def _cut(p: nn.Parameter | None, split: Split, comm: Communicator) -> nn.Parameter | None:
@@ -309,12 +304,8 @@ class SequenceParallelPositions(nn.Module):
 
     def __init__(self, embedding, comm: Communicator, sequence_parallel=False, given_slice=False):
         super().__init__()
-        self.weight, self.comm, self.sp, self.shift = (
-            embedding.weight,
-            comm,
-            sequence_parallel,
-            given_slice,
-        )
+        self.weight, self.comm = embedding.weight, comm
+        self.sp, self.shift = sequence_parallel, given_slice
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         if self.sp:
@@ -414,6 +405,15 @@ MOE_GPT_PLAN = dict(  # each expert's MLP cut as the dense one, without sequence
     else (p, cut)
     for p, cut in GPT_PLAN.items()
 ) | {"transformer.h.*.mlp": experts_see_every_token}
+LLAMA_PLAN = {  # hplab's Llama (LlamaForCausalLM's names): whole query and K/V heads per rank
+    "model.embed_tokens": VocabParallelEmbedding,
+    "lm_head": ColumnParallelLinear,  # (tied: the embedding's piece)
+    **{f"model.layers.*.self_attn.{x}_proj": ColumnParallelLinear for x in "qkv"},
+    "model.layers.*.self_attn.o_proj": RowParallelLinear,
+    **{f"model.layers.*.mlp.{x}_proj": ColumnParallelLinear for x in ("gate", "up")},
+    "model.layers.*.mlp.down_proj": RowParallelLinear,
+    "": vocab_parallel_loss,
+}
 HF_GPT2_PLAN = {  # Hugging Face GPT2LMHeadModel, handed s/T ids under sequence parallel
     "": needs_sdpa,
     "transformer.wte": functools.partial(VocabParallelEmbedding, given_slice=True),

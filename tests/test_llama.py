@@ -4,8 +4,9 @@ that cut it so far.
 The same weights give the same logits as `LlamaForCausalLM` and `Qwen2ForCausalLM` (1e-5),
 tied or untied, with grouped-query attention; a checkpoint hplab saves opens in transformers,
 and `--init-from` reads a folder transformers saved. Trained by train.py on one process and
-under dp 2 with DDP, ZeRO 1, 2 and 3, full and selective recompute, it gives one process's
-losses (fp32, 1e-5). The layouts that do not cut it yet are one line each.
+under dp 2 with DDP, ZeRO 1, 2 and 3, full and selective recompute, and on 4 ranks under
+tensor parallel (with sequence parallel), pipelines (1F1B, ZB-H1) and their hybrids, it gives
+one process's losses (fp32, 1e-5). The layouts that do not cut it yet are one line each.
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ def test_unknown_math_in_a_config_is_one_sentence(tmp_path):
 TRAIN = ["--model", "llama-tiny", "--n-layer", "2", "--no-progress", "--steps", "3"]
 TRAIN += ["--batch-size", "4", "--lr", "3e-3", "--grad-clip", "1e9"]  # (never clips)
 RUNS = {
+    4: {  # q, k, v, gate, up column parallel; o, down row parallel; the vocabulary split
+        "dp2 tp2 sp zero1": "--dp 2 --tp 2 --sequence-parallel --zero 1".split(),
+        "tp2 pp2 1f1b, 2 microbatches": "--tp 2 --pp 2 --microbatches 2".split(),
+        "dp2 pp2 zb-h1 zero1": "--dp 2 --pp 2 --schedule zb-h1 --zero 1".split(),
+    },
     2: {
         "dp2 (DDP)": ["--dp", "2"],
         "dp2 zero1": ["--dp", "2", "--zero", "1"],
@@ -140,7 +146,7 @@ RUNS = {
         "one process, resumed at step 2": ["--resume", "{saved}"],
     },
 }
-FP32 = [name for name in RUNS[2] if "bf16" not in name and "saved" not in name]
+FP32 = [n for n in [*RUNS[4], *RUNS[2]] if "bf16" not in n and "saved" not in n]
 
 
 def _launch(directory: str) -> dict:
@@ -162,7 +168,8 @@ def _launch(directory: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("llama"))
-    return run_distributed(_launch, 2, directory)[0] | run_distributed(_launch, 1, directory)[0]
+    runs = run_distributed(_launch, 4, directory)[0] | run_distributed(_launch, 2, directory)[0]
+    return runs | run_distributed(_launch, 1, directory)[0]
 
 
 @pytest.mark.parametrize("name", FP32)
@@ -187,8 +194,8 @@ def test_bf16_and_a_resharded_resume_follow_one_process(runs):
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        ("--model llama-tiny --tp 2", "hplab's Llama trains under data parallel, ZeRO 1-3"),
-        ("--model llama-tiny --pp 2", "tensor, pipeline and context parallel cut GPT-2's"),
+        ("--model llama-tiny --cp 2", "hplab's Llama's RoPE attention has no ring or Ulysses"),
+        ("--model llama-tiny --tp 4 --nproc 4", "--tp 4 must divide the 2 K/V heads"),
         ("--model llama-tiny --n-kv-head 3", "--n-kv-head 3 must divide --n-head (4)"),
         ("--n-kv-head 2", "--n-kv-head: GPT-2 has as many K/V heads as heads"),
         ("--model llama-tiny --moe-experts 4", "hplab's Llama has no mixture-of-experts"),

@@ -652,7 +652,7 @@ def run_torch_pipelining(n_layer, p, schedule, m):
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     runner = kind(pipe_stage, m, loss_fn=pp.loss_fn)
     optim = OptimConfig(lr=1e-3, weight_decay=0.1)  # grouped as hplab's: the tied weight apart
-    opt = make_sharded_optimizer(stage, [stage], mesh, Layout(pp=p), optim, MixedPrecision())
+    opt = make_sharded_optimizer(model, stage, [stage], mesh, Layout(pp=p), optim, MixedPrecision())
     losses = []
     for x, y in global_batches(PER_MICROBATCH * m):
         mb_losses = []

@@ -242,6 +242,12 @@ class GPT(Decoder):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte
 
+    def embedding_part(self) -> nn.ModuleList:  # what `embed` uses (a pipeline's first stage)
+        return nn.ModuleList([self.transformer.wte, self.transformer.wpe])
+
+    def head_part(self) -> nn.ModuleList:  # what `head` uses (a pipeline's last stage)
+        return nn.ModuleList([self.transformer.ln_f, self.lm_head])
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """GPT-2's initialisation: N(0, 0.02) weights, zero biases, unit layer norms, and the

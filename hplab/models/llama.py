@@ -74,12 +74,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaAttention(nn.Module):
     """Grouped-query attention: q_proj makes n_head query heads, k_proj and v_proj n_kv_head
     K/V heads; query head j reads K/V head j // (n_head / n_kv_head). Queries and keys turn by
-    RoPE before the scores. `recompute_core`: as hplab's GPT (selective recompute)."""
+    RoPE before the scores. Under tensor parallel a rank holds a slice of whole heads of each
+    projection; the views count heads from the widths. `recompute_core`: as hplab's GPT."""
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         h, d = config.n_embd, config.n_embd // config.n_head
         self.n_head, self.n_kv_head, self.rotary = config.n_head, config.kv_heads, [rotary]
+        self.head_dim = d
         self.q_proj = nn.Linear(h, self.n_head * d, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, self.n_kv_head * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, self.n_kv_head * d, bias=config.qkv_bias)
@@ -89,10 +91,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        B, T, _ = q.shape
-        d = self.o_proj.in_features // self.n_head
+        B, T, _ = q.shape  # (under sequence parallel the projections gather all of T)
         # [B, T, heads·d] -> [B, heads, T, d]; `-1` lets the same code run on a shard of heads
-        q, k, v = (t.view(B, T, -1, d).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         cos, sin = self.rotary[0](T, x.device)  # (a list: the shared module is not a child)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = attention_core(self, q, k, v)
@@ -155,6 +156,12 @@ class LlamaLM(Decoder):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+    def embedding_part(self) -> nn.ModuleList:  # what `embed` uses (a pipeline's first stage)
+        return nn.ModuleList([self.model.embed_tokens])
+
+    def head_part(self) -> nn.ModuleList:  # what `head` uses (a pipeline's last stage)
+        return nn.ModuleList([self.model.norm, self.lm_head])
 
     @property
     def rotary(self) -> RotaryEmbedding:
