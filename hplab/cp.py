@@ -127,6 +127,19 @@ def pairs_computed(rank: int, size: int, split: str, n: int) -> int:
 
 
 # --- 3. The ring ---------------------------------------------------------------------------
+# Grouped-query attention (a Llama's): the ring carries only the K/V heads, n_head/n_kv_head
+# times fewer bytes; each block is widened to the query heads where it is used, and its dK/dV
+# summed back over each group of query heads before it travels on.
+
+
+def _widen(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V [b, kv_heads, n, d] → [b, heads, n, d]: query head j reads K/V head j // group."""
+    return kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def _narrow(d_kv: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The inverse for gradients: each K/V head's is the sum over the query heads that read it."""
+    return d_kv.unflatten(1, (kv_heads, -1)).sum(2)
 
 
 def _pass_on(t: torch.Tensor, comm: Communicator):
@@ -161,8 +174,8 @@ class RingAttention(torch.autograd.Function):
                 rows, cols, causal = work
                 block_out, block_lse = block_attention(
                     q[:, :, rows].float(),
-                    kv[0][:, :, cols].float(),
-                    kv[1][:, :, cols].float(),
+                    _widen(kv[0][:, :, cols].float(), q.shape[1]),
+                    _widen(kv[1][:, :, cols].float(), q.shape[1]),
                     causal,
                 )
                 if out is None:  # step 0: our own block, every query (so no -inf to merge)
@@ -206,15 +219,15 @@ def _block_gradients(q, kv, d_out, lse, delta, dq, comm, src: int, split: str):
     rows, cols, causal = work
     dq_b, dk_b, dv_b = block_attention_backward(
         q[:, :, rows],
-        kv[0][:, :, cols].float(),
-        kv[1][:, :, cols].float(),
+        _widen(kv[0][:, :, cols].float(), q.shape[1]),
+        _widen(kv[1][:, :, cols].float(), q.shape[1]),
         d_out[:, :, rows],
         lse[:, :, rows],
         delta[:, :, rows],
         causal,
     )
     dq[:, :, rows] += dq_b
-    return (rows, cols), dk_b, dv_b
+    return (rows, cols), _narrow(dk_b, kv.shape[2]), _narrow(dv_b, kv.shape[2])
 
 
 def ring_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> torch.Tensor:
@@ -222,7 +235,7 @@ def ring_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> torch.
     return (
         RingAttention.apply(q, k, v, comm, split)
         if comm.size > 1
-        else F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     )
 
 
@@ -240,6 +253,7 @@ def ulysses_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> tor
     """Causal attention of this rank's tokens [b, heads, s/N, d]: q, k, v go to [b, heads/N,
     s, d] (one all-to-all for the three), SDPA runs on whole sequences, an all-to-all returns."""
     check_context_parallel(q.shape[2] * comm.size, q.shape[1], comm.size, "ulysses", split)
+    k, v = _widen(k, q.shape[1]), _widen(v, q.shape[1])  # (GQA: every query head's K/V moves)
     by_rank = torch.cat(
         [positions(q.shape[2] * comm.size, r, comm.size, split) for r in range(comm.size)]
     ).to(q.device)  # as the tokens arrive
@@ -253,15 +267,16 @@ def ulysses_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> tor
 
 
 def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
-    """Make hplab's GPT context-parallel over `group`, in place: every attention runs `style`,
-    and the embedding puts this rank's tokens at their true positions (the caller hands each
-    rank its tokens with `shard` and averages gradients over the group)."""
+    """Make hplab's GPT or Llama context-parallel over `group`, in place: every attention runs
+    `style`, and the positions (GPT-2's embedding, a Llama's RoPE) are this rank's tokens' true
+    ones (the caller hands each rank its tokens with `shard` and averages gradients over the
+    group)."""
     comm = communicator(group, "cp")
-    heads = model.transformer.h[0].attn.n_head  # this tensor-parallel rank's heads
+    heads = model.attentions()[0].n_head  # this tensor-parallel rank's query heads
     check_context_parallel(model.config.n_positions, heads, comm.size, style, split)
     attend = ring_attention if style == "ring" else ulysses_attention
-    for block in model.transformer.h:
-        block.attn.attend = functools.partial(attend, comm=comm, split=split)
+    for attention in model.attentions():
+        attention.attend = functools.partial(attend, comm=comm, split=split)
     model.position_ids = lambda n, device=None: positions(  # torch.arange's place: n local
         n * comm.size, comm.rank, comm.size, split
     ).to(device)  # tokens' true positions

@@ -391,9 +391,10 @@ CP_STYLES, CP_SPLITS = ("ring", "ulysses"), ("zigzag", "contiguous")
 
 
 def ring_attention_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -> dict:
-    """Bytes one rank sends per layer in ring attention (b sequences of s tokens, hidden h):
-    forward, cp-1 K/V blocks of 2·b·(s/cp)·h numbers, 2·(cp-1)·b·s/cp·h; backward, the K/V
-    blocks again and cp dK/dV blocks (one more hop brings each home), 2·(2cp-1)·b·s/cp·h."""
+    """Bytes one rank sends per layer in ring attention (b sequences of s tokens, K/V width h:
+    the hidden size, or n_kv_head·d under grouped-query attention): forward, cp-1 K/V blocks
+    of 2·b·(s/cp)·h numbers; backward, the K/V blocks again and cp dK/dV blocks (one more hop
+    brings each home), 2·(2cp-1)·b·s/cp·h."""
     block = 2 * b * s // cp * h * elem_bytes
     return {"forward": (cp - 1) * block, "backward": (2 * cp - 1) * block}
 

@@ -336,8 +336,8 @@ class AttentionMeter:
         self.now = dict.fromkeys(self.per_step, 0)  # (calls outside a step count nowhere)
         self.comm, self.style, self.split = comm, style, split
         self.clock, self.spans = clock or clock_for(comm.device), []  # this step's (start, end)
-        for block in model.transformer.h:
-            block.attn.attend = functools.partial(self._timed, block.attn.attend)
+        for attention in model.attentions():
+            attention.attend = functools.partial(self._timed, attention.attend)
 
     @contextlib.contextmanager
     def step(self):

@@ -51,10 +51,4 @@ REFUSALS = [
         "experts run with every dimension but ZeRO-3 (its per-layer gathers would gather every "
         "expert on every rank): use ZeRO-1 or 2",
     ),
-    (
-        lambda c, m: m.arch == "llama" and c.cp > 1,
-        ("cp",),
-        "context parallel swaps GPT-2's attention and positions; hplab's Llama's RoPE attention "
-        "has no ring or Ulysses form yet: use --tp, --pp or --dp",
-    ),
 ]

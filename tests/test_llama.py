@@ -130,6 +130,10 @@ RUNS = {
         "dp2 tp2 sp zero1": "--dp 2 --tp 2 --sequence-parallel --zero 1".split(),
         "tp2 pp2 1f1b, 2 microbatches": "--tp 2 --pp 2 --microbatches 2".split(),
         "dp2 pp2 zb-h1 zero1": "--dp 2 --pp 2 --schedule zb-h1 --zero 1".split(),
+        # RoPE at each token's true position; the ring carries the 2 K/V heads only
+        "cp2 tp2 ring sp": "--cp 2 --tp 2 --sequence-parallel".split(),
+        "cp4 ring contiguous": "--cp 4 --cp-split contiguous".split(),
+        "cp2 dp2 ulysses zero2": "--cp 2 --dp 2 --cp-style ulysses --zero 2".split(),
     },
     2: {
         "dp2 (DDP)": ["--dp", "2"],
@@ -161,6 +165,10 @@ def _launch(directory: str) -> dict:
         flags = [flag.format(saved=f"{directory}/saved") for flag in flags]
         metrics = train.run(train.parse_args(TRAIN + flags))  # (rank 0's; None elsewhere)
         out[name] = metrics and [s["loss"] for s in metrics["steps"]]
+        if metrics and name.startswith("cp4 ring"):  # what each rank sent around the ring
+            out[f"{name}: ring bytes"] = [
+                g["cp"]["send"]["bytes"] for g in metrics["comm_by_group"]
+            ]
     compose.clip_grad_norm_ = clip
     return out
 
@@ -181,6 +189,20 @@ def test_data_parallel_and_zero_train_the_model_one_process_trains(runs, name):
     assert runs[f"{name}: gradient norms"] == pytest.approx(norms, rel=1e-5), name
 
 
+def test_the_ring_carries_only_the_k_v_heads(runs):
+    """Under grouped-query attention a K/V block is 2·b·(s/N)·h_kv numbers, h_kv = n_kv_head·d:
+    2 of llama-tiny's 4 heads, half of what the same ring moves for a model with a K/V head per
+    query head (formulas.ring_attention_bytes with the K/V width)."""
+    from hplab.formulas import ring_attention_bytes
+
+    c, steps, cp = dataclasses.replace(PRESETS["llama-tiny"], n_layer=2), 3, 4
+    kv_width = c.kv_heads * c.n_embd // c.n_head
+    per_layer = ring_attention_bytes(4, c.n_positions, kv_width, cp)  # 4 sequences a step
+    want = steps * c.n_layer * (per_layer["forward"] + per_layer["backward"])
+    assert runs["cp4 ring contiguous: ring bytes"] == [want] * cp
+    assert kv_width * 2 == c.n_embd
+
+
 def test_bf16_and_a_resharded_resume_follow_one_process(runs):
     """bf16 under dp2 + ZeRO-1 against one process in bf16 (within one bf16 rounding, 2⁻⁸);
     saved under dp2 + ZeRO-3 after 2 steps, resumed on one process: its third step is the
@@ -194,7 +216,6 @@ def test_bf16_and_a_resharded_resume_follow_one_process(runs):
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        ("--model llama-tiny --cp 2", "hplab's Llama's RoPE attention has no ring or Ulysses"),
         ("--model llama-tiny --tp 4 --nproc 4", "--tp 4 must divide the 2 K/V heads"),
         ("--model llama-tiny --n-kv-head 3", "--n-kv-head 3 must divide --n-head (4)"),
         ("--n-kv-head 2", "--n-kv-head: GPT-2 has as many K/V heads as heads"),

@@ -187,9 +187,13 @@ class Decoder(nn.Module):
         if mode not in ("none", "selective", "full"):
             raise ValueError(f"recompute {mode!r}: choose none, selective or full")
         self._recompute = mode
-        for module in self.blocks.modules():
-            if hasattr(module, "recompute_core"):  # each block's attention
-                module.recompute_core = mode == "selective"
+        for attention in self.attentions():
+            attention.recompute_core = mode == "selective"
+
+    def attentions(self) -> list[nn.Module]:
+        """Each block's attention (context parallel swaps its `attend`; selective recompute
+        runs it again in backward)."""
+        return [m for m in self.blocks.modules() if hasattr(m, "recompute_core")]
 
     def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():

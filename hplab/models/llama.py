@@ -80,14 +80,17 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         h, d = config.n_embd, config.n_embd // config.n_head
-        self.n_head, self.n_kv_head, self.rotary = config.n_head, config.kv_heads, [rotary]
-        self.head_dim = d
-        self.q_proj = nn.Linear(h, self.n_head * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv_head * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv_head * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.n_head * d, h, bias=False)
+        self.head_dim, self.rotary = d, [rotary]
+        self.q_proj = nn.Linear(h, config.n_head * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.n_head * d, h, bias=False)
         self.attend = grouped_causal_attention  # (context parallel would swap it)
         self.recompute_core = False
+
+    @property
+    def n_head(self) -> int:  # the query heads this rank holds (all, or its tensor-parallel share)
+        return self.q_proj.weight.shape[0] // self.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -166,6 +169,15 @@ class LlamaLM(Decoder):
     @property
     def rotary(self) -> RotaryEmbedding:
         return self.model.rotary_emb
+
+    @property
+    def position_ids(self):
+        """The positions RoPE turns this rank's tokens by (context parallel: their true ones)."""
+        return self.rotary.position_ids
+
+    @position_ids.setter
+    def position_ids(self, fn) -> None:
+        self.rotary.position_ids = fn
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
