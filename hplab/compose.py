@@ -28,6 +28,7 @@ from hplab.config import Layout, OptimConfig, validate
 from hplab.ddp import DDP
 from hplab.dist import Mesh
 from hplab.formulas import learning_rate
+from hplab.models import llama
 from hplab.optim import WrappedOptimizer, stepped_groups
 from hplab.precision import MasterWeightOptimizer, MixedPrecision
 from hplab.zero import ZeroOptimizer
@@ -98,8 +99,11 @@ def parallelize(
     if optim.no_decay_bias_norm:  # by role, while the model is whole
         mark_no_decay(gpt)
     if layout.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
-        plan = tp.MOE_GPT_PLAN if gpt.config.n_experts else tp.GPT_PLAN
-        plan = tp.LLAMA_PLAN if gpt.config.arch == "llama" else plan
+        is_llama = gpt.config.arch == "llama"
+        plan, blocks = (
+            (llama.TP_PLAN, "model.layers") if is_llama else (tp.GPT_PLAN, "transformer.h")
+        )
+        plan = tp.with_experts(plan, blocks) if gpt.config.n_experts else plan
         tp.parallelize(gpt, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)
     if layout.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
         cp.parallelize(gpt, mesh.cp, layout.cp_style, layout.cp_split)

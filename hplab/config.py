@@ -243,7 +243,7 @@ def check_model(model: ModelConfig) -> None:
 
 
 def check_llama(model: ModelConfig) -> None:
-    """Whole groups of query heads per K/V head, RoPE's channel pairs, and no experts yet."""
+    """Whole groups of query heads per K/V head, and RoPE's channel pairs."""
     a, kv = model.n_head, model.kv_heads
     if not 1 <= kv <= a or a % kv:
         raise LayoutError(
@@ -255,8 +255,6 @@ def check_llama(model: ModelConfig) -> None:
             f"head width n_embd / n_head = {model.n_embd // a} must be even: RoPE turns "
             "channels in pairs"
         )
-    if model.n_experts:
-        raise LayoutError("--moe-experts: hplab's Llama has no mixture-of-experts variant yet")
 
 
 def check_balance(balance: str) -> str:

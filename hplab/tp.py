@@ -399,21 +399,17 @@ def experts_see_every_token(moe, comm, sequence_parallel=False):
     return moe
 
 
-MOE_GPT_PLAN = dict(  # each expert's MLP cut as the dense one, without sequence parallel inside
-    (p.replace(".mlp.", ".mlp.experts.*."), lambda m, c, _, cut=cut: cut(m, c, False))
-    if ".mlp." in p
-    else (p, cut)
-    for p, cut in GPT_PLAN.items()
-) | {"transformer.h.*.mlp": experts_see_every_token}
-LLAMA_PLAN = {  # hplab's Llama (LlamaForCausalLM's names): whole query and K/V heads per rank
-    "model.embed_tokens": VocabParallelEmbedding,
-    "lm_head": ColumnParallelLinear,  # (tied: the embedding's piece)
-    **{f"model.layers.*.self_attn.{x}_proj": ColumnParallelLinear for x in "qkv"},
-    "model.layers.*.self_attn.o_proj": RowParallelLinear,
-    **{f"model.layers.*.mlp.{x}_proj": ColumnParallelLinear for x in ("gate", "up")},
-    "model.layers.*.mlp.down_proj": RowParallelLinear,
-    "": vocab_parallel_loss,
-}
+def with_experts(plan: dict, blocks: str) -> dict:
+    """`plan` where each `blocks.*.mlp` is a mixture of experts: every expert's MLP cut as the
+    dense one, without sequence parallel inside (the layer sees every token)."""
+    each = lambda cut: lambda m, c, _: cut(m, c, False)  # noqa: E731
+    return {
+        p.replace(".mlp.", ".mlp.experts.*."): each(cut) if ".mlp." in p else cut
+        for p, cut in plan.items()
+    } | {f"{blocks}.*.mlp": experts_see_every_token}
+
+
+MOE_GPT_PLAN = with_experts(GPT_PLAN, "transformer.h")
 HF_GPT2_PLAN = {  # Hugging Face GPT2LMHeadModel, handed s/T ids under sequence parallel
     "": needs_sdpa,
     "transformer.wte": functools.partial(VocabParallelEmbedding, given_slice=True),

@@ -125,6 +125,7 @@ def test_unknown_math_in_a_config_is_one_sentence(tmp_path):
 
 TRAIN = ["--model", "llama-tiny", "--n-layer", "2", "--no-progress", "--steps", "3"]
 TRAIN += ["--batch-size", "4", "--lr", "3e-3", "--grad-clip", "1e9"]  # (never clips)
+EXPERTS = ["--moe-experts", "4", "--moe-balance", "sequence"]
 RUNS = {
     4: {  # q, k, v, gate, up column parallel; o, down row parallel; the vocabulary split
         "dp2 tp2 sp zero1": "--dp 2 --tp 2 --sequence-parallel --zero 1".split(),
@@ -134,6 +135,13 @@ RUNS = {
         "cp2 tp2 ring sp": "--cp 2 --tp 2 --sequence-parallel".split(),
         "cp4 ring contiguous": "--cp 4 --cp-split contiguous".split(),
         "cp2 dp2 ulysses zero2": "--cp 2 --dp 2 --cp-style ulysses --zero 2".split(),
+        # Mixtral-style: each MLP 4 SwiGLU experts, top-2 (sequence-wise balance: any cut)
+        "experts: dp4 ep2 zero1": [*EXPERTS, *"--dp 4 --ep 2 --zero 1".split()],
+        "experts: dp2 ep2 pp2, 2 microbatches": [
+            *EXPERTS,
+            *"--dp 2 --ep 2 --pp 2 --microbatches 2".split(),
+        ],
+        "experts: dp2 tp2 ep2 sp": [*EXPERTS, *"--dp 2 --tp 2 --ep 2 --sequence-parallel".split()],
     },
     2: {
         "dp2 (DDP)": ["--dp", "2"],
@@ -148,9 +156,10 @@ RUNS = {
         "one process": [],
         "one process bf16": ["--precision", "bf16"],
         "one process, resumed at step 2": ["--resume", "{saved}"],
+        "experts: one process": EXPERTS,
     },
 }
-FP32 = [n for n in [*RUNS[4], *RUNS[2]] if "bf16" not in n and "saved" not in n]
+FP32 = [n for n in [*RUNS[4], *RUNS[2]] if not any(w in n for w in ("bf16", "saved", "experts"))]
 
 
 def _launch(directory: str) -> dict:
@@ -189,6 +198,18 @@ def test_data_parallel_and_zero_train_the_model_one_process_trains(runs, name):
     assert runs[f"{name}: gradient norms"] == pytest.approx(norms, rel=1e-5), name
 
 
+@pytest.mark.parametrize("name", [n for n in RUNS[4] if n.startswith("experts")])
+def test_mixtral_style_experts_train_the_model_one_process_trains(runs, name):
+    """Each SwiGLU MLP swapped for 4 SwiGLU experts behind hplab.moe's top-2 router: expert
+    parallel with ZeRO-1, in a pipeline of 2 microbatches, and with tensor and sequence
+    parallel."""
+    reference = runs["experts: one process"]
+    assert reference != pytest.approx(runs["one process"], rel=1e-3)  # (experts did change it)
+    assert runs[name] == pytest.approx(reference, rel=1e-5, abs=0), name
+    norms = runs["experts: one process: gradient norms"]
+    assert runs[f"{name}: gradient norms"] == pytest.approx(norms, rel=1e-5), name
+
+
 def test_the_ring_carries_only_the_k_v_heads(runs):
     """Under grouped-query attention a K/V block is 2·b·(s/N)·h_kv numbers, h_kv = n_kv_head·d:
     2 of llama-tiny's 4 heads, half of what the same ring moves for a model with a K/V head per
@@ -219,7 +240,6 @@ def test_bf16_and_a_resharded_resume_follow_one_process(runs):
         ("--model llama-tiny --tp 4 --nproc 4", "--tp 4 must divide the 2 K/V heads"),
         ("--model llama-tiny --n-kv-head 3", "--n-kv-head 3 must divide --n-head (4)"),
         ("--n-kv-head 2", "--n-kv-head: GPT-2 has as many K/V heads as heads"),
-        ("--model llama-tiny --moe-experts 4", "hplab's Llama has no mixture-of-experts"),
     ],
 )
 def test_what_does_not_run_on_llama_yet_is_one_line(flags, says, capsys):

@@ -31,8 +31,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hplab import tp
 from hplab.config import ModelConfig
 from hplab.models.gpt import Decoder, attention_core
+from hplab.moe import MoE
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +122,16 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
-        eps = config.layer_norm_epsilon
+        eps, c = config.layer_norm_epsilon, config
         self.input_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
         self.self_attn = LlamaAttention(config, rotary)
         self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = (  # Mixtral's: each expert a SwiGLU MLP (hplab.moe's router and balance)
+            MoE(c.n_embd, c.n_experts, c.moe_top_k, lambda: LlamaMLP(c), c.moe_capacity_factor,
+                c.moe_aux_coef, balance=c.moe_balance)
+            if c.n_experts
+            else LlamaMLP(config)
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -197,6 +204,18 @@ class LlamaLM(Decoder):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(x))
+
+
+# --- tensor parallel: where to cut (compose passes it to hplab.tp.parallelize) ---------------
+TP_PLAN = {  # for hplab.tp.parallelize, by LlamaForCausalLM's names: whole query and K/V heads
+    "model.embed_tokens": tp.VocabParallelEmbedding,
+    "lm_head": tp.ColumnParallelLinear,  # (tied: the embedding's piece)
+    **{f"model.layers.*.self_attn.{x}_proj": tp.ColumnParallelLinear for x in "qkv"},
+    "model.layers.*.self_attn.o_proj": tp.RowParallelLinear,
+    **{f"model.layers.*.mlp.{x}_proj": tp.ColumnParallelLinear for x in ("gate", "up")},
+    "model.layers.*.mlp.down_proj": tp.RowParallelLinear,
+    "": tp.vocab_parallel_loss,
+}
 
 
 # --- Hugging Face interop ------------------------------------------------------------------
