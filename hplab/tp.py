@@ -313,15 +313,15 @@ class SequenceParallelPositions(nn.Module):
         return F.embedding(pos, self.weight)
 
 
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, comm: Communicator, vocab_size: int
-) -> torch.Tensor:
-    """The mean cross-entropy, from each rank's slice of the logits [..., V/T]:
+def vocab_parallel_cross_entropy(logits, targets, comm, vocab_size: int) -> torch.Tensor:
+    """The mean cross-entropy, from each rank's slice of the logits [..., V/T] (`comm`: the tp
+    group, as a Communicator, a ProcessGroup or None for the world, like `parallelize`):
     loss = log Σ_v exp(z_v) − z_target, with three all-reduces of b·s numbers:
       1. m = max_v z_v            all-reduce(max): a constant shift for stability, no gradient
       2. S = Σ_v exp(z_v − m)     each rank sums its slice; all-reduce (g)
       3. z_target − m             on the rank owning the target id, 0 on the others; all-reduce (g)
     Vocabulary padding (ids ≥ `vocab_size`) is masked to −∞: exp(−∞) = 0, no gradient."""
+    comm = communicator(comm, "tp")
     width, first_id = logits.shape[-1], comm.rank * logits.shape[-1]
     padding = torch.arange(first_id, first_id + width, device=logits.device) >= vocab_size
     logits = logits.float().masked_fill(padding, float("-inf"))

@@ -179,7 +179,10 @@ def _operator_checks(comm) -> dict:
 
 def _cross_entropy_checks(comm) -> dict:
     """vocab_parallel_cross_entropy against F.cross_entropy: values and gradients, for a
-    vocabulary that splits evenly and one that needs padding."""
+    vocabulary that splits evenly and one that needs padding; the same loss when the group is
+    given as None or a torch ProcessGroup (here every rank is in it)."""
+    import torch.distributed as dist
+
     from hplab import tp
 
     out = {}
@@ -198,10 +201,15 @@ def _cross_entropy_checks(comm) -> dict:
         loss.backward()
         grad = gather_vocab(mine.grad, comm, vocab)
         pad_grad = tp._all_gather(mine.grad, comm, -1)[..., vocab:]
+        whole_world = comm.size == dist.get_world_size()  # (then None and WORLD name it too)
         out[vocab] = {
             "loss": rel_err(loss, ref),
             "grad": rel_err(grad, ref_logits.grad),
             "padding_grad": float(pad_grad.abs().max()) if pad_grad.numel() else 0.0,
+            "as a ProcessGroup or None": [
+                float(tp.vocab_parallel_cross_entropy(mine.detach(), targets, group, vocab) - loss)
+                for group in ((None, dist.group.WORLD) if whole_world else ())
+            ],
         }
     return out
 
@@ -542,6 +550,7 @@ def test_vocab_parallel_cross_entropy_equals_torch(world):
         for vocab, errs in rank["cross_entropy"].items():
             assert errs["loss"] <= RTOL and errs["grad"] <= RTOL, (vocab, errs)
             assert errs["padding_grad"] == 0.0, (vocab, errs)
+            assert errs["as a ProcessGroup or None"] == [0.0, 0.0], errs
 
 
 @pytest.mark.parametrize("variant", ["gpt", "gpt_sp"])
