@@ -175,16 +175,12 @@ def llama_num_params(
     n_layer: int, n_embd: int, vocab_size: int, kv_width: int, intermediate: int,
     tied: bool = True, qkv_bias: bool = False,
 ) -> int:  # fmt: skip
-    """Ψ of a Llama (RoPE: no position table; RMSNorm: a gain, no bias; SwiGLU; no biases):
-
-        Ψ = V·h·(1 if tied else 2) + L·(2h² + 2h·h_kv + 3h·I + 2h) + h
-
-    per block: q and o h² each, k and v h·h_kv each (h_kv = h·n_kv_head/n_head), gate, up and
-    down h·I each, two RMSNorm gains; then the final norm. Qwen2 adds h + 2h_kv biases a block."""
-    h, L = n_embd, n_layer
-    block = 2 * h * h + 2 * h * kv_width + 3 * h * intermediate + 2 * h
-    block += (h + 2 * kv_width) if qkv_bias else 0
-    return vocab_size * h * (1 if tied else 2) + L * block + h
+    """Ψ of a Llama, V·h·(1 if tied else 2) + L·(2h² + 2h·h_kv + 3h·I + 2h) + h: per block q and o
+    h² each, k and v h·h_kv (h_kv = h·n_kv_head/n_head), gate, up, down h·I, two RMSNorm gains
+    (no position table, no biases; Qwen2 adds h + 2h_kv a block); then the final norm."""
+    h, kv = n_embd, kv_width
+    block = 2 * h * h + 2 * h * kv + 3 * h * intermediate + 2 * h + (h + 2 * kv) * qkv_bias
+    return vocab_size * h * (1 if tied else 2) + n_layer * block + h
 
 
 def training_flops_per_token(num_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
@@ -224,6 +220,7 @@ def flops_per_step(model, batch_size: int, recompute: str = "none") -> dict:
 
 # --- 4. Memory: model states [ZeRO] and activations [SP] ------------------------------------------
 
+RMS_NORM_BYTES = 8  # torch's RMSNorm, computing in fp32, keeps its input and the normalized one
 PRECISION_BYTES = {  # bytes per element: (param, grad, master, optimizer state, activation)
     "fp32": (4, 4, 0, 8, 4),
     "bf16": (2, 2, 4, 8, 2),
@@ -287,6 +284,8 @@ def activation_bytes_per_layer(
     dropout: bool = True,
     flash_attention: bool = False,
     moe_top_k: int = 0,
+    kv: int | None = None,
+    swiglu: int | None = None,
 ) -> float:
     """Bytes one transformer block saves for backward, for one microbatch. [SP] Sec. 4.
 
@@ -301,7 +300,11 @@ def activation_bytes_per_layer(
       * a mixture of experts routing each token to `moe_top_k` = k of them keeps per token-slot
         the copy routed to its expert, the GeLU and second-matrix inputs, and the expert's
         output before and after its gate (hplab's sum over slots keeps it): k·11·sbh for the
-        MLP's 8·sbh (the router's few T×E numbers are left out).
+        MLP's 8·sbh (the router's few T×E numbers are left out);
+      * a Llama (`kv`: the K/V width n_kv_head·d; `swiglu`: the MLP width I) keeps K and V kv
+        wide, and the gate's and up's outputs, silu(gate) and their product: 2·sbh + 2·sb·kv +
+        4·sb·I inside (GPT-2's 12·sbh when kv = h, I = 2h); outside, the q/k/v and MLP inputs,
+        and each RMSNorm its input and the normalized input in fp32 (`RMS_NORM_BYTES`).
     With 2-byte activations and dropout this is the paper's Table 2:
         no parallelism       sbh·(34 + 5as/h)
         tensor parallel      sbh·(10 + 24/t + 5as/(ht))
@@ -315,7 +318,11 @@ def activation_bytes_per_layer(
     if recompute == "full":
         return act_bytes * sbh / (t if sequence_parallel else 1)
     outside = 4 * sbh * act_bytes + 2 * sbh * mask
-    inside = (4 + (11 * moe_top_k if moe_top_k else 8)) * sbh * act_bytes
+    if swiglu:  # a Llama: each RMSNorm keeps its input in fp32 itself
+        outside = 2 * sbh * act_bytes + 2 * RMS_NORM_BYTES * sbh
+    attention = 2 * sbh + 2 * s * b * (h if kv is None else kv)
+    mlp = 8 * sbh if swiglu is None else 4 * s * b * swiglu
+    inside = (attention + (moe_top_k * (mlp + 3 * sbh) if moe_top_k else mlp)) * act_bytes
     if recompute == "selective":
         scores = 0  # recomputed in backward (a fused attention's log-sum-exp with them)
     elif flash_attention:
@@ -391,10 +398,9 @@ CP_STYLES, CP_SPLITS = ("ring", "ulysses"), ("zigzag", "contiguous")
 
 
 def ring_attention_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -> dict:
-    """Bytes one rank sends per layer in ring attention (b sequences of s tokens, K/V width h:
-    the hidden size, or n_kv_head·d under grouped-query attention): forward, cp-1 K/V blocks
-    of 2·b·(s/cp)·h numbers; backward, the K/V blocks again and cp dK/dV blocks (one more hop
-    brings each home), 2·(2cp-1)·b·s/cp·h."""
+    """Bytes one rank sends per layer in ring attention (b sequences of s tokens, K/V width h,
+    n_kv_head·d under GQA): forward, cp-1 K/V blocks of 2·b·(s/cp)·h numbers; backward, the K/V
+    blocks again and cp dK/dV blocks (one more hop brings each home), 2·(2cp-1)·b·s/cp·h."""
     block = 2 * b * s // cp * h * elem_bytes
     return {"forward": (cp - 1) * block, "backward": (2 * cp - 1) * block}
 

@@ -22,11 +22,6 @@ def check_layout(model: ModelConfig, lay: Layout) -> None:
     """Raise LayoutError, one line, unless the layout can run at all (`config.validate`, not
     only what hplab composes today) and the planner models it."""
     validate(lay, model, runs=False)
-    if model.arch != "gpt2":
-        raise PlanError(
-            f"the planner's formulas are GPT-2's; a {model.arch} model's (grouped-query "
-            "attention, SwiGLU) are not in them yet: plan a GPT-2 of the same width and depth"
-        )
     chunks = lay.pp * lay.virtual_stages
     if lay.schedule == "interleaved" and lay.pp > 1 and model.n_layer % chunks:
         raise PlanError(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from hplab.config import Layout, ModelConfig
 from hplab.formulas import (
     PRECISION_BYTES,
+    RMS_NORM_BYTES,
     activation_bytes_per_layer,
     in_flight_microbatches,
     model_state_bytes,
@@ -27,14 +28,22 @@ def params_per_stage(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) 
     embeddings stay whole. Pipeline parallel splits the blocks (the busiest stage holds
     ceil(L/pp)); the first stage also holds the embeddings, the last the final layer norm and a
     copy of the tied LM head (as Megatron ties them). A mixture of experts swaps each MLP for a
-    router h·E (whole) and E experts, each split by tp as the MLP and E/ep of them per GPU."""
+    router h·E (whole) and E experts, each split by tp as the MLP and E/ep of them per GPU.
+    A Llama: q and o h², k and v h·kv (kv = n_kv_head·d), SwiGLU 3h·I, all split by tp; two
+    RMSNorm gains whole; no position table; an untied head is a second V·h matrix."""
     h, V, S, E = model.n_embd, model.vocab_size, model.seq_len, model.n_experts
     mlp = (8 * h * h + 4 * h) / tp + h  # h → 4h column-, 4h → h row-parallel
+    attention, norms, positions, final_norm = (4 * h * h + 3 * h) / tp, 5 * h, S * h, 2 * h
+    if model.arch == "llama":
+        kv = h * model.kv_heads // model.n_head
+        attention = (2 * h * h + 2 * h * kv + (h + 2 * kv) * model.qkv_bias) / tp
+        mlp, norms, positions, final_norm = 3 * h * model.mlp_width / tp, 2 * h, 0, h
     blocks = math.ceil(model.n_layer / pp)
     experts = blocks * mlp * E / ep
-    block = (4 * h * h + 3 * h) / tp + 5 * h + (h * E if E else mlp)  # dense
-    embed = V * h / tp + S * h
-    head = 2 * h + (V * h / tp if pp > 1 else 0)  # tied: no second copy on one stage
+    block = attention + norms + (h * E if E else mlp)  # dense
+    embed = V * h / tp + positions
+    second_head = pp > 1 or not model.tie_word_embeddings  # tied on one stage: no second copy
+    head = final_norm + (V * h / tp if second_head else 0)
     first = blocks * block + embed + (head if pp == 1 else 0)  # one stage holds all of it
     last = blocks * block + (embed if pp == 1 else 0) + head
     return {
@@ -55,7 +64,8 @@ def activation_memory(model: ModelConfig, lay: Layout) -> dict:
     full recompute runs backward holds its activations again (`recompute_working_bytes`).
     Context parallel: a rank holds s/cp tokens; ring attention (or Ulysses) keeps a log-sum-exp
     per row, as FlashAttention, and hplab's its output head-major beside the projection's copy
-    of it: b·(s/cp)·h more per layer (K/V blocks in flight not counted)."""
+    of it: b·(s/cp)·h more per layer (K/V blocks in flight not counted). A Llama's layers each
+    compute and keep RoPE's cos and sin tables, 2·s·d fp32 numbers."""
     s, b, h, t = model.seq_len // lay.cp, lay.micro_batch_size, model.n_embd, lay.tp
     act = PRECISION_BYTES[lay.precision][4]
     kw = dict(
@@ -70,15 +80,20 @@ def activation_memory(model: ModelConfig, lay: Layout) -> dict:
         flash_attention=model.flash_attention or lay.cp > 1,
         moe_top_k=model.moe_top_k if model.n_experts else 0,
     )
+    llama = model.arch == "llama"
+    if llama:  # grouped-query K/V, a SwiGLU MLP (split by tp like the rest), RMSNorms
+        kw.update(kv=h * model.kv_heads // model.n_head, swiglu=model.mlp_width)
     head_major = s * b * h * act / t if lay.cp > 1 else 0.0
-    per_layer = activation_bytes_per_layer(recompute=lay.recompute, **kw) + head_major * (
+    rope = 2 * s * (h // model.n_head) * 4 if llama else 0  # each layer's cos, sin tables (fp32)
+    per_layer = activation_bytes_per_layer(recompute=lay.recompute, **kw) + (head_major + rope) * (
         lay.recompute != "full"
     )
-    unrecomputed = activation_bytes_per_layer(recompute="none", **kw) + head_major  # all of it
+    unrecomputed = activation_bytes_per_layer(recompute="none", **kw) + head_major + rope
     sp_div = t if lay.sequence_parallel else 1
     layers = math.ceil(model.n_layer / lay.pp)
     embed_extra = (s * b * h / sp_div) if model.dropout else 0
-    head_extra = 2 * s * b * h * act / sp_div + 4 * s * b * model.vocab_size / t
+    norm_and_head = s * b * h * (RMS_NORM_BYTES + act if llama else 2 * act)  # (+ LM head input)
+    head_extra = norm_and_head / sp_div + 4 * s * b * model.vocab_size / t
     k = in_flight_microbatches(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
     one = lay.pp == 1  # one stage holds the embedding and the head
     first = k * (per_layer * layers + embed_extra + (head_extra if one else 0))

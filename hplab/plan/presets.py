@@ -52,6 +52,31 @@ MEGATRON_2021_PRESETS = {
     name: paper_model(name, L, h, a, 51200) for name, a, h, L, _ in MEGATRON_2021_SIZES
 }
 
+#: Llama 3 (Meta's released config.json files; vocabulary 128,256, sequence 8,192, 8 K/V heads,
+#: RoPE θ 500,000, untied head). Columns: name, n_layer, n_embd, n_head, intermediate_size.
+LLAMA3_SIZES = [
+    ("llama3-8b", 32, 4096, 32, 14336),
+    ("llama3-70b", 80, 8192, 64, 28672),
+    ("llama3-405b", 126, 16384, 128, 53248),
+]
+LLAMA3_PRESETS = {
+    name: ModelConfig(
+        arch="llama",
+        vocab_size=128256,
+        n_positions=8192,
+        n_embd=h,
+        n_layer=L,
+        n_head=a,
+        n_kv_head=8,
+        intermediate_size=inner,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        tokenizer="llama3",
+        name=name,
+    )  # fmt: skip
+    for name, L, h, a, inner in LLAMA3_SIZES
+}
+
 #: The global batch, in sequences, the planner assumes for a preset when the command line gives
 #: none (a batch is how a model is trained, not part of its description): the papers' own.
 BATCH_SIZES = {row[0]: row[-1] for row in GPT3_SIZES + MEGATRON_2021_SIZES}
@@ -65,9 +90,9 @@ def default_batch_size(model: ModelConfig) -> int:
 
 def model_presets() -> dict[str, ModelConfig]:
     """hplab's own presets (`formulas.HPLAB_PRESETS`, as `hplab.models` builds them: no dropout,
-    scaled-dot-product attention) plus the GPT-3 and Megatron sizes."""
+    scaled-dot-product attention) plus the GPT-3, Megatron and Llama 3 sizes."""
     presets = {name: ModelConfig(**c, name=name) for name, c in HPLAB_PRESETS.items()}
-    return {**presets, **GPT3_PRESETS, **MEGATRON_2021_PRESETS}
+    return {**presets, **GPT3_PRESETS, **MEGATRON_2021_PRESETS, **LLAMA3_PRESETS}
 
 
 @dataclass(frozen=True)

@@ -111,14 +111,14 @@ def tensor_parallel(
 def context_parallel(
     model: ModelConfig, lay: Layout, cluster: Cluster, eff: Efficiency, layers: int
 ) -> Traffic:
-    """K/V blocks around the ring, (cp−1)·passes + 2cp−1 sends per layer, or Ulysses'
-    2·passes + 2 all-to-alls per layer."""
-    cp, redo = lay.cp, forward_passes(lay)
+    """K/V blocks around the ring, (cp−1)·passes + 2cp−1 sends per layer (the K/V heads only:
+    n_kv_head·d wide), or Ulysses' 2·passes + 2 all-to-alls per layer (every query head's)."""
+    cp, redo, ring = lay.cp, forward_passes(lay), lay.cp_style == "ring"
+    width = model.n_embd * (model.kv_heads / model.n_head if ring else 1)
     bw, alpha, crosses = group_link(cluster, cp, lay.tp, eff)
-    ring = lay.cp_style == "ring"
     act_bytes = PRECISION_BYTES[lay.precision][4]
     sent = (ring_attention_bytes if ring else ulysses_bytes)(
-        lay.micro_batch_size, model.seq_len, model.n_embd / lay.tp, cp, act_bytes
+        lay.micro_batch_size, model.seq_len, width / lay.tp, cp, act_bytes
     )
     sent_bytes = layers * (redo * sent["forward"] + sent["backward"]) * (cp > 1)
     messages = layers * ((cp - 1) * redo + 2 * cp - 1 if ring else 2 * redo + 2)
