@@ -163,6 +163,39 @@ RUNS = {
 FP32 = [n for n in [*RUNS[4], *RUNS[2]] if not any(w in n for w in ("bf16", "saved", "experts"))]
 
 
+def _hugging_face_models_under_tensor_parallel() -> dict:
+    """transformers' own LlamaForCausalLM and Qwen2ForCausalLM, cut by `llama.TP_PLAN` over the
+    whole world (group None), trained 3 AdamW steps in a plain loop with hplab's vocab-parallel
+    loss; and the same models uncut, with F.cross_entropy. Losses of each, by model."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from hplab import tp
+    from hplab.models import llama
+
+    out = {}
+    for name, config in (("llama", TINY), ("qwen2", dataclasses.replace(TINY, qkv_bias=True))):
+        torch.manual_seed(0)
+        cut = getattr(transformers, hf.architecture(config))(hf.to_hf_config(config)).float()
+        whole = copy.deepcopy(cut)
+        tp.parallelize(cut, None, llama.TP_PLAN)
+        for model, loss_fn in (
+            (whole, lambda z, y: F.cross_entropy(z.flatten(0, 1), y.flatten())),
+            (cut, lambda z, y: tp.vocab_parallel_cross_entropy(z, y, None, config.vocab_size)),
+        ):
+            optimizer, losses = torch.optim.AdamW(model.parameters(), lr=3e-3), []
+            x, y = tokens(config, seed=0), tokens(config, seed=10)  # one batch, 3 times
+            for _ in range(3):
+                loss = loss_fn(model(input_ids=x).logits, y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(float(loss))
+            out[name, model is cut] = losses
+    return out
+
+
 def _launch(directory: str) -> dict:
     import torch.distributed as dist
 
@@ -185,6 +218,8 @@ def _launch(directory: str) -> dict:
                 g["cp"]["send"]["bytes"] for g in metrics["comm_by_group"]
             ]
     compose.clip_grad_norm_ = clip
+    if dist.get_world_size() == 2:
+        out["hugging face"] = _hugging_face_models_under_tensor_parallel()
     return out
 
 
@@ -266,6 +301,16 @@ def test_the_planner_counts_a_llama_as_a_run_holds_it(runs):
         lay = Layout(batch_size=4, precision=precision, recompute=recompute)
         want = plan(PRESETS["llama-tiny"], lay)["activation_bytes_per_microbatch"]
         assert abs(want / ledger.activation_bytes - 1) < 0.005, (precision, recompute)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_the_plan_cuts_hugging_faces_own_llama_and_qwen2(runs, name):
+    """tp.parallelize(LlamaForCausalLM or Qwen2ForCausalLM, group, llama.TP_PLAN) in an ordinary
+    loop, with tp.vocab_parallel_cross_entropy on its V/T logits: transformers' attention reads
+    its heads from the cut widths, so 2 ranks train what one process trains (1e-5)."""
+    losses = runs["hugging face"]
+    assert losses[name, True] == pytest.approx(losses[name, False], rel=1e-5, abs=0)
+    assert losses[name, False][-1] < losses[name, False][0]
 
 
 def test_bf16_and_a_resharded_resume_follow_one_process(runs):
