@@ -17,6 +17,7 @@ schedule), `finalize_grads`, fp16 unscale and overflow skip, clip, step, lr step
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +25,10 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hplab import cp, fsdp, moe, pp, tp
+from hplab.comm import Communicator
 from hplab.config import Layout, OptimConfig, validate
 from hplab.ddp import DDP
-from hplab.dist import Mesh
+from hplab.dist import Mesh, new_group
 from hplab.formulas import learning_rate
 from hplab.models import llama
 from hplab.optim import WrappedOptimizer, stepped_groups
@@ -55,6 +57,7 @@ class Parallel:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     pipeline: pp.PipelineExecutor | None = None
     tied_comm: object = None
+    kv_comm: object = None  # the ranks sharing this rank's K/V heads (fewer heads than tp ranks)
     # called as fn(self) after each optimizer step (taken or skipped), before zero_grad: what
     # observers measure then (hplab.observe)
     on_step_end: list = field(default_factory=list)
@@ -105,6 +108,7 @@ def parallelize(
         )
         plan = tp.with_experts(plan, blocks) if gpt.config.n_experts else plan
         tp.parallelize(gpt, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)
+    kv_comm = kv_replica_group(gpt, mesh)  # (every rank creates every group)
     if layout.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
         cp.parallelize(gpt, mesh.cp, layout.cp_style, layout.cp_split)
     stages, pipeline, tied_comm = [], None, None
@@ -130,16 +134,44 @@ def parallelize(
     wrapped = data_parallel(gpt, owned, mesh, layout, precision)
     optimizer = make_sharded_optimizer(gpt, owned, stages, mesh, layout, optim, precision)
     # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one
-    factor = lambda i: (
-        learning_rate(  # noqa: E731
-            i, optim.lr, optim.warmup_steps, optim.lr_decay, optim.decay_steps, optim.min_lr
-        )
-        / optim.lr
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, optim))
     return Parallel(
-        wrapped, optimizer, gpt, mesh, layout, optim, precision, scheduler, pipeline, tied_comm
+        wrapped,
+        optimizer,
+        gpt,
+        mesh,
+        layout,
+        optim,
+        precision,
+        scheduler,
+        pipeline,
+        tied_comm,
+        kv_comm,
     )
+
+
+def lr_factor(optim: OptimConfig, step: int) -> float:
+    """Step `step`'s learning rate over the peak: warmup, then the decay (formulas)."""
+    o = optim
+    return learning_rate(step, o.lr, o.warmup_steps, o.lr_decay, o.decay_steps, o.min_lr) / o.lr
+
+
+def kv_replicas(p) -> int:
+    """How many tensor-parallel ranks hold the same piece of `p` (1 but for shared K/V heads)."""
+    return p.tp_split.replicas if tp.is_split(p) else 1
+
+
+def kv_replica_group(gpt, mesh: Mesh):
+    """The ranks of this rank's tp group that hold its K/V heads alike, when a Llama has fewer
+    K/V heads than tp ranks (`models.llama.kv_heads`), as a Communicator: their gradients are
+    partial sums to add up. None when each rank holds its own."""
+    replicas, mine = max(map(kv_replicas, gpt.parameters()), default=1), None
+    for ranks in mesh.groups["tp"] if replicas > 1 else ():
+        for block in (ranks[i : i + replicas] for i in range(0, len(ranks), replicas)):
+            group = new_group(block)  # (every rank creates every group, in the same order)
+            if mesh.rank in block:
+                mine = Communicator(group, "tp_kv", mesh.ledger, block, mesh.device)
+    return mine
 
 
 def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) -> nn.Module:
@@ -211,28 +243,34 @@ def _all_reduce_grads(grads: list[torch.Tensor], comm, scale: float = 1.0) -> No
 
 
 @torch.no_grad()
-def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None) -> None:
+def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None, kv_comm=None):
     """Every synchronisation after backward (Megatron's `finalize_model_grads`), in order:
     1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished; under
        expert parallel (no DDP) dense gradients are averaged over dp, experts' over edp (under
        ZeRO-1/2 its optimizer does both, in 3). Context parallel's ranks hold the same weights
        and each rank's loss saw its s/cp tokens: all of these average over dp × cp;
-    2. sequence parallel: tp-replicated parameters saw s/tp tokens per rank: sum their grads
+    2. sequence parallel: tp-replicated parameters saw s/tp tokens per rank: sum their grads;
+       K/V heads shared by several tp ranks saw their query heads only: sum over `kv_comm`
        (ZeRO-2's, which its hooks have already reduce-scattered, in its shards after 3);
     3. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards;
     4. the pipeline's tied embedding: first and last stage sum its gradients (same step)."""
     finish_gradient_sync(model)
     if mesh.ep_size > 1 and not isinstance(optimizer, ZeroOptimizer):  # (ZeRO: two groups)
         moe.sync_gradients(list(model.parameters()), mesh.dp_cp, mesh.edp_cp)
-    partial = [p for p in model.parameters() if getattr(p, "sequence_parallel_partial", False)]
+    params, tp_comm = list(model.parameters()), mesh.tp if mesh.tp_size > 1 else None
+    partial_sums = [  # (over which ranks, the parameters whose gradients are partial sums)
+        (tp_comm, [p for p in params if getattr(p, "sequence_parallel_partial", False)]),
+        (kv_comm, [p for p in params if kv_replicas(p) > 1]),
+    ]
     sharded = isinstance(optimizer, ZeroOptimizer) and optimizer.stage == 2  # (grads moved)
-    grads = [p.grad for p in partial if p.grad is not None]
-    if mesh.tp_size > 1 and not sharded and grads:
-        _all_reduce_grads(grads, mesh.tp)
+    for comm, partial in partial_sums if not sharded else ():
+        if comm is not None and (grads := [p.grad for p in partial if p.grad is not None]):
+            _all_reduce_grads(grads, comm)
     if isinstance(optimizer, WrappedOptimizer):  # ZeroOptimizer, MasterWeightOptimizer
         optimizer.reduce_gradients()
-    if mesh.tp_size > 1 and sharded and (grads := optimizer.shard_grads(partial)):
-        _all_reduce_grads(grads, mesh.tp)  # (every tp rank's shards hold the same pieces)
+    for comm, partial in partial_sums if sharded else ():  # (the same pieces on each tp rank)
+        if comm is not None and (grads := optimizer.shard_grads(partial)):
+            _all_reduce_grads(grads, comm)
     for group in stepped_groups(optimizer) if tied_comm and optimizer is not None else ():
         for t in group["params"] if group.get("tied") else ():
             if t.grad is None:
@@ -252,7 +290,7 @@ def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
             families = set(group.get("replicated_over", ("dp", "tp"))) | {"cp"}  # all: cp
             families -= set(getattr(t, "sharded_over", "").split("_"))  # e.g. dp_cp: dp, cp
             if all(getattr(mesh, f"{family}_rank") == 0 for family in families):
-                counted.append(t.grad.float().pow(2).sum())
+                counted.append(t.grad.float().pow(2).sum() / kv_replicas(t))  # (once)
     # each tensor's sum of squares in fp32, added up in fp64: one host sync, not one per tensor
     squares = float(torch.stack(counted).double().sum()) if counted else 0.0
     norm = mesh.world.all_reduce_scalar(squares) ** 0.5
@@ -285,7 +323,7 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
                 (microbatch_loss * scale / m).backward()
             losses.append(microbatch_loss.detach())
         loss = float(torch.stack(losses).mean())
-    finalize_grads(par.model, mesh, par.optimizer, par.tied_comm)
+    finalize_grads(par.model, mesh, par.optimizer, par.tied_comm, par.kv_comm)
     grads = [
         t.grad for g in stepped_groups(par.optimizer) for t in g["params"] if t.grad is not None
     ]

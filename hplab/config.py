@@ -422,10 +422,10 @@ def validate(layout: Layout, model: ModelConfig, world_size: int | None = None, 
     if layout.tp > 1:
         seq_len = model.n_positions if layout.sequence_parallel else None
         check_tensor_parallel(model.n_head, model.n_embd, layout.tp, seq_len, layout.cp)
-        if model.kv_heads % layout.tp:  # (replicating K/V heads over tp ranks: not yet)
+        if model.kv_heads % layout.tp and layout.tp % model.kv_heads:
             raise LayoutError(
-                f"--tp {layout.tp} must divide the {model.kv_heads} K/V heads: each "
-                "tensor-parallel rank holds whole K/V heads",
+                f"--tp {layout.tp} and {model.kv_heads} K/V heads: one must divide the other "
+                "(each rank holds whole K/V heads, or shares one with its neighbours)",
                 ("tp",),
             )
     if layout.cp > 1:  # (Ulysses shares each tensor-parallel rank's heads)

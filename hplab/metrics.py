@@ -116,7 +116,7 @@ def summary_table(metrics: dict) -> str:
         for head, m in zip(heads, memory)
     ]
     by_group = metrics.get("comm_by_group") or [{"all": c} for c in metrics["comm"]]
-    for family in ("dp", "cp", "dp_cp", "ep", "edp", "edp_cp", "tp", "pp", "world", "all"):
+    for family in ("dp", "cp", "dp_cp", "ep", "edp", "edp_cp", "tp", "tp_kv", "pp", "world", "all"):
         rows = [g.get(family, {}) for g in by_group]
         ops = sorted({op for row in rows for op in row})
         if ops:

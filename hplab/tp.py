@@ -69,14 +69,14 @@ class TensorParallelError(ValueError):
 # --- 1. Moving tensors across the group (activations are [batch, sequence, hidden]) ----------
 
 
-def _split(x: torch.Tensor, comm: Communicator, dim: int = -1) -> torch.Tensor:
-    """This rank's 1/T slice of `x` along `dim`."""
-    if x.shape[dim] % comm.size:
+def _split(x: torch.Tensor, comm: Communicator, dim: int = -1, replicas: int = 1) -> torch.Tensor:
+    """This rank's 1/T slice of `x` along `dim` (1/(T/replicas): `replicas` ranks hold each)."""
+    if x.shape[dim] % (parts := comm.size // replicas):
         raise TensorParallelError(
-            f"a dimension of {x.shape[dim]} does not split over {comm.size}"
-            f" tensor-parallel ranks: make it a multiple of {comm.size}"
+            f"a dimension of {x.shape[dim]} does not split over {parts}"
+            f" tensor-parallel ranks: make it a multiple of {parts}"
         )
-    return x.chunk(comm.size, dim)[comm.rank].contiguous()
+    return x.chunk(parts, dim)[comm.rank // replicas].contiguous()
 
 
 def _along(gather: bool, x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
@@ -199,11 +199,13 @@ class LinearWithSequenceGather(torch.autograd.Function):
 @dataclass(frozen=True)
 class Split:
     """A piece of the full tensor cut along `dim`, each of its `fused` blocks (c_attn's Q|K|V)
-    on its own; `full_size`: the size before zero padding to a multiple of T (a vocabulary)."""
+    on its own; `full_size`: the size before zero padding to a multiple of T (a vocabulary);
+    `replicas`: consecutive ranks holding the same piece (fewer K/V heads than ranks)."""
 
     dim: int
     fused: int = 1
     full_size: int | None = None
+    replicas: int = 1
 
 
 def shard(full: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
@@ -211,13 +213,14 @@ def shard(full: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
     if split.full_size is not None:  # F.pad's pairs run from the last dimension back
         after = full.dim() - 1 - split.dim % full.dim()
         full = F.pad(full, (0, 0) * after + (0, -full.shape[split.dim] % comm.size))
-    blocks = full.chunk(split.fused, split.dim)
-    return torch.cat([_split(b, comm, split.dim) for b in blocks], split.dim).clone()
+    blocks, dim = full.chunk(split.fused, split.dim), split.dim
+    return torch.cat([_split(b, comm, dim, split.replicas) for b in blocks], dim).clone()
 
 
 def unshard(local: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
     """The full tensor, rebuilt on every rank from every rank's piece (one all-gather)."""
     per_rank = _all_gather(local.detach(), comm, split.dim).chunk(comm.size, split.dim)
+    per_rank = per_rank[:: split.replicas]  # one of each piece
     blocks = [
         torch.cat([r.chunk(split.fused, split.dim)[b] for r in per_rank], split.dim)
         for b in range(split.fused)
@@ -246,11 +249,11 @@ class ColumnParallelLinear(nn.Module):
     """Splits the *outputs*: takes the full activations (with `sequence_parallel`, this rank's
     tokens, gathered here), returns my slice of the last dim; `fused` blocks (Q|K|V) cut each."""
 
-    def __init__(self, linear: nn.Module, comm: Communicator, sequence_parallel=False, fused=1):
+    def __init__(self, linear, comm: Communicator, sequence_parallel=False, fused=1, replicas=1):
         super().__init__()
         self.in_out = type(linear).__name__ == "Conv1D"
-        self.weight = _cut(linear.weight, Split(int(self.in_out), fused), comm)
-        self.bias = _cut(linear.bias, Split(0, fused), comm)
+        self.weight = _cut(linear.weight, Split(int(self.in_out), fused, None, replicas), comm)
+        self.bias = _cut(linear.bias, Split(0, fused, None, replicas), comm)
         self.comm, self.sequence_parallel = comm, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -134,6 +134,9 @@ RUNS = {
         "dp2 pp2 zb-h1 zero1": "--dp 2 --pp 2 --schedule zb-h1 --zero 1".split(),
         # RoPE at each token's true position; the ring carries the 2 K/V heads only
         "cp2 tp2 ring sp": "--cp 2 --tp 2 --sequence-parallel".split(),
+        # 2 K/V heads over 4 tp ranks: each held by the 2 ranks whose query heads read it
+        "tp4, each K/V head on 2 ranks": ["--tp", "4", "--save", "{saved}-tp4"],
+        "tp4 sp, each K/V head on 2 ranks": ["--tp", "4", "--sequence-parallel"],
         "cp4 ring contiguous": "--cp 4 --cp-split contiguous".split(),
         "cp2 dp2 ulysses zero2": "--cp 2 --dp 2 --cp-style ulysses --zero 2".split(),
         # Mixtral-style: each MLP 4 SwiGLU experts, top-2 (sequence-wise balance: any cut)
@@ -154,7 +157,7 @@ RUNS = {
         "dp2 zero3, saved at step 2": "--dp 2 --zero 3 --steps 2 --save {saved}".split(),
     },
     1: {
-        "one process": [],
+        "one process": ["--save", "{saved}-one"],
         "one process bf16": ["--precision", "bf16"],
         "one process, resumed at step 2": ["--resume", "{saved}"],
         "experts: one process": EXPERTS,
@@ -208,11 +211,14 @@ def _launch(directory: str) -> dict:
         flags = [flag.format(saved=f"{directory}/saved") for flag in flags]
         metrics = train.run(train.parse_args(TRAIN + flags))  # (rank 0's; None elsewhere)
         out[name] = metrics and [s["loss"] for s in metrics["steps"]]
-        if metrics and name.startswith("tp2 pp2"):  # what each rank holds, for the planner
+        if metrics and name.startswith(
+            ("tp2 pp2", "tp4,")
+        ):  # what each rank holds, for the planner
             out[f"{name}: memory"] = [
                 (m["params_bytes"], m["optim_bytes"]) for m in metrics["memory"]
             ]
             out[f"{name}: pp ranks"] = [where["pp_rank"] for where in metrics["mesh"]]
+            out[f"{name}: comm"] = metrics["comm_by_group"]
         if metrics and name.startswith("cp4 ring"):  # what each rank sent around the ring
             out[f"{name}: ring bytes"] = [
                 g["cp"]["send"]["bytes"] for g in metrics["comm_by_group"]
@@ -227,7 +233,7 @@ def _launch(directory: str) -> dict:
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("llama"))
     runs = run_distributed(_launch, 4, directory)[0] | run_distributed(_launch, 2, directory)[0]
-    return runs | run_distributed(_launch, 1, directory)[0]
+    return runs | run_distributed(_launch, 1, directory)[0] | {"directory": directory}
 
 
 @pytest.mark.parametrize("name", FP32)
@@ -249,6 +255,31 @@ def test_mixtral_style_experts_train_the_model_one_process_trains(runs, name):
     assert runs[name] == pytest.approx(reference, rel=1e-5, abs=0), name
     norms = runs["experts: one process: gradient norms"]
     assert runs[f"{name}: gradient norms"] == pytest.approx(norms, rel=1e-5), name
+
+
+def test_k_v_heads_shared_by_tp_ranks_are_held_alike_and_their_gradients_summed(runs):
+    """llama-tiny's 2 K/V heads over tp 4: rank r holds head r // 2 whole, so each rank holds
+    the parameters params_per_stage says (k and v h·d each, not h·kv/4), and after each
+    backward the ranks sharing a head add their partial gradients: 2 (k, v) × layers × h·d
+    fp32 numbers per step over `tp_kv`, the 2 ranks that share it (the losses equal one
+    process's above)."""
+    c, steps, name = (
+        dataclasses.replace(PRESETS["llama-tiny"], n_layer=2),
+        3,
+        "tp4, each K/V head on 2 ranks",
+    )
+    d = c.n_embd // c.n_head
+    want = params_per_stage(c, tp=4)["first"]
+    assert [params for params, _ in runs[f"{name}: memory"]] == [4 * want] * 4
+    summed = [g["tp_kv"]["all_reduce"]["bytes"] for g in runs[f"{name}: comm"]]
+    assert summed == [steps * 2 * c.n_layer * c.n_embd * d * 4] * 4
+    # its checkpoint glues one copy of each head back: one process's model (as one vector)
+    saved, one = (
+        checkpoint.load(f"{runs['directory']}/saved-{n}")["model"] for n in ("tp4", "one")
+    )
+    assert saved.keys() == one.keys()
+    got, want = (torch.cat([m[n].flatten() for n in sorted(one)]) for m in (saved, one))
+    assert float((got - want).norm()) <= 1e-5 * float(want.norm())
 
 
 def test_the_ring_carries_only_the_k_v_heads(runs):
@@ -326,7 +357,10 @@ def test_bf16_and_a_resharded_resume_follow_one_process(runs):
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        ("--model llama-tiny --tp 4 --nproc 4", "--tp 4 must divide the 2 K/V heads"),
+        (
+            "--model llama-tiny --n-head 6 --n-kv-head 3 --n-embd 192 --tp 2",
+            "--tp 2 and 3 K/V heads: one must divide the other",
+        ),
         ("--model llama-tiny --n-kv-head 3", "--n-kv-head 3 must divide --n-head (4)"),
         ("--n-kv-head 2", "--n-kv-head: GPT-2 has as many K/V heads as heads"),
     ],

@@ -207,10 +207,25 @@ class LlamaLM(Decoder):
 
 
 # --- tensor parallel: where to cut (compose passes it to hplab.tp.parallelize) ---------------
+def kv_heads(attention, comm, sequence_parallel=False):
+    """k_proj and v_proj cut into whole K/V heads. With fewer K/V heads than ranks, each is held
+    alike by the consecutive ranks whose query heads read it (`Split.replicas`): rank r keeps
+    head r // (T / n_kv_head), and its gradient, a partial sum over its own query heads, is
+    summed over those ranks after backward (compose.finalize_grads)."""
+    replicas = max(1, comm.size // (attention.k_proj.out_features // attention.head_dim))
+    for name in ("k_proj", "v_proj"):
+        cut = tp.ColumnParallelLinear(
+            getattr(attention, name), comm, sequence_parallel, 1, replicas
+        )
+        setattr(attention, name, cut)
+    return attention
+
+
 TP_PLAN = {  # for hplab.tp.parallelize, by LlamaForCausalLM's names: whole query and K/V heads
     "model.embed_tokens": tp.VocabParallelEmbedding,
     "lm_head": tp.ColumnParallelLinear,  # (tied: the embedding's piece)
-    **{f"model.layers.*.self_attn.{x}_proj": tp.ColumnParallelLinear for x in "qkv"},
+    "model.layers.*.self_attn.q_proj": tp.ColumnParallelLinear,
+    "model.layers.*.self_attn": kv_heads,
     "model.layers.*.self_attn.o_proj": tp.RowParallelLinear,
     **{f"model.layers.*.mlp.{x}_proj": tp.ColumnParallelLinear for x in ("gate", "up")},
     "model.layers.*.mlp.down_proj": tp.RowParallelLinear,

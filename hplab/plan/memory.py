@@ -29,13 +29,14 @@ def params_per_stage(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) 
     ceil(L/pp)); the first stage also holds the embeddings, the last the final layer norm and a
     copy of the tied LM head (as Megatron ties them). A mixture of experts swaps each MLP for a
     router h·E (whole) and E experts, each split by tp as the MLP and E/ep of them per GPU.
-    A Llama: q and o h², k and v h·kv (kv = n_kv_head·d), SwiGLU 3h·I, all split by tp; two
+    A Llama: q and o h², k and v h·kv (kv = n_kv_head·d; with fewer K/V heads than tp ranks,
+    a whole head d on each), SwiGLU 3h·I, all split by tp; two
     RMSNorm gains whole; no position table; an untied head is a second V·h matrix."""
     h, V, S, E = model.n_embd, model.vocab_size, model.seq_len, model.n_experts
     mlp = (8 * h * h + 4 * h) / tp + h  # h → 4h column-, 4h → h row-parallel
     attention, norms, positions, final_norm = (4 * h * h + 3 * h) / tp, 5 * h, S * h, 2 * h
-    if model.arch == "llama":
-        kv = h * model.kv_heads // model.n_head
+    if model.arch == "llama":  # (fewer K/V heads than tp ranks: a whole one on each rank)
+        kv = max(h * model.kv_heads // model.n_head, tp * h // model.n_head)
         attention = (2 * h * h + 2 * h * kv + (h + 2 * kv) * model.qkv_bias) / tp
         mlp, norms, positions, final_norm = 3 * h * model.mlp_width / tp, 2 * h, 0, h
     blocks = math.ceil(model.n_layer / pp)
@@ -82,7 +83,8 @@ def activation_memory(model: ModelConfig, lay: Layout) -> dict:
     )
     llama = model.arch == "llama"
     if llama:  # grouped-query K/V, a SwiGLU MLP (split by tp like the rest), RMSNorms
-        kw.update(kv=h * model.kv_heads // model.n_head, swiglu=model.mlp_width)
+        kv = max(h * model.kv_heads // model.n_head, t * h // model.n_head)  # (as above)
+        kw.update(kv=kv, swiglu=model.mlp_width)
     head_major = s * b * h * act / t if lay.cp > 1 else 0.0
     rope = 2 * s * (h // model.n_head) * 4 if llama else 0  # each layer's cos, sin tables (fp32)
     per_layer = activation_bytes_per_layer(recompute=lay.recompute, **kw) + (head_major + rope) * (
