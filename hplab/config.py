@@ -303,13 +303,20 @@ def check_batch(layout: Layout) -> None:
 
 
 def check_tensor_parallel(
-    n_head: int, n_embd: int, tp: int, seq_len: int | None = None, cp: int = 1
+    n_head: int, n_embd: int, tp: int, seq_len: int | None = None, cp: int = 1, kv_heads=None
 ):
-    """Whole attention heads and hidden columns per rank; with sequence parallel (`seq_len`
-    given), whole tokens per rank: of each context-parallel rank's seq_len/cp."""
+    """Whole attention heads and hidden columns per rank, and whole K/V heads (or one shared by
+    neighbouring ranks); with sequence parallel (`seq_len` given), whole tokens per rank: of
+    each context-parallel rank's seq_len/cp."""
     ranks, use = f"{tp} tensor-parallel ranks", "use a tensor-parallel size that divides"
     if n_head % tp:
         raise LayoutError(f"{n_head} attention heads do not split over {ranks}: {use} {n_head}")
+    if kv_heads and kv_heads % tp and tp % kv_heads:
+        raise LayoutError(
+            f"--tp {tp} and {kv_heads} K/V heads: one must divide the other (each rank holds "
+            "whole K/V heads, or shares one with its neighbours)",
+            ("tp",),
+        )
     if n_embd % tp:
         raise LayoutError(f"a hidden size of {n_embd} does not split over {ranks}: {use} {n_embd}")
     if seq_len and seq_len % (tp * cp):
@@ -421,13 +428,8 @@ def validate(layout: Layout, model: ModelConfig, world_size: int | None = None, 
     check_experts(model.n_experts, layout.ep, layout.dp)
     if layout.tp > 1:
         seq_len = model.n_positions if layout.sequence_parallel else None
-        check_tensor_parallel(model.n_head, model.n_embd, layout.tp, seq_len, layout.cp)
-        if model.kv_heads % layout.tp and layout.tp % model.kv_heads:
-            raise LayoutError(
-                f"--tp {layout.tp} and {model.kv_heads} K/V heads: one must divide the other "
-                "(each rank holds whole K/V heads, or shares one with its neighbours)",
-                ("tp",),
-            )
+        c = layout
+        check_tensor_parallel(model.n_head, model.n_embd, c.tp, seq_len, c.cp, model.kv_heads)
     if layout.cp > 1:  # (Ulysses shares each tensor-parallel rank's heads)
         heads, c = model.n_head // layout.tp, layout
         check_context_parallel(model.n_positions, heads, c.cp, c.cp_style, c.cp_split)

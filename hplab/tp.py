@@ -232,7 +232,7 @@ def unshard(local: torch.Tensor, split: Split, comm: Communicator) -> torch.Tens
 is_split = lambda p: getattr(p, "tp_split", None) is not None  # noqa: E731 (a piece of a param)
 
 
-def _cut(p: nn.Parameter | None, split: Split, comm: Communicator) -> nn.Parameter | None:
+def cut(p: nn.Parameter | None, split: Split, comm: Communicator) -> nn.Parameter | None:
     """Keep only this rank's piece of parameter `p`, in place: the Parameter object stays the
     same, so a module tied to it (the LM head holds the embedding's) holds the piece too."""
     if p is not None and not is_split(p):
@@ -252,8 +252,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear, comm: Communicator, sequence_parallel=False, fused=1, replicas=1):
         super().__init__()
         self.in_out = type(linear).__name__ == "Conv1D"
-        self.weight = _cut(linear.weight, Split(int(self.in_out), fused, None, replicas), comm)
-        self.bias = _cut(linear.bias, Split(0, fused, None, replicas), comm)
+        self.weight = cut(linear.weight, Split(int(self.in_out), fused, None, replicas), comm)
+        self.bias = cut(linear.bias, Split(0, fused, None, replicas), comm)
         self.comm, self.sequence_parallel = comm, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,7 +270,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Module, comm: Communicator, sequence_parallel=False):
         super().__init__()
         self.in_out = type(linear).__name__ == "Conv1D"
-        self.weight = _cut(linear.weight, Split(0 if self.in_out else 1), comm)
+        self.weight = cut(linear.weight, Split(0 if self.in_out else 1), comm)
         self.bias, self.comm, self.sequence_parallel = linear.bias, comm, sequence_parallel
 
     def forward(self, x_slice: torch.Tensor) -> torch.Tensor:
@@ -287,7 +287,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, embedding, comm: Communicator, sequence_parallel=False, given_slice=False):
         super().__init__()
         split = Split(0, full_size=embedding.weight.shape[0])  # V, padded to a multiple of T
-        self.weight, self.comm = _cut(embedding.weight, split, comm), comm
+        self.weight, self.comm = cut(embedding.weight, split, comm), comm
         self.sequence_parallel, self.given_slice = sequence_parallel, given_slice
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -424,13 +424,14 @@ HF_GPT2_PLAN = {  # Hugging Face GPT2LMHeadModel, handed s/T ids under sequence 
 
 
 def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = False):
-    """Cut `model` over the tensor-parallel `group` as `plan` says, in place; return it. Entries
-    apply in order, each must match a module. Every rank passes the same full model (same seed)
-    and keeps its pieces, under the same names (`p.sequence_parallel_partial`: see above)."""
-    comm = communicator(group, "tp")
-    if hasattr(config := getattr(model, "config", None), "n_head"):
-        seq_len = config.n_positions if sequence_parallel else None
-        check_tensor_parallel(config.n_head, config.n_embd, comm.size, seq_len)
+    """Cut `model` (the same whole model on every rank) over `group` as `plan` says, entry by
+    entry (each must match a module), in place; each rank keeps its pieces under the same names."""
+    comm, c = communicator(group, "tp"), getattr(model, "config", None)
+    if heads := getattr(c, "n_head", None) or getattr(c, "num_attention_heads", None):  # (HF's)
+        seq_len = getattr(c, "n_positions", None) if sequence_parallel else None
+        kv = getattr(c, "kv_heads", None) or getattr(c, "num_key_value_heads", None)
+        width = getattr(c, "n_embd", None) or c.hidden_size
+        check_tensor_parallel(heads, width, comm.size, seq_len, kv_heads=kv)
     names = [name for name, _ in model.named_modules()]
     for pattern, style in plan.items():
         matches = [name for name in names if fnmatch.fnmatchcase(name, pattern)]

@@ -110,6 +110,28 @@ def test_saved_checkpoint_opens_in_transformers_and_init_from_reads_theirs(name,
         torch.testing.assert_close(again(x)[0], theirs(input_ids=x).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "says"),
+    [(6, 3, "6 attention heads do not split over 4"), (12, 3, "--tp 4 and 3 K/V heads")],
+)
+def test_a_hugging_face_model_is_never_cut_inside_a_head(heads, kv_heads, says):
+    """tp.parallelize reads transformers' num_attention_heads and num_key_value_heads too: a
+    cut through a head is one sentence, before any weight is touched."""
+    from hplab import tp
+    from hplab.comm import Communicator
+    from hplab.config import LayoutError
+    from hplab.models import llama
+
+    config = dataclasses.replace(TINY, n_head=heads, n_kv_head=kv_heads, n_embd=16 * heads)
+    model = transformers.LlamaForCausalLM(hf.to_hf_config(config))
+    comm = object.__new__(Communicator)  # four ranks, as far as cutting needs to know
+    comm.size, comm.rank = 4, 0
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(LayoutError, match=says):
+        tp.parallelize(model, comm, llama.TP_PLAN)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 def test_unknown_math_in_a_config_is_one_sentence(tmp_path):
     """A RoPE scaling, another activation or o_proj biases are not hplab's Llama: refused."""
     base = hf.to_hf_config(TINY).to_dict()
@@ -178,7 +200,14 @@ def _hugging_face_models_under_tensor_parallel() -> dict:
     from hplab.models import llama
 
     out = {}
-    for name, config in (("llama", TINY), ("qwen2", dataclasses.replace(TINY, qkv_bias=True))):
+    untied_odd = dataclasses.replace(  # (2,047 words: no split over 2 ranks)
+        VARIANTS["one K/V head per query head, untied head"], vocab_size=2047
+    )
+    for name, config in (
+        ("llama", TINY),
+        ("qwen2", dataclasses.replace(TINY, qkv_bias=True)),
+        ("llama, untied head of 2,047 words", untied_odd),
+    ):
         torch.manual_seed(0)
         cut = getattr(transformers, hf.architecture(config))(hf.to_hf_config(config)).float()
         whole = copy.deepcopy(cut)
@@ -334,7 +363,7 @@ def test_the_planner_counts_a_llama_as_a_run_holds_it(runs):
         assert abs(want / ledger.activation_bytes - 1) < 0.005, (precision, recompute)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama, untied head of 2,047 words"])
 def test_the_plan_cuts_hugging_faces_own_llama_and_qwen2(runs, name):
     """tp.parallelize(LlamaForCausalLM or Qwen2ForCausalLM, group, llama.TP_PLAN) in an ordinary
     loop, with tp.vocab_parallel_cross_entropy on its V/T logits: transformers' attention reads

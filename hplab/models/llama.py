@@ -221,9 +221,17 @@ def kv_heads(attention, comm, sequence_parallel=False):
     return attention
 
 
+def vocab_head(linear, comm, sequence_parallel=False):
+    """The LM head, column parallel by vocabulary: tied, it is already the embedding's padded
+    piece; untied, its rows are padded to a multiple of T as the embedding's are (the loss masks
+    the padding), so a vocabulary that does not split still cuts."""
+    tp.cut(linear.weight, tp.Split(0, full_size=linear.out_features), comm)  # (no-op if tied)
+    return tp.ColumnParallelLinear(linear, comm, sequence_parallel)
+
+
 TP_PLAN = {  # for hplab.tp.parallelize, by LlamaForCausalLM's names: whole query and K/V heads
     "model.embed_tokens": tp.VocabParallelEmbedding,
-    "lm_head": tp.ColumnParallelLinear,  # (tied: the embedding's piece)
+    "lm_head": vocab_head,
     "model.layers.*.self_attn.q_proj": tp.ColumnParallelLinear,
     "model.layers.*.self_attn": kv_heads,
     "model.layers.*.self_attn.o_proj": tp.RowParallelLinear,
