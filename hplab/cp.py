@@ -267,11 +267,13 @@ def ulysses_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> tor
 
 
 def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
-    """Make hplab's GPT or Llama context-parallel over `group`, in place: every attention runs
-    `style`, and the positions (GPT-2's embedding, a Llama's RoPE) are this rank's tokens' true
-    ones (the caller hands each rank its tokens with `shard` and averages gradients over the
-    group)."""
+    """Make hplab's GPT or Llama, or a transformers decoder, context-parallel over `group`, in
+    place: every attention runs `style`, and the positions (GPT-2's embedding, a Llama's RoPE)
+    are this rank's tokens' true ones (the caller hands each rank its tokens with `shard` and
+    averages gradients over the group)."""
     comm = communicator(group, "cp")
+    if not hasattr(model, "attentions"):  # transformers' own model
+        return _parallelize_hugging_face(model, comm, style, split)
     heads = model.attentions()[0].n_head  # this tensor-parallel rank's query heads
     check_context_parallel(model.config.n_positions, heads, comm.size, style, split)
     attend = ring_attention if style == "ring" else ulysses_attention
@@ -280,4 +282,33 @@ def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
     model.position_ids = lambda n, device=None: positions(  # torch.arange's place: n local
         n * comm.size, comm.rank, comm.size, split
     ).to(device)  # tokens' true positions
+    return model
+
+
+def _parallelize_hugging_face(model, comm: Communicator, style: str, split: str):
+    """A transformers decoder (Llama, Qwen2, ...): its attention function becomes `style` over
+    `comm` (registered with transformers' AttentionInterface; the causal mask it builds for the
+    local tokens is ignored: the ring knows the true positions), and each forward is handed
+    `position_ids`, the true positions of the tokens this rank holds, for RoPE."""
+    from transformers import AttentionInterface
+
+    c = model.config
+    check_context_parallel(
+        c.max_position_embeddings, c.num_attention_heads, comm.size, style, split
+    )
+    attend = functools.partial(
+        ring_attention if style == "ring" else ulysses_attention, split=split
+    )
+    name = f"hplab-{style}-{split}-{comm.rank}-of-{comm.size}"
+    AttentionInterface.register(  # [b, heads, s/N, d] in; HF wants [b, s/N, heads, d] back
+        name, lambda module, q, k, v, mask, **_: (attend(q, k, v, comm).transpose(1, 2), None)
+    )
+    model.set_attn_implementation(name)
+
+    def true_positions(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        where = positions(ids.shape[1] * comm.size, comm.rank, comm.size, split).to(ids.device)
+        return args, {**kwargs, "position_ids": where.expand(ids.shape[0], -1)}
+
+    model.register_forward_pre_hook(true_positions, with_kwargs=True)
     return model

@@ -228,6 +228,40 @@ def _hugging_face_models_under_tensor_parallel() -> dict:
     return out
 
 
+def _hugging_face_model_under_context_parallel() -> dict:
+    """transformers' LlamaForCausalLM made context-parallel by cp.parallelize over the world:
+    each rank hands it only its tokens; its logits, and the gradients averaged over the ranks,
+    against the uncut model's on the whole sequence (relative errors, as one vector each)."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from hplab import cp
+
+    def err(a, b):
+        return float((a - b).norm() / b.norm())
+
+    rank, n, out = dist.get_rank(), dist.get_world_size(), {}
+    x, y = tokens(TINY, shape=(2, 64)), tokens(TINY, seed=1, shape=(2, 64))
+    for style, split in (("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "zigzag")):
+        torch.manual_seed(0)
+        whole = transformers.LlamaForCausalLM(hf.to_hf_config(TINY)).float()
+        mine = cp.parallelize(copy.deepcopy(whole), None, style, split)
+        reference = whole(input_ids=x, use_cache=False).logits
+        F.cross_entropy(reference.flatten(0, 1), y.flatten()).backward()
+        xs, ys = (cp.shard(t, rank, n, split) for t in (x, y))
+        logits = mine(input_ids=xs, use_cache=False).logits
+        F.cross_entropy(logits.flatten(0, 1), ys.flatten()).backward()
+        grads = torch.cat([p.grad.flatten() for p in mine.parameters()])
+        dist.all_reduce(grads)
+        want = torch.cat([p.grad.flatten() for p in whole.parameters()])
+        out[style, split] = dict(
+            logits=err(logits, cp.shard(reference, rank, n, split)), grads=err(grads / n, want)
+        )
+    return out
+
+
 def _launch(directory: str) -> dict:
     import torch.distributed as dist
 
@@ -255,6 +289,7 @@ def _launch(directory: str) -> dict:
     compose.clip_grad_norm_ = clip
     if dist.get_world_size() == 2:
         out["hugging face"] = _hugging_face_models_under_tensor_parallel()
+        out["hugging face, context parallel"] = _hugging_face_model_under_context_parallel()
     return out
 
 
@@ -371,6 +406,18 @@ def test_the_plan_cuts_hugging_faces_own_llama_and_qwen2(runs, name):
     losses = runs["hugging face"]
     assert losses[name, True] == pytest.approx(losses[name, False], rel=1e-5, abs=0)
     assert losses[name, False][-1] < losses[name, False][0]
+
+
+@pytest.mark.parametrize(
+    "case", [("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "zigzag")]
+)
+def test_context_parallel_on_hugging_faces_llama(runs, case):
+    """cp.parallelize(LlamaForCausalLM, group, style, split): the same contract as on hplab's
+    models — each rank hands it its tokens and gets their logits at their true positions (RoPE
+    through `position_ids`, attention through transformers' AttentionInterface) — so logits and
+    averaged gradients equal the whole model's on the whole sequence (1e-5)."""
+    errors = runs["hugging face, context parallel"][case]
+    assert errors["logits"] < 1e-5 and errors["grads"] < 1e-5, errors
 
 
 def test_bf16_and_a_resharded_resume_follow_one_process(runs):
