@@ -190,8 +190,9 @@ FP32 = [n for n in [*RUNS[4], *RUNS[2]] if not any(w in n for w in ("bf16", "sav
 
 def _hugging_face_models_under_tensor_parallel() -> dict:
     """transformers' own LlamaForCausalLM and Qwen2ForCausalLM, cut by `llama.TP_PLAN` over the
-    whole world (group None), trained 3 AdamW steps in a plain loop with hplab's vocab-parallel
-    loss; and the same models uncut, with F.cross_entropy. Losses of each, by model."""
+    whole world (group None), and MixtralForCausalLM by `llama.ATTENTION_TP_PLAN`, trained 3
+    AdamW steps in a plain loop with hplab's vocab-parallel loss; and the same models uncut,
+    with F.cross_entropy. Losses of each, by model."""
     import copy
 
     import torch.nn.functional as F
@@ -203,15 +204,23 @@ def _hugging_face_models_under_tensor_parallel() -> dict:
     untied_odd = dataclasses.replace(  # (2,047 words: no split over 2 ranks)
         VARIANTS["one K/V head per query head, untied head"], vocab_size=2047
     )
-    for name, config in (
-        ("llama", TINY),
-        ("qwen2", dataclasses.replace(TINY, qkv_bias=True)),
-        ("llama, untied head of 2,047 words", untied_odd),
+    mixtral = transformers.MixtralConfig(  # its experts: 3-D parameters, left whole
+        **{k: v for k, v in hf.to_hf_config(TINY).to_dict().items() if k != "model_type"},
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    for name, config, cut_by in (
+        ("llama", TINY, llama.TP_PLAN),
+        ("qwen2", dataclasses.replace(TINY, qkv_bias=True), llama.TP_PLAN),
+        ("llama, untied head of 2,047 words", untied_odd, llama.TP_PLAN),
+        ("mixtral, attention cut, experts whole", TINY, llama.ATTENTION_TP_PLAN),
     ):
         torch.manual_seed(0)
-        cut = getattr(transformers, hf.architecture(config))(hf.to_hf_config(config)).float()
+        kind = getattr(transformers, hf.architecture(config))
+        hf_config = mixtral if "mixtral" in name else hf.to_hf_config(config)
+        cut = (transformers.MixtralForCausalLM if "mixtral" in name else kind)(hf_config).float()
         whole = copy.deepcopy(cut)
-        tp.parallelize(cut, None, llama.TP_PLAN)
+        tp.parallelize(cut, None, cut_by)
         for model, loss_fn in (
             (whole, lambda z, y: F.cross_entropy(z.flatten(0, 1), y.flatten())),
             (cut, lambda z, y: tp.vocab_parallel_cross_entropy(z, y, None, config.vocab_size)),
@@ -398,7 +407,15 @@ def test_the_planner_counts_a_llama_as_a_run_holds_it(runs):
         assert abs(want / ledger.activation_bytes - 1) < 0.005, (precision, recompute)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama, untied head of 2,047 words"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama",
+        "qwen2",
+        "llama, untied head of 2,047 words",
+        "mixtral, attention cut, experts whole",
+    ],
+)
 def test_the_plan_cuts_hugging_faces_own_llama_and_qwen2(runs, name):
     """tp.parallelize(LlamaForCausalLM or Qwen2ForCausalLM, group, llama.TP_PLAN) in an ordinary
     loop, with tp.vocab_parallel_cross_entropy on its V/T logits: transformers' attention reads

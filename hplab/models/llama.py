@@ -239,6 +239,9 @@ TP_PLAN = {  # for hplab.tp.parallelize, by LlamaForCausalLM's names: whole quer
     "model.layers.*.mlp.down_proj": tp.RowParallelLinear,
     "": tp.vocab_parallel_loss,
 }
+#: The attention, embedding and head only (Mixtral's, whose experts are 3-D parameters that stay
+#: whole on every rank: their input is whole there after o_proj's all-reduce).
+ATTENTION_TP_PLAN = {name: style for name, style in TP_PLAN.items() if ".mlp." not in name}
 
 
 # --- Hugging Face interop ------------------------------------------------------------------
