@@ -1,7 +1,8 @@
 """The labs' explorers in a real JupyterLab, driven through headless Chromium (Playwright).
 
-For each lab that uses ipywidgets: open it as a reader of a fresh clone does (untrusted, no
-cell run yet) and see each explorer's figure, not widget text; then run its first cell, the
+For each lab that uses ipywidgets, in one JupyterLab page (it boots once; each next lab opens
+through the app's own docmanager:open): open it as a reader of a fresh clone does (untrusted,
+no cell run yet) and see each explorer's figure, not widget text; then run its first cell, the
 cells tagged `needed-by-explorer` and the explorers (`viz.explore` cells) through the UI; check
 that each control starts at the value the code names and shows its whole label, move every
 control and check that the figure's pixels change, and that no cell shows an error. The labs'
@@ -131,6 +132,7 @@ def jupyterlab(tmp_path_factory):
         f"--ServerApp.root_dir={home / 'work'}",
         f"--LabApp.user_settings_dir={settings_dir}",
         f"--LabApp.workspaces_dir={home / 'workspaces'}",
+        "--LabApp.expose_app_in_browser=True",  # (window.jupyterapp: open the next lab in-page)
     ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")
@@ -166,6 +168,29 @@ def browser():
         )
         yield chromium
         chromium.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser):
+    """One JupyterLab page for every lab: it boots once (seconds on 2 cores), and each lab after
+    the first opens in it as a reader opens a file, through the app's own command."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    yield page
+    page.close()
+
+
+def open_lab(page, url: str, lab: str) -> None:
+    """The lab's notebook in the page: the first by its URL (?reset: no tabs from another run),
+    the next ones with JupyterLab's docmanager:open."""
+    if "/lab" not in page.url:
+        page.goto(f"{url}/lab/tree/labs/{lab}.ipynb?reset&token={TOKEN}")
+        return
+    page.evaluate(
+        "async path => { await window.jupyterapp.commands.execute('docmanager:open', {path}) }",
+        f"labs/{lab}.ipynb",
+    )
+    current_tab = ".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel"
+    page.locator(current_tab, has_text=f"{lab}.ipynb").wait_for(timeout=60_000)  # it shows
 
 
 def wait_for_count(cell, count: int, timeout_s: float = 180) -> None:
@@ -214,7 +239,7 @@ def move(control, page) -> str:
 
 
 @pytest.mark.parametrize("lab", LABS)
-def test_explorers_redraw_in_jupyterlab(lab, jupyterlab, browser):
+def test_explorers_redraw_in_jupyterlab(lab, jupyterlab, page):
     url, copies = jupyterlab
     sources = nbformat.read(copies / f"{lab}.ipynb", 4).cells  # what the browser shows
     run, explorers = cells_to_run(sources)
@@ -223,9 +248,8 @@ def test_explorers_redraw_in_jupyterlab(lab, jupyterlab, browser):
         f"{lab}: ipywidgets' interact leaves the figure frozen under matplotlib's `inline`"
     )
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    try:  # ?reset: this notebook alone, not the tabs an earlier test left open
-        page.goto(f"{url}/lab/tree/labs/{lab}.ipynb?reset&token={TOKEN}")
+    try:
+        open_lab(page, url, lab)
         panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
         cells = panel.locator(".jp-Notebook .jp-Cell")
         cells.nth(run[-1]).locator(".jp-InputArea-prompt").wait_for(timeout=60_000)
@@ -235,7 +259,7 @@ def test_explorers_redraw_in_jupyterlab(lab, jupyterlab, browser):
             assert "interactive(children" not in " ".join(saved.all_inner_texts())
             assert saved.locator("img").count() == 1, f"{lab} cell {i}: no saved figure"
             saved.first.screenshot(path=str(ARTIFACTS / f"{lab}-cell{i}-as-saved.png"))
-        page.locator('.jp-Notebook-ExecutionIndicator[data-status="idle"]').wait_for(
+        panel.locator('.jp-Notebook-ExecutionIndicator[data-status="idle"]').wait_for(
             timeout=120_000
         )  # the kernel has started
         for count, i in enumerate(run, start=1):
@@ -272,7 +296,6 @@ def test_explorers_redraw_in_jupyterlab(lab, jupyterlab, browser):
             cell.screenshot(path=str(ARTIFACTS / f"{lab}-cell{i}-moved.png"))
             assert not tracebacks(cell), f"{lab} cell {i}: {tracebacks(cell)[0][-800:]}"
     finally:
-        page.close()
         sessions = json.load(urllib.request.urlopen(f"{url}/api/sessions?token={TOKEN}"))
         for session in sessions:  # stop this lab's kernel: the next lab gets the cores
             urllib.request.urlopen(
