@@ -258,6 +258,39 @@ WRONG = {
         ],
         "not_unpermuted": [("by_pair[order] = results", "by_pair[:] = results")],
     },
+    "gqa_heads": {
+        "queries_strided": [
+            (
+                "queries = list(range(rank * per_rank, (rank + 1) * per_rank))",
+                "queries = list(range(rank, n_head, tp))",
+            )
+        ],
+        "kv_round_robin": [
+            (
+                "kv = sorted({q // group for q in queries})",
+                "kv = sorted({q % n_kv_head for q in queries})",
+            )
+        ],
+        "kv_split_like_queries": [  # fewer K/V heads than ranks: some ranks get none
+            (
+                "kv = sorted({q // group for q in queries})",
+                "kv = list(range(rank * n_kv_head // tp, (rank + 1) * n_kv_head // tp))",
+            )
+        ],
+        "no_gradient_sum": [("sharing = max(1, tp // n_kv_head)", "sharing = 1")],
+        "groups_strided": [
+            (
+                "return [list(range(first, first + sharing)) for first in range(0, tp, sharing)]",
+                "return [list(range(i, tp, tp // sharing)) for i in range(tp // sharing)]",
+            )
+        ],
+        "whole_tp_group": [
+            (
+                "return [list(range(first, first + sharing)) for first in range(0, tp, sharing)]",
+                "return [list(range(tp))]",
+            )
+        ],
+    },
 }
 
 
@@ -534,6 +567,29 @@ def test_dispatch_names_the_order_the_counts_and_the_gates(outcomes):
     assert "not e % ep" in failed(outcomes, "dispatch", "experts_dealt_round_robin", "send_counts")
     assert "weight each result by its gate" in failed(outcomes, "dispatch", "no_gates", "combine")
     assert "differ" in failed(outcomes, "dispatch", "not_unpermuted", "combine")
+
+
+def test_gqa_heads_names_the_block_the_shared_head_and_the_sum(outcomes):
+    assert "a consecutive block of n_head / tp" in failed(outcomes, "gqa_heads", "queries_strided")
+    message = failed(outcomes, "gqa_heads", "kv_round_robin")
+    assert "query head i reads K/V head i // 2 (n_head / n_kv_head)" in message
+    assert "15 of 15 elements differ" in failed(
+        outcomes, "gqa_heads", "kv_round_robin", "attention of each rank"
+    )  # rank 1's query head read the other K/V head
+    assert "it still reads one: hold that K/V head whole" in failed(
+        outcomes, "gqa_heads", "kv_split_like_queries"
+    )
+    for mistake in ("queries_strided", "kv_round_robin", "kv_split_like_queries"):
+        assert outcomes["gqa_heads"][mistake]["K/V gradient groups"].passed  # (only the heads)
+    for mistake in ("no_gradient_sum", "groups_strided", "whole_tp_group"):
+        assert outcomes["gqa_heads"][mistake]["heads of each rank"].passed, mistake
+    assert "holds part of its gradient: add all" in failed(
+        outcomes, "gqa_heads", "no_gradient_sum", "K/V gradient groups"
+    )
+    for mistake in ("groups_strided", "whole_tp_group"):
+        assert "only ranks holding the same heads add their gradients" in failed(
+            outcomes, "gqa_heads", mistake, "K/V gradient groups"
+        )
 
 
 def test_command_line_errors_are_one_line(capsys):

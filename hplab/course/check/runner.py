@@ -25,6 +25,7 @@ from hplab.course.check.lab06_mesh import check_mesh
 from hplab.course.check.lab07_planning import check_planning
 from hplab.course.check.lab08_lse_merge import check_lse_merge
 from hplab.course.check.lab09_dispatch import check_dispatch
+from hplab.course.check.lab10_gqa_heads import check_gqa_heads
 from hplab.course.check.report import CheckTimeout, Report, Result
 from hplab.dist import Mesh
 from hplab.launch import run_distributed
@@ -56,6 +57,7 @@ EXERCISES = {
     "planning": Exercise("07", "lab07_planning.py", 0, check_planning),
     "lse_merge": Exercise("08", "lab08_lse_merge.py", 0, check_lse_merge),
     "dispatch": Exercise("09", "lab09_dispatch.py", 0, check_dispatch),
+    "gqa_heads": Exercise("10", "lab10_gqa_heads.py", 0, check_gqa_heads),
 }
 
 
