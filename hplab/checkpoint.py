@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -125,14 +126,21 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def newest(directory: str | Path) -> Path | None:
+    """The checkpoint in `directory`, or else the previous one, that a save killed between its
+    two renames left aside; None when there is none (a save writes trainer_state.json last)."""
+    asked = Path(directory)
+    return next(
+        (d for d in (asked, _aside(asked, "previous")) if (d / "trainer_state.json").exists()), None
+    )
+
+
 def load(directory: str | Path) -> dict:
     """Read a checkpoint: {"config", "model", "optimizer", "rng", "trainer_state"} with hplab
     names and full single-device tensors, whatever layout saved it. A missing, damaged or
     non-finite piece is a CheckpointError that names it; the files are never changed."""
-    asked = Path(directory)  # or else the previous checkpoint, that a killed save left aside
-    directory = next(
-        (d for d in (asked, _aside(asked, "previous")) if (d / "trainer_state.json").exists()), None
-    )
+    asked = Path(directory)
+    directory = newest(asked)
     if directory is None:
         raise CheckpointError(
             f"no checkpoint in {asked} (--save writes trainer_state.json): to "
@@ -319,10 +327,12 @@ def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
             }
 
 
-def save_run(par, directory, flags: dict, step: int, losses: list[float]) -> None:
+def save_run(par, directory, flags: dict, step: int, losses: list[float]) -> dict:
     """A run's checkpoint after `step` steps: the single-device state gathered (a collective),
     written by rank 0 with the trainer's state (flags, losses, lr schedule, loss scale), then
-    everyone waits, so no rank runs ahead of a checkpoint still being written."""
+    everyone waits, so no rank runs ahead of a checkpoint still being written. Returns what it
+    cost: {step, seconds (training stood still), bytes (written, rank 0)}."""
+    start, written = time.perf_counter(), 0
     with par.mesh.ledger.unrecorded():  # the gathers are checkpoint traffic, not training
         model_state, optimizer_state = gather_full_state(par)
     if dist.get_rank() == 0:
@@ -335,8 +345,10 @@ def save_run(par, directory, flags: dict, step: int, losses: list[float]) -> Non
         }
         if scaler is not None:
             trainer_state.update(loss_scale=scaler.scale, good_steps=scaler.good_steps)
-        save(directory, par.gpt.config, model_state, optimizer_state, trainer_state)
+        saved = save(directory, par.gpt.config, model_state, optimizer_state, trainer_state)
+        written = sum(path.stat().st_size for path in saved.iterdir())
     dist.barrier()
+    return {"step": step, "seconds": time.perf_counter() - start, "bytes": written}
 
 
 def restore(par, saved: dict, resume: bool) -> int:

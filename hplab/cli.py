@@ -89,8 +89,16 @@ OUTPUT_FLAGS = {
         help="with --save: also save every N steps (0: only at the end)",
     ),
     "--resume": dict(
+        metavar="DIR|auto",
         help="resume from a unified checkpoint directory, under any layout; --steps counts from "
-        "the start of the first run"
+        "the start of the first run. auto: from --save's checkpoint if there is one, else start "
+        "afresh (a job that may be restarted)",
+    ),
+    "--max-restarts": dict(
+        type=at_least(0),
+        default=0,
+        help="with --nproc and --save: when a process dies or a collective times out, stop all "
+        "and start them again from --save's newest checkpoint, up to N times",
     ),
     "--init-from": dict(
         metavar="DIR",

@@ -15,14 +15,18 @@ MASTER_ADDR, MASTER_PORT), watches them, and stops them all when one fails or on
 
 from __future__ import annotations
 
+import itertools
+import json
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -40,22 +44,66 @@ from hplab.dist import (
 # What the forkserver of run_distributed and start_train imports once, before it forks.
 FORKSERVER_PRELOAD = [*PRELOAD, "hplab.train"]
 
-# --- train.py --nproc N: start N ranks, watch them, stop them all -----------------------------
+# --- train.py --nproc N: start N ranks, watch them, stop them all, start them again ----------
 
 
-def launch(nproc: int, argv: list[str], run_rank, script: str) -> int:
+def launch(nproc: int, argv: list[str], run_rank, script: str, max_restarts=0, restart=None) -> int:
     """Start `nproc` ranks of `run_rank(argv)` and watch them as torchrun would: one fails or
     Ctrl-C, all stop; returns the job's exit code. The ranks are forked from this process once
     it has imported torch and hplab, instead of N fresh interpreters importing them (~3 s of CPU
     each), except on a GPU machine, where CUDA does not survive a fork: then each rank runs
-    `python script argv` afresh."""
+    `python script argv` afresh.
+
+    When an attempt fails (a process killed or ended by an error, a collective timed out) and
+    restarts are left, every rank is started again, as torchelastic does: `restart(attempt)`
+    (train.py's: check everything again, find the checkpoint to resume from) returns the step
+    the next attempt resumes from, and one line says so. Each rank tells the launcher its step
+    and its error through files in a status folder (`note_step`, `note_error`), so that one line
+    can name the process that brought the job down and where."""
     import_before_the_group_exists()
+    history = []  # the failed attempts, for the metrics file (HPLAB_RESTARTS)
+    for attempt in itertools.count():
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="hplab-status-") as status:
+            ended = _attempt(nproc, argv, run_rank, script, attempt, status, history)
+        if ended is None or ended[1] == 130:  # finished, or Ctrl-C (said already)
+            return 0 if ended is None else 130
+        why, code, step = ended
+        history.append(dict(attempt=attempt, why=why, failed_at_step=step))
+        retry = step is not None or "killed by" in why  # (not a refusal before any step)
+        history[-1]["seconds"] = round(time.monotonic() - start, 3)
+        if attempt == max_restarts or not retry:
+            oom = " (out of memory?)" * ("by SIGKILL" in why)
+            used = _used(max_restarts) if retry else ""
+            print(f"hplab: error: {why}{oom}{used}", file=sys.stderr)
+            return code
+        try:
+            history[-1]["resumed_from_step"] = resumed = restart(attempt + 1)
+        except ValueError as err:  # e.g. the checkpoint it would resume from is damaged
+            print(f"hplab: error: {why}; cannot restart: {err}", file=sys.stderr)
+            return 2
+        print(
+            f"hplab: restart {attempt + 1} of {max_restarts}: {why}; resuming from step {resumed}",
+            file=sys.stderr,
+        )
+    return 1  # (unreachable: count() does not end)
+
+
+def _used(n: int) -> str:
+    return f" ({n} restart{'s' * (n > 1)} used: --max-restarts {n})" if n else ""
+
+
+def _attempt(nproc, argv, run_rank, script, attempt: int, status: str, history) -> tuple | None:
+    """One attempt: start every rank, watch them; None when all finished, else (one line
+    naming what failed, the job's exit code, the step it failed at); (…, 130, …) after Ctrl-C."""
     port, workers, fork = free_port(), Workers(), not torch.cuda.is_available()
+    extra = {STATUS_DIR: status, "HPLAB_ATTEMPT": str(attempt)}
+    extra["HPLAB_RESTARTS"] = json.dumps(history)  # (rank 0 puts them in the metrics)
     try:  # start them (a Ctrl-C meanwhile waits until all are started), then watch them
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         sys.stdout.flush(), sys.stderr.flush()  # or every child would print it again
         for rank in range(nproc):
-            env = torchrun_env(rank, nproc, port)
+            env = {**torchrun_env(rank, nproc, port), **extra}
             if not fork:  # Ctrl-C reaches only the launcher
                 environment = {"OMP_NUM_THREADS": "1", **os.environ, **env}
                 command = [sys.executable, script, *argv]
@@ -64,21 +112,91 @@ def launch(nproc: int, argv: list[str], run_rank, script: str) -> int:
                 run_forked_rank(env, argv, run_rank)
             workers.pids.append(pid)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        failed = workers.watch()
+        workers.watch()
     except KeyboardInterrupt:
         workers.stop_all()
         print(f"hplab: interrupted: stopped all {nproc} processes", file=sys.stderr)
-        return 130
+        return "interrupted", 130, None
+    codes = {rank: workers.poll(pid) for rank, pid in enumerate(workers.pids)}  # None: running
     workers.stop_all()
-    rank, code = failed or (0, 0)
-    if code < 0:  # killed: it could not say why
-        print(
-            f"hplab: error: process {rank} was killed by {signal.Signals(-code).name}"
-            + (" (out of memory?)" if code == -signal.SIGKILL else ""),
-            file=sys.stderr,
+    return what_failed(codes, Path(status))
+
+
+def what_failed(codes: dict[int, int | None], status: Path) -> tuple | None:
+    """(one line, exit code, step) naming the process that brought the job down and the step it
+    was at, or None if every rank ended well (`codes`: each rank's exit code, None if it still
+    ran when the others had failed). A killed process first (it could say nothing); then one
+    that failed on its own; then one still running when its peers timed out waiting for it
+    (frozen); else the first that timed out or lost its peers."""
+    steps, errors = read_status(status, len(codes))
+    still_running = [rank for rank, code in codes.items() if code is None]
+
+    def at(rank: int) -> str:
+        return f" at step {steps[rank]}" if rank in steps else " before its first step"
+
+    def about_peers(rank: int) -> bool:
+        return any(s in errors.get(rank, "") for s in ("timed out", "lost its connection"))
+
+    failed = [rank for rank, code in codes.items() if code]
+    if not failed:
+        return None
+    if killed := [rank for rank in failed if codes[rank] < 0]:
+        name = signal.Signals(-codes[killed[0]]).name
+        return f"process {killed[0]} was killed by {name}{at(killed[0])}", 1, steps.get(killed[0])
+    own = [rank for rank in failed if not about_peers(rank)] or failed
+    rank = own[0]
+    timed_out = any("timed out" in errors.get(r, "") for r in failed)
+    if own == failed and timed_out and still_running:
+        return (
+            f"process {still_running[0]} stopped responding{at(still_running[0])}: its peers "
+            "timed out waiting for it",
+            codes[rank],
+            steps.get(still_running[0]),
         )
-        return 1
-    return code
+    why = errors.get(rank, f"exit code {codes[rank]}")
+    return f"process {rank} failed{at(rank)}: {why}", codes[rank], steps.get(rank)
+
+
+# --- what a rank tells its launcher: its step, its error -------------------------------------
+STATUS_DIR = "HPLAB_STATUS_DIR"  # set by launch for its ranks; absent under torchrun
+_STEP_FILE: list = []  # this rank's open step file, once opened
+
+
+def supervised() -> bool:
+    """Whether this rank's launcher reads its status (train.py --nproc): it then reports its
+    errors there, and the launcher says in one line which process failed, where and why."""
+    return bool(os.environ.get(STATUS_DIR))
+
+
+def note_step(step: int) -> None:
+    """Tell the launcher that this rank starts step `step` (a fixed-width write in place)."""
+    if not supervised():
+        return
+    if not _STEP_FILE:
+        path = Path(os.environ[STATUS_DIR]) / f"rank{os.environ.get('RANK', 0)}.step"
+        _STEP_FILE.append(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    os.pwrite(_STEP_FILE[0], f"{step:>20}\n".encode(), 0)
+
+
+def note_error(message: str) -> None:
+    """Tell the launcher this rank's error (one line), which it names if this rank failed."""
+    path = Path(os.environ[STATUS_DIR]) / f"rank{os.environ.get('RANK', 0)}.error"
+    path.write_text(message)
+
+
+def read_status(status: Path, nproc: int) -> tuple[dict[int, int], dict[int, str]]:
+    """({rank: the step it started last}, {rank: its error}) from the status folder."""
+    steps, errors = {}, {}
+    for rank in range(nproc):
+        try:
+            steps[rank] = int((status / f"rank{rank}.step").read_text())
+        except (OSError, ValueError):
+            pass
+        try:
+            errors[rank] = (status / f"rank{rank}.error").read_text().strip()
+        except OSError:
+            pass
+    return steps, errors
 
 
 class Workers:
@@ -98,22 +216,19 @@ class Workers:
     def running(self) -> bool:
         return any(self.poll(pid) is None for pid in self.pids)
 
-    def watch(self) -> tuple[int, int] | None:
-        """Wait until all end or one fails; then (its rank, its code), after giving the others
-        3 s to say why they stop too (cut off from it, they fail on their own)."""
+    def watch(self) -> None:
+        """Wait until all end or one fails; then give the others 3 s to end too (cut off from
+        it, they fail on their own and say why), and return."""
         while not any(self.poll(pid) for pid in self.pids) and self.running():
             time.sleep(0.1)
-        codes = enumerate(self.codes.get(pid) for pid in self.pids)
-        failed = next(((rank, code) for rank, code in codes if code), None)
         deadline = time.monotonic() + 3
-        while failed and self.running() and time.monotonic() < deadline:
+        while any(self.codes.values()) and self.running() and time.monotonic() < deadline:
             time.sleep(0.1)
-        return failed
 
     def stop_all(self) -> None:
         """SIGTERM then SIGCONT (a stopped process ends on waking, saying nothing) to every rank
         still running; SIGKILL after 5 s. A second Ctrl-C does not cut this short."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         for pid in self.pids:
             for sig in (signal.SIGTERM, signal.SIGCONT):
                 if self.poll(pid) is None:
@@ -124,6 +239,8 @@ class Workers:
         for pid in (pid for pid in self.pids if self.poll(pid) is None):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+            self.codes[pid] = -signal.SIGKILL
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_forked_rank(env: dict[str, str], argv: list[str], run_rank) -> None:

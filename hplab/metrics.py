@@ -66,6 +66,16 @@ def collect(
     }
 
 
+def recovery(metrics: dict, first_step: int, earlier: list, saves: list) -> dict:
+    """What a run spent on safety and on failures: `checkpoints`, each save's step, seconds and
+    bytes; `resumed`, the step it resumed from and the losses before it (from the checkpoint);
+    `restarts`, the attempts `train.py --nproc --max-restarts` lost (HPLAB_RESTARTS): why, at
+    which step, after how many seconds, and the step the next resumed from."""
+    restarts = json.loads(os.environ.get("HPLAB_RESTARTS") or "[]")
+    resumed = {"step": first_step, "losses": earlier} if first_step else None
+    return {**metrics, "checkpoints": saves, "resumed": resumed, "restarts": restarts}
+
+
 def experts(model, layout, per_rank: list[list[dict]]) -> dict:
     """Per rank (its tokens), step and layer: the token-slots each expert took, those dropped,
     all slots and the balance loss."""

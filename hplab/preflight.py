@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hplab import checkpoint, link
+from hplab import checkpoint, faults, link
 from hplab.cli import build_parser, layout_of, optim_of
 from hplab.config import Layout, LayoutError, ModelConfig, OptimConfig, validate
 from hplab.data import TokenDataset
@@ -56,6 +56,12 @@ def preflight(args, world_size: int) -> Run:
             "machines, whose network is real: drop --link (and HPLAB_LINK)"
         )
     settle_lr_schedule(args)
+    for fault in faults.planned():  # (a malformed HPLAB_FAULT: ValueError, one line)
+        if fault.rank >= world_size:
+            raise ValueError(
+                f"HPLAB_FAULT asks rank {fault.rank} to fail, but the job has {world_size} "
+                f"process{'es' * (world_size > 1)} (ranks 0 to {world_size - 1})"
+            )
     saved, model = model_of(args)
     layout = layout_of(args)
     validate(layout, model, world_size)
@@ -77,8 +83,14 @@ def check_switches(args) -> None:
     args.link = args.link or os.environ.get("HPLAB_LINK") or None
     if args.link:  # (LinkError: one line) in the metrics as the library spells it
         args.link = str(link.parse(args.link, source))
+    resume_point(args)
     if args.init_from and args.resume:
         raise ValueError("--init-from starts a new run, --resume continues one: give one of them")
+    if args.max_restarts and not args.save:
+        raise ValueError(
+            f"--max-restarts {args.max_restarts} restarts from --save's newest checkpoint: "
+            "give --save DIR (and --save-every K)"
+        )
     cut = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "cp") if getattr(args, k) > 1]
     cut += ["--zero 3"] * (args.zero == 3) + ["--moe-experts"] * bool(args.moe_experts)
     if args.compile and cut:
@@ -86,6 +98,19 @@ def check_switches(args) -> None:
             f"--compile compiles each block's forward whole, with data parallel and ZeRO-1/2 "
             f"only: drop --compile or {' '.join(cut)}"
         )
+
+
+def resume_point(args) -> None:
+    """`--resume auto`, and every restart after a failure (HPLAB_ATTEMPT or torchrun's restart
+    count above 0) with --save: resume from --save's newest complete checkpoint. With none
+    there yet, --resume auto starts afresh, and a restart starts as the first attempt did."""
+    if args.resume == "auto" and not args.save:
+        raise ValueError("--resume auto resumes from --save's newest checkpoint: give --save DIR")
+    if args.resume == "auto" or (faults.attempt() > 0 and args.save):
+        if checkpoint.newest(args.save):
+            args.resume, args.init_from = args.save, None
+        elif args.resume == "auto":
+            args.resume = None
 
 
 def settle_lr_schedule(args) -> None:

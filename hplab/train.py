@@ -41,12 +41,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from hplab import checkpoint, link, metrics
+from hplab import checkpoint, faults, link, metrics
 from hplab.cli import in_flags, parse_args
 from hplab.compose import evaluate, parallelize, train_step
 from hplab.data import get_batch, global_batch_indices, shard_for_rank
 from hplab.dist import Mesh, init_distributed, shutdown
-from hplab.launch import launch
+from hplab.launch import launch, note_error, note_step, supervised
 from hplab.models.gpt import build_model
 from hplab.observe import Observers
 from hplab.preflight import preflight
@@ -61,9 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
         args = parse_args(argv)
+        if args.max_restarts and under_torchrun and not supervised():
+            raise ValueError(
+                "--max-restarts is train.py --nproc's: under torchrun give torchrun "
+                "--max-restarts N (a restarted train.py resumes from --save by itself)"
+            )
         if args.nproc and not under_torchrun:
             preflight(args, args.nproc)  # (each rank checks again: the same flags, quickly)
-            return launch(args.nproc, argv, main, __file__)
+            return launch(args.nproc, argv, main, __file__, args.max_restarts, restart(argv))
         result = run(args)
     except KeyboardInterrupt:
         if rank == 0:
@@ -71,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (ValueError, RuntimeError, OSError) as err:  # includes LayoutError, CommTimeout
         err = in_flags(err, argv)
-        if dist.is_initialized() or rank == 0:  # started: each rank says its own (a timeout)
+        if supervised():  # train.py --nproc's launcher names the process that failed, once
+            note_error(str(err))
+        elif dist.is_initialized() or rank == 0:  # started: each rank says its own (a timeout)
             print(f"hplab: error: {f'rank {rank}: ' if rank else ''}{err}", file=sys.stderr)
         else:  # every rank found the same: rank 0 says it; wait so that the launcher, which
             time.sleep(5)  # stops all ranks when one exits, does not stop rank 0 first
@@ -86,6 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def restart(argv: list[str]):
+    """For `launch`: before restart `attempt`, check everything again as its ranks will (a
+    restart resumes from --save's newest checkpoint: `preflight.resume_point`); returns the
+    step it resumes from."""
+
+    def check(attempt: int) -> int:
+        os.environ["HPLAB_ATTEMPT"] = str(attempt)  # (as its ranks will see it)
+        args = parse_args(argv)
+        job = preflight(args, args.nproc)
+        return job.saved["trainer_state"]["step"] if args.resume else 0
+
+    return check
+
+
 def run(args) -> dict | None:
     """This rank's whole run (steps 1 to 6 above); the metrics on rank 0, None elsewhere."""
     job = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
@@ -97,21 +118,24 @@ def run(args) -> dict | None:
     for block in par.gpt.blocks if args.compile else ():  # (their hooks stay eager)
         block.forward = torch.compile(block.forward)
     first_step = checkpoint.restore(par, job.saved, bool(args.resume)) if job.saved else 0
+    earlier = job.saved["trainer_state"]["losses"] if args.resume else []
     watch = Observers(par, args.trace, range(first_step, args.steps))
-    steps, evals = train(par, job, args, range(first_step, args.steps), watch)
+    steps, evals, saves = train(par, job, args, range(first_step, args.steps), watch, earlier)
     mine = watch.per_rank(len(steps))
     everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     if mesh.rank != 0:
         return None
     backend = dist.get_backend()
-    return metrics.collect(args, job.model, layout, backend, device.type, steps, evals, everyone)
+    out = metrics.collect(args, job.model, layout, backend, device.type, steps, evals, everyone)
+    return metrics.recovery(out, first_step, earlier, saves)
 
 
-def train(par, job, args, steps_to_run: range, watch: Observers) -> tuple[list, list]:
+def train(par, job, args, steps_to_run: range, watch, earlier: list) -> tuple[list, list, list]:
     """The loop: per step, this rank's share of the global batch, one `train_step`, its record
     (loss, seconds, tokens, lr); the validation loss every --eval-every steps and a checkpoint
-    every --save-every steps and at the end. Returns (steps, evaluations)."""
+    every --save-every steps and at the end (with the losses of every step before it, those
+    of the run it resumed, `earlier`, first). Returns (steps, evaluations, saves)."""
     mesh, tokens_per_step = par.mesh, args.batch_size * job.model.n_positions
     bar = tqdm(
         steps_to_run,
@@ -120,8 +144,10 @@ def train(par, job, args, steps_to_run: range, watch: Observers) -> tuple[list, 
         dynamic_ncols=True,
         file=sys.stdout,
     )
-    steps, evals = [], []
+    steps, evals, saves, planned_faults = [], [], [], faults.planned()
     for step in bar:
+        note_step(step)  # (for the launcher's line, should this rank fail)
+        faults.strike(step, mesh.rank, planned_faults)  # HPLAB_FAULT: none unless asked
         indices = global_batch_indices(len(job.dataset), step, args.batch_size, args.seed)
         x, y = get_batch(job.dataset, shard_for_rank(indices, mesh.dp_rank, mesh.dp_size))
         lr, start = par.optimizer.param_groups[0]["lr"], time.perf_counter()
@@ -137,10 +163,10 @@ def train(par, job, args, steps_to_run: range, watch: Observers) -> tuple[list, 
         latest = {"val": f"{evals[-1]['loss']:.4f}"} if evals else {}
         bar.set_postfix(loss=f"{loss:.4f}", **latest, tok_s=f"{tokens_per_step / elapsed:,.0f}")
         if args.save and (last or args.save_every and done % args.save_every == 0):
-            losses = [s["loss"] for s in steps]
-            checkpoint.save_run(par, args.save, vars(args), done, losses)
+            losses = earlier + [s["loss"] for s in steps]
+            saves.append(checkpoint.save_run(par, args.save, vars(args), done, losses))
     bar.close()
-    return steps, evals
+    return steps, evals, saves
 
 
 def validation_loss(par, validation, args) -> float:
