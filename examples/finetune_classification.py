@@ -40,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 import hplab  # noqa: E402
 from hplab.data import DATA_DIR, END_OF_TEXT, load_tokenizer, read_documents  # noqa: E402
+from hplab.models.hf import config_from_hf  # noqa: E402
 
 PLAYS = {"HAMLET, PRINCE OF DENMARK": "Hamlet", "THE COMEDY OF ERRORS": "The Comedy of Errors"}
 LINES_PER_EXAMPLE, TRAIN_PER_PLAY, TEST_PER_PLAY, SEQ_LEN = 2, 400, 100, 40
@@ -184,7 +185,19 @@ def check_init(directory: str) -> tuple[str, int]:
             f"{config_path}: vocab_size {config.get('vocab_size')} matches no "
             f"shipped tokenizer ({known})"
         )
+    try:  # its sizes and types as train.py reads them (one line if wrong)
+        config_from_hf(config)
+    except ValueError as err:
+        raise ValueError(f"{config_path} {err}") from None
     return name, int(config.get("n_positions", SEQ_LEN))
+
+
+def is_results_file(path: Path) -> bool:
+    """Whether `path` holds results this script wrote (which --out may replace)."""
+    try:
+        return "accuracy_after" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def main(argv=None) -> int:
@@ -212,7 +225,9 @@ def main(argv=None) -> int:
                 f"got {args.nproc}, {args.epochs}, {args.batch_size}"
             )
         tokenizer_name, n_positions = check_init(args.init)
-    except ValueError as err:
+        if args.out and Path(args.out).exists() and not is_results_file(Path(args.out)):
+            raise ValueError(f"--out {args.out} exists: choose a new file (it was not changed)")
+    except (ValueError, UnicodeDecodeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     tokenizer, seq_len = load_tokenizer(tokenizer_name), min(SEQ_LEN, n_positions)

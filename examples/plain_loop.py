@@ -33,6 +33,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8, help="global, in sequences")
     args = parser.parse_args()
+    if args.steps < 1 or args.batch_size < 1:  # (the world size is checked below)
+        parser.error(
+            f"need --steps and --batch-size of at least 1: {args.steps}, {args.batch_size}"
+        )
 
     device = hplab.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

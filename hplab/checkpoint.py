@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -48,6 +49,7 @@ from hplab.precision import MasterWeightOptimizer
 from hplab.zero import ZeroOptimizer
 
 FORMAT_VERSION = 1
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # what a model's weights may be stored as
 
 
 class CheckpointError(ValueError):
@@ -69,7 +71,7 @@ def save(
     `model_state` {hplab name: fp32 tensor} (tied weights once or twice, either works),
     `optimizer_state` {hplab name: {state name: tensor}}, `trainer_state` JSON-able, with
     "step": the number of steps already taken."""
-    directory = Path(directory)
+    directory = resolved(directory)
     check_save_target(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp, previous = _aside(directory, f"tmp-{os.getpid()}"), _aside(directory, "previous")
@@ -78,6 +80,23 @@ def save(
     if previous.exists() and not directory.exists():  # a kill between the renames: restore
         os.rename(previous, directory)
     tmp.mkdir()
+    try:
+        _write_files(tmp, config, model_state, optimizer_state, trainer_state)
+    except BaseException:  # a full disk, Ctrl-C: no half-written folder is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    # the swap: old aside, new in place, old removed
+    shutil.rmtree(previous, ignore_errors=True)
+    if directory.exists():
+        os.rename(directory, previous)
+    os.rename(tmp, directory)
+    shutil.rmtree(previous, ignore_errors=True)
+    return directory
+
+
+def _write_files(tmp: Path, config, model_state, optimizer_state, trainer_state) -> None:
+    """Every file of a checkpoint into `tmp`, on disk (fsync), trainer_state.json last."""
     hf_state = to_hf_state_dict(  # (a tied head once: transformers ties it again on load)
         {k: v.detach().float().cpu().contiguous() for k, v in model_state.items()}, config
     )
@@ -109,14 +128,6 @@ def save(
         with open(path, "rb") as f:
             os.fsync(f.fileno())
 
-    # the swap: old aside, new in place, old removed
-    shutil.rmtree(previous, ignore_errors=True)
-    if directory.exists():
-        os.rename(directory, previous)
-    os.rename(tmp, directory)
-    shutil.rmtree(previous, ignore_errors=True)
-    return directory
-
 
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
@@ -129,10 +140,8 @@ def sha256(path: Path) -> str:
 def newest(directory: str | Path) -> Path | None:
     """The checkpoint in `directory`, or else the previous one, that a save killed between its
     two renames left aside; None when there is none (a save writes trainer_state.json last)."""
-    asked = Path(directory)
-    return next(
-        (d for d in (asked, _aside(asked, "previous")) if (d / "trainer_state.json").exists()), None
-    )
+    folders = (Path(directory), _aside(Path(directory), "previous"))
+    return next((d for d in folders if (d / "trainer_state.json").exists()), None)
 
 
 def load(directory: str | Path) -> dict:
@@ -163,7 +172,7 @@ def load(directory: str | Path) -> dict:
             name, state_key = key.split("::")
             optimizer.setdefault(name, {})[state_key] = t
         rng = load_file(directory / "rng.safetensors")
-    except (ValueError, TypeError, KeyError, OSError, SafetensorError) as err:
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, SafetensorError) as err:
         raise CheckpointError(f"{directory} is damaged and cannot be read ({err})") from None
     _refuse(
         directory,
@@ -201,6 +210,7 @@ def load_pretrained(directory: str | Path) -> dict:
             "model folder (save_pretrained) or an hplab checkpoint"
         ) from None
     except (ValueError, TypeError, AttributeError) as err:
+        err = f"is not JSON ({err})" if isinstance(err, json.JSONDecodeError) else err
         raise CheckpointError(f"{directory}/config.json {err}") from None
     index = directory / "model.safetensors.index.json"  # a sharded model's list of its files
     try:
@@ -224,11 +234,10 @@ def load_pretrained(directory: str | Path) -> dict:
         "holds tensors of other shapes than its config.json says:",
         [f"{n} {list(model[n].shape)}" for n in shapes if model[n].shape != shapes[n]],
     )
-    _refuse(
-        directory,
-        "holds non-finite weights (NaN or inf) in",
-        [name for name, t in model.items() if not torch.isfinite(t).all()],
-    )
+    odd = [f"{n} ({t.dtype})" for n, t in model.items() if t.dtype not in FLOATS]
+    _refuse(directory, "holds weights that are not float32, bfloat16 or float16:", odd)
+    bad = [name for name, t in model.items() if not torch.isfinite(t).all()]
+    _refuse(directory, "holds non-finite weights (NaN or inf) in", bad)
     return {"config": config, "model": {name: model[name].float() for name in shapes}}
 
 
@@ -327,12 +336,17 @@ def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
             }
 
 
-def save_run(par, directory, flags: dict, step: int, losses: list[float]) -> dict:
+def save_run(par, directory, flags: dict, step: int, losses: list, background=False) -> dict:
     """A run's checkpoint after `step` steps: the single-device state gathered (a collective),
     written by rank 0 with the trainer's state (flags, losses, lr schedule, loss scale), then
-    everyone waits, so no rank runs ahead of a checkpoint still being written. Returns what it
-    cost: {step, seconds (training stood still), bytes (written, rank 0)}."""
-    start, written = time.perf_counter(), 0
+    everyone waits, so no rank runs ahead of a checkpoint still being written. `background`
+    (--async-save): the gathered state is already rank 0's own copy, a consistent snapshot at
+    this step boundary, so a thread writes it while training goes on (`save` is atomic: a kill
+    mid-write leaves the previous checkpoint); the next save, or the run's end, waits for it.
+    Returns what it cost: {step, seconds training stood still, bytes and write_seconds (rank 0,
+    filled in once written)}."""
+    finish_saves()  # one write at a time, in order
+    start, record = time.perf_counter(), {"step": step, "bytes": 0, "write_seconds": 0.0}
     with par.mesh.ledger.unrecorded():  # the gathers are checkpoint traffic, not training
         model_state, optimizer_state = gather_full_state(par)
     if dist.get_rank() == 0:
@@ -345,10 +359,37 @@ def save_run(par, directory, flags: dict, step: int, losses: list[float]) -> dic
         }
         if scaler is not None:
             trainer_state.update(loss_scale=scaler.scale, good_steps=scaler.good_steps)
-        saved = save(directory, par.gpt.config, model_state, optimizer_state, trainer_state)
-        written = sum(path.stat().st_size for path in saved.iterdir())
+        state = (par.gpt.config, model_state, optimizer_state, trainer_state)
+        writer = threading.Thread(target=_write, args=(record, directory, state), daemon=True)
+        WRITING.append(writer)
+        writer.start()
+        if not background:
+            finish_saves()
     dist.barrier()
-    return {"step": step, "seconds": time.perf_counter() - start, "bytes": written}
+    record["seconds"] = time.perf_counter() - start
+    return record
+
+
+WRITING, FAILED_WRITES = [], []  # rank 0's writes not yet waited for; what failed in one
+
+
+def _write(record: dict, directory, state: tuple) -> None:
+    begin = time.perf_counter()
+    try:
+        saved = save(directory, *state)
+        record["bytes"] = sum(path.stat().st_size for path in saved.iterdir())
+    except (OSError, ValueError) as err:  # e.g. the disk is full; the previous one stays
+        FAILED_WRITES.append(f"the checkpoint of step {record['step']} was not written ({err})")
+    record["write_seconds"] = time.perf_counter() - begin
+
+
+def finish_saves() -> None:
+    """Wait until every checkpoint being written is on disk; a failed write raises a
+    CheckpointError saying so (the previous checkpoint stays as it was)."""
+    while WRITING:
+        WRITING.pop(0).join()
+    if FAILED_WRITES:
+        raise CheckpointError(FAILED_WRITES.pop(0))
 
 
 def restore(par, saved: dict, resume: bool) -> int:
@@ -381,10 +422,18 @@ CHECKPOINT_FILES = (
 )
 
 
+def resolved(directory: str | Path) -> Path:
+    """`directory`, or the folder a symbolic link points to (the link stays; a dangling one is
+    refused): a checkpoint saved through a link goes where it points."""
+    if (directory := Path(directory)).is_symlink() and not directory.exists():
+        raise CheckpointError(f"{directory} is a symbolic link to nothing: give a folder")
+    return Path(os.path.realpath(directory)) if directory.is_symlink() else directory
+
+
 def check_save_target(directory: str | Path) -> None:
     """A checkpoint replaces `directory` only when it is absent, empty or an hplab checkpoint
     with nothing else in it: a folder holding anyone's own files is refused, never replaced."""
-    directory = Path(directory)
+    directory = resolved(directory)
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(
             f"{directory} is a file, not a checkpoint folder: choose another "

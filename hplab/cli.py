@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hplab.config import BALANCES, Layout, OptimConfig, from_values
-from hplab.flags import COUNT, NONNEGATIVE, OneLineParser, add_flags, at_least, shown
+from hplab.flags import COUNT, NONNEGATIVE, SEED, OneLineParser, add_flags, at_least, shown
 from hplab.formulas import LR_DECAYS
 
 on = dict(action="store_true")
@@ -62,13 +62,15 @@ TRAINING_FLAGS = {
     "--grad-clip": dict(
         type=NONNEGATIVE, default=0.0, help="clip gradients to this global L2 norm (0: off)"
     ),
-    "--seed": dict(type=int, default=0),
+    "--seed": dict(type=SEED, default=0),
     "--compile": dict(
         on,
         help="torch.compile each block's forward (faster on a GPU; the first step pays for "
         "compiling); with data parallel and ZeRO-1/2",
     ),
 }
+
+
 OUTPUT_FLAGS = {
     "--metrics": dict(help="write the metrics JSON here (rank 0)"),
     "--eval-every": dict(type=at_least(0), default=0, help="validation loss every N steps"),
@@ -93,6 +95,11 @@ OUTPUT_FLAGS = {
         help="resume from a unified checkpoint directory, under any layout; --steps counts from "
         "the start of the first run. auto: from --save's checkpoint if there is one, else start "
         "afresh (a job that may be restarted)",
+    ),
+    "--async-save": dict(
+        on,
+        help="with --save: write each checkpoint in a background thread while training goes on "
+        "(rank 0 first takes a consistent snapshot at the step boundary)",
     ),
     "--max-restarts": dict(
         type=at_least(0),
@@ -164,14 +171,19 @@ def recipe_flags(path: Path, parser) -> list[str]:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"config file {path} not found: see configs/ for the recipes")
+    if not path.is_file():  # (a folder, /dev/zero: reading it would never end)
+        raise ValueError(f"config file {path} is not a regular file: give a .toml recipe")
     try:
         recipe = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid TOML: {err}") from None
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     keys = {k: k.replace("-", "_") for k in recipe}
+    if len(set(keys.values())) < len(keys):  # batch-size and batch_size: which one?
+        twice = sorted(k for k in recipe if list(keys.values()).count(keys[k]) > 1)
+        raise ValueError(f"{path}: {' and '.join(twice)} are the same setting: give it once")
     unknown = sorted(d for d in keys.values() if d not in actions or d in ("config", "help"))
     if unknown:
         raise ValueError(

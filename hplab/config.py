@@ -395,6 +395,11 @@ def check_experts(n_experts: int | None, ep: int, dp: int) -> None:
     """Expert parallel shares out each layer's experts (a whole number on each of ep ranks)
     among ep of the dp ranks (`n_experts` None: the model is not known yet, only the dp part)."""
     experts = "" if n_experts is None else f" --moe-experts ({n_experts}) and"
+    if ep > 1 and n_experts == 0:
+        raise LayoutError(
+            f"--ep {ep} shares out a mixture of experts, and this model has none: give "
+            "--moe-experts E (a multiple of --ep) or leave --ep out"
+        )
     if ep > 1 and (dp % ep or n_experts is not None and (not n_experts or n_experts % ep)):
         raise LayoutError(
             f"--ep {ep} must divide{experts} --dp ({dp}): expert parallel shares out each "

@@ -132,8 +132,36 @@ def _jsonl_texts(input_path: Path, text_key: str):
                         else f"{text_key!r} is not a string"
                     )
                 )
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # "\ud800" in JSON: a lone surrogate, no character
+                raise DataError(
+                    f"{input_path}:{number}: {text_key!r} holds a lone surrogate "
+                    "(an escaped \\ud800-\\udfff without its pair), which is no text"
+                ) from None
             if text:
                 yield text
+
+
+def check_outputs_free(input_path: Path, prefix: Path) -> None:
+    """PREFIX.bin and PREFIX.json may be replaced only when they are an earlier `prepare`'s
+    output (a sidecar that describes the .bin beside it), and never when one is the input."""
+    outputs = [Path(f"{prefix}{ending}") for ending in (".bin", ".json")]
+    for path in outputs:
+        if path.exists() and input_path.exists() and path.samefile(input_path):
+            raise DataError(f"--output-prefix {prefix} would write over the input {input_path}")
+    if not any(path.exists() or path.is_symlink() for path in outputs):
+        return
+    try:
+        sidecar = json.loads(outputs[1].read_text(encoding="utf-8"))
+        ours = outputs[0].is_file() and outputs[0].stat().st_size == 2 * sidecar["num_tokens"]
+    except (OSError, ValueError, TypeError, KeyError):
+        ours = False
+    if not ours or any(path.is_symlink() or not path.is_file() for path in outputs):
+        raise DataError(
+            f"{prefix}.bin or {prefix}.json exists and is not a token file `prepare` wrote: "
+            "choose another --output-prefix (nothing was changed)"
+        )
 
 
 def prepare_jsonl(
@@ -149,6 +177,7 @@ def prepare_jsonl(
     input_path, prefix = Path(input_path), Path(prefix)
     if not input_path.is_file():
         raise DataError(f"input file not found: {input_path}")
+    check_outputs_free(input_path, prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     temporary_bin = Path(f"{prefix}.bin.tmp")
     tokenizer, num_documents, num_tokens = None, 0, 0  # loaded on first use: bad input fails fast
@@ -236,6 +265,12 @@ class TokenDataset:
         if split not in ("train", "val") or seq_len < 1:
             raise ValueError(f"need split 'train' or 'val' and seq_len >= 1: {split!r}, {seq_len}")
         self.path = _find_token_file(path_or_name, tokenizer)
+        for path in (self.path, self.path.with_suffix(".json")):  # (reading a FIFO would wait,
+            if path.exists() and not path.is_file():  # /dev/zero would never end)
+                raise ValueError(
+                    f"{path} is not a regular file (a FIFO, a device?): give the path of a "
+                    "token file `python -m hplab.data prepare` wrote"
+                )
         meta = _read_sidecar(self.path)
         if meta["tokenizer"] != tokenizer:
             raise ValueError(
@@ -345,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (nothing half-written is left: prepare_jsonl cleans up)
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
     print(
         f"wrote {args.output_prefix}.bin: {sidecar['num_documents']} documents, "
         f"{sidecar['num_tokens']} tokens"

@@ -24,6 +24,7 @@ import ctypes
 import gc
 import importlib
 import itertools
+import math
 import os
 import signal
 import socket
@@ -38,7 +39,25 @@ from hplab import link
 from hplab.comm import OPEN_COMMUNICATORS, CommLedger, Communicator
 from hplab.config import Layout, check_experts, check_mesh, check_sizes_and_choices
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("HPLAB_TIMEOUT_S", 120))
+
+def _timeout_from_env() -> tuple[float, str | None]:
+    """HPLAB_TIMEOUT_S, the seconds a collective may wait (default 120), and what is wrong
+    with it if it is not a number of seconds above 0 (said by init_distributed and train.py's
+    checks, in one line; until then the default stands)."""
+    text = os.environ.get("HPLAB_TIMEOUT_S", "").strip() or "120"
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if 0 < seconds <= 86400:  # (NaN, inf, 0 and negatives are not)
+        return seconds, None
+    return 120.0, (
+        f"HPLAB_TIMEOUT_S={text}: give the seconds a collective may wait for its peers, a "
+        "number above 0 and at most 86400 (e.g. 120)"
+    )
+
+
+DEFAULT_TIMEOUT_S, TIMEOUT_PROBLEM = _timeout_from_env()
 TIMEOUT = timedelta(seconds=DEFAULT_TIMEOUT_S)  # of every group: set by init_distributed
 DEVICE = torch.device("cpu")  # this rank's device: set by init_distributed
 
@@ -95,6 +114,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     frozen or lost peer ends the job with one line, as on gloo, and NCCL records each
     collective's own time on the GPU (TORCH_NCCL_ENABLE_TIMING) for the ledger."""
     existing = dist.get_backend() if dist.is_initialized() else None
+    if TIMEOUT_PROBLEM:
+        raise ValueError(TIMEOUT_PROBLEM)
     if existing is None:
         if "LOCAL_RANK" in os.environ:  # a worker of torchrun or of `train.py --nproc`
             die_with_launcher()
@@ -118,10 +139,25 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         global TIMEOUT
         TIMEOUT = timedelta(seconds=timeout_s)
         import_before_the_group_exists()
-        dist.init_process_group(backend, timeout=TIMEOUT)
+        dist.init_process_group(backend, timeout=TIMEOUT, **attempt_store())
         atexit.unregister(shutdown)  # once, however often we start
         atexit.register(shutdown)
     return device
+
+
+def attempt_store() -> dict:
+    """Under torchrun after a restart: the store its agent keeps (MASTER_ADDR:MASTER_PORT)
+    outlives the workers, with the previous attempt's keys in it, so a restarted rank could
+    read a dead peer's address ("Connection refused", pytorch/pytorch#167288). Each attempt's
+    process group then keeps its keys under a prefix of its own."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agents = dist.TCPStore(address, port, is_master=False, timeout=TIMEOUT)
+    store = dist.PrefixStore(f"hplab-attempt-{attempt}", agents)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return dict(store=store, rank=rank, world_size=world)
 
 
 def current_device() -> torch.device:

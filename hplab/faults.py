@@ -6,8 +6,8 @@ strikes global rank RANK as it starts step STEP (counted from 0, as the metrics 
 
     kill            the process is killed by SIGKILL, as by the out-of-memory killer or a lost
                     node: it says nothing, its peers lose their connection to it
-    hang            it stops answering (a stuck GPU, a deadlock): it sleeps for good, and its
-                    peers time out in their next collective (HPLAB_TIMEOUT_S)
+    hang            it stops answering (a stuck GPU, a deadlock): it stops itself (SIGSTOP),
+                    and its peers time out in their next collective (HPLAB_TIMEOUT_S)
     slow=SECONDS    a straggler: that step takes SECONDS longer, on that rank alone
 
 A fault strikes in the job's first attempt only, so that a restart can get past it; `@N`
@@ -98,8 +98,6 @@ def strike(step: int, rank: int, faults: list[Fault]) -> None:
     for fault in faults:
         if (fault.step, fault.rank) != (step, rank) or fault.attempt not in (None, attempt()):
             continue
-        if fault.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        while fault.kind == "hang":
-            time.sleep(3600)  # (the launcher's SIGTERM ends it)
+        if fault.kind in ("kill", "hang"):  # (a launcher wakes a stopped rank to end it)
+            os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
         time.sleep(fault.seconds)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import field
 
 FLAG_NAMES = {"n_positions": "--seq-len", "n_experts": "--moe-experts"}
@@ -29,6 +30,8 @@ def at_least(low: float, kind=int, above: bool = False):
         if not (value > low if above else value >= low):  # (NaN fails both)
             wanted = "a positive number" if above else f"at least {low}"
             raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        if value == math.inf:
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         return value
 
     parse.__name__ = "positive_float" if above else kind.__name__  # "invalid int value"
@@ -36,6 +39,17 @@ def at_least(low: float, kind=int, above: bool = False):
 
 
 COUNT, NONNEGATIVE = at_least(1), at_least(0, float)
+
+
+def SEED(text: str) -> int:  # noqa: N802 (an argparse type, named like COUNT)
+    """An argparse type: a seed torch takes, from 0 to 2**63 - 1."""
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 2**63 - 1, got {text}")
+    return value
+
+
+SEED.__name__ = "int"  # ("invalid int value" for a word)
 
 
 def option(default, help: str = "", **argparse_kwargs):

@@ -87,6 +87,8 @@ def experts(model, layout, per_rank: list[list[dict]]) -> dict:
 def write(path: str | Path, metrics: dict) -> None:
     """Write `metrics` to `path` atomically: a reader never sees half a file."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a folder, a device: never replaced
+        raise ValueError(f"{path} exists and is not a file: the metrics were not written there")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(metrics, indent=1))

@@ -111,7 +111,7 @@ class MoE(nn.Module):
         """Which token-slots their expert takes: all, or each expert's first `capacity`."""
         if self.capacity_factor <= 0:
             return torch.ones_like(slot_expert, dtype=torch.bool)
-        capacity = math.ceil(self.capacity_factor * T * self.top_k / self.n_experts)
+        capacity = math.ceil(min(self.capacity_factor * T * self.top_k / self.n_experts, T))
         one_hot = nn.functional.one_hot(slot_expert, self.n_experts)
         place = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1)  # 1 for an expert's first slot
         return place <= capacity

@@ -13,7 +13,9 @@ machine (GPUs, the planner's estimate of the memory), and the token files.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -25,7 +27,8 @@ from hplab import checkpoint, faults, link
 from hplab.cli import build_parser, layout_of, optim_of
 from hplab.config import Layout, LayoutError, ModelConfig, OptimConfig, validate
 from hplab.data import TokenDataset
-from hplab.dist import choose_backend
+from hplab.dist import TIMEOUT_PROBLEM, choose_backend
+from hplab.launch import supervised
 from hplab.metrics import is_metrics_file
 from hplab.models.gpt import config_from_preset
 from hplab.observe import is_trace_folder
@@ -47,9 +50,16 @@ class Run:
 def preflight(args, world_size: int) -> Run:
     """Check everything (LayoutError / ValueError, one line each); fill in --dp, --warmup-steps
     (from --warmup-fraction), --decay-steps and --no-decay-bias-norm's default."""
+    if TIMEOUT_PROBLEM:
+        raise ValueError(TIMEOUT_PROBLEM)
+    check_switches(args)  # (--resume auto: which checkpoint, if any)
     if args.dp is None:
-        args.dp = resolve_dp(world_size, args.tp, args.pp, args.cp)
-    check_switches(args)
+        try:
+            args.dp = resolve_dp(world_size, args.tp, args.pp, args.cp)
+        except LayoutError as err:  # e.g. resuming on fewer processes than tp × pp
+            reshard = " (a checkpoint reshards into any layout)" if args.resume else ""
+            raise LayoutError(f"{err}{reshard}") from None
+    keep_microbatch_size(args)
     if args.link and int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size:
         raise ValueError(
             "--link emulates a network between the processes of one machine; this job spans "
@@ -74,9 +84,14 @@ def preflight(args, world_size: int) -> Run:
 
 
 def check_switches(args) -> None:
+    for flag in ("resume", "save", "metrics", "trace", "init_from", "data"):
+        if getattr(args, flag) == "":  # (an unset shell variable, often)
+            raise ValueError(f"--{flag.replace('_', '-')} needs a path, got an empty one")
     if args.no_decay_bias_norm and args.decay_bias_norm:
         raise ValueError("give --no-decay-bias-norm or --decay-bias-norm, not both")
     args.no_decay_bias_norm = args.weight_decay > 0 and not args.decay_bias_norm  # (as the seeds)
+    if args.async_save and not args.save:
+        raise ValueError("--async-save writes --save's checkpoints: give --save DIR")
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
     source = "--link" if args.link else "HPLAB_LINK"
@@ -111,6 +126,25 @@ def resume_point(args) -> None:
             args.resume, args.init_from = args.save, None
         elif args.resume == "auto":
             args.resume = None
+
+
+def keep_microbatch_size(args) -> None:
+    """Resuming on fewer data-parallel ranks than saved the checkpoint (a lost node, a smaller
+    --nproc), the global batch stays, so each rank takes a larger share of it: as many more
+    microbatches keep each rank's microbatch, and its memory, as they were (and a restart on
+    as many ranks keeps the checkpoint's microbatches). Only when --microbatches is 1 or what
+    the saved run used, and not with experts balanced over the batch (their loss counts each
+    microbatch over dp: only the same global microbatch keeps it)."""
+    batch_balanced = args.moe_experts and args.moe_balance == "batch"
+    folder = checkpoint.newest(args.resume) if args.resume and not batch_balanced else None
+    try:  # (a damaged checkpoint: `resumable` says so in one line)
+        saved = json.loads((folder / "trainer_state.json").read_text())["config"]
+        sequences = int(saved["dp"]) * int(saved["microbatches"])  # per microbatch, over dp
+    except (TypeError, ValueError, KeyError, OSError):
+        return
+    not_more = args.dp <= int(saved["dp"])
+    if not_more and args.microbatches in (1, saved["microbatches"]) and sequences % args.dp == 0:
+        args.microbatches = sequences // args.dp
 
 
 def settle_lr_schedule(args) -> None:
@@ -164,7 +198,7 @@ def resumable(args, model: ModelConfig) -> dict:
     schedule (the schedule's shape may not change; --lr may)."""
     saved = checkpoint.load(args.resume)
     checkpoint.check_compatible(saved["config"], model)
-    state, step = saved["trainer_state"], saved["trainer_state"]["step"]
+    state, step = trainer_state(saved)
     if step >= args.steps:
         raise checkpoint.CheckpointError(
             f"{saved['directory']} is already at step {step}: ask for more with --steps "
@@ -183,11 +217,46 @@ def resumable(args, model: ModelConfig) -> dict:
     return saved
 
 
+def trainer_state(saved: dict) -> tuple[dict, int]:
+    """(trainer_state.json, its step) if they can continue a run (the file has no checksum of
+    its own: it holds them); else a CheckpointError naming what is wrong."""
+    state = saved["trainer_state"]
+    step = state.get("step") if isinstance(state, dict) else None
+    whole = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    problem = None
+    if not isinstance(state, dict):
+        problem = "trainer_state.json is not a JSON object {...}"
+    elif not whole(step):
+        problem = f"trainer_state.json has step {step!r}, not a whole number of steps from 0"
+    elif not isinstance(state.get("config"), dict) or "warmup_steps" not in state["config"]:
+        problem = "trainer_state.json lacks the flags of the run that saved it (config)"
+    elif not isinstance(losses := state.get("losses", []), list) or not all(
+        isinstance(x, int | float) for x in losses
+    ):
+        problem = "trainer_state.json's losses are not a list of numbers"
+    elif "lr_scheduler" in state and not (
+        isinstance(state["lr_scheduler"], dict) and whole(state["lr_scheduler"].get("last_epoch"))
+    ):
+        problem = "trainer_state.json's lr_scheduler has no last_epoch"
+    elif not isinstance(saved["rng"].get("cpu"), torch.Tensor):
+        problem = "rng.safetensors lacks the random state of the CPU"
+    if problem:
+        raise checkpoint.CheckpointError(
+            f"{saved['directory']} is damaged: {problem}; resume from another copy"
+        )
+    return state, step
+
+
 def check_outputs(args) -> None:
     """An output that cannot be written fails now, not after all the steps have run; an output
     never replaces someone's own files."""
     outputs = {"--metrics": args.metrics, "--save": args.save, "--trace": args.trace}
     for flag, path in ((flag, Path(path)) for flag, path in outputs.items() if path):
+        if path.exists() and not (path.is_file() or path.is_dir()):
+            raise ValueError(
+                f"{flag} {path} is not a regular file or folder (a device, a FIFO?): give a "
+                "path of your own (nothing was changed)"
+            )
         if flag == "--metrics" and path.is_dir():
             raise ValueError(
                 f"--metrics {path} is a folder: give a file name, e.g. {path / 'metrics.json'}"
@@ -207,7 +276,38 @@ def check_outputs(args) -> None:
                 checkpoint.check_save_target(path)
             except checkpoint.CheckpointError as err:
                 raise ValueError(f"--save: {err}") from None
+            claim_save_folder(path)
         check_writable(flag, path)
+
+
+CLAIMED: dict = {}  # --save folder → its lock file, held by this process until it ends
+
+
+def claim_save_folder(path: Path) -> None:
+    """One run at a time writes a --save folder: the launcher (train.py --nproc), or else rank
+    0, holds a lock beside it (.NAME.lock, flock) for the job's life; a second run is refused
+    in one line (two saving there would delete each other's half-written saves)."""
+    if supervised() or int(os.environ.get("RANK", 0)) != 0 or path in CLAIMED:
+        return  # (the launcher holds it for its ranks, and through every restart)
+    path.absolute().parent.mkdir(parents=True, exist_ok=True)
+    lock = open(path.absolute().parent / f".{path.name}.lock", "a")  # noqa: SIM115 (held)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ValueError(
+            f"--save {path} is being written by another run: wait until it ends, or choose "
+            "another folder (nothing was changed)"
+        ) from None
+    CLAIMED[path] = lock
+
+
+def release_save_folders() -> None:
+    """Let go of the --save folders this process claimed (their lock files go too)."""
+    while CLAIMED:
+        path, lock = CLAIMED.popitem()
+        Path(lock.name).unlink(missing_ok=True)
+        lock.close()
 
 
 def check_writable(flag: str, path: Path) -> None:
@@ -275,7 +375,6 @@ def resolve_dp(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
         cp_text = (f" × cp={cp}", " × cp") if cp > 1 else ("", "")
         raise LayoutError(
             f"{world_size} processes cannot be split into tp={tp} × pp={pp}"
-            f"{cp_text[0]} groups: make tp × pp{cp_text[1]} divide "
-            "--nproc_per_node"
+            f"{cp_text[0]} groups: make tp × pp{cp_text[1]} divide the number of processes"
         )
     return world_size // (tp * pp * cp)

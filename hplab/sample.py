@@ -18,6 +18,8 @@ from hplab import checkpoint
 from hplab.data import load_tokenizer
 from hplab.models.gpt import build_model
 
+MAX_NEW_TOKENS = 10_000
+
 
 @torch.no_grad()
 def generate(
@@ -35,20 +37,33 @@ def generate(
     sampled is a one-line ValueError."""
     if not prompt:
         raise ValueError("the prompt is empty: give the text to continue")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # (bytes that are no UTF-8 reach Python as lone surrogates)
+        raise ValueError("the prompt is not UTF-8 text") from None
     for flag, value in (
         ("--max-new-tokens", max_new_tokens),
         ("--top-k", top_k),
         ("--temperature", temperature),
     ):
-        if value is not None and not value > 0:  # `not >`: NaN is refused too
-            raise ValueError(f"{flag} must be positive, got {value}")
+        if value is not None and not 0 < value < float("inf"):  # (NaN is refused too)
+            raise ValueError(f"{flag} must be a positive, finite number, got {value}")
+    if max_new_tokens > MAX_NEW_TOKENS:
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens}: at most {MAX_NEW_TOKENS:,} (each token is one "
+            "forward of the model)"
+        )
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"--seed {seed}: give a whole number from 0 to 2**63 - 1")
     ids, generator = torch.tensor([tokenizer.encode(prompt)]), torch.Generator().manual_seed(seed)
     for _ in range(max_new_tokens):
         logits = model(ids[:, -model.config.n_positions :])[0][0, -1]  # the last position's
         next_id = logits.argmax()  # greedy
         if top_k is not None or temperature is not None:  # sampling instead
-            top = torch.topk(logits / (temperature or 1.0), min(top_k or len(logits), len(logits)))
-            next_id = top.indices[torch.multinomial(top.values.softmax(-1), 1, generator=generator)]
+            top = torch.topk(logits, min(top_k or len(logits), len(logits)))
+            scaled = (top.values.double() - top.values[0]) / (temperature or 1.0)  # (≤ 0, and
+            # in float64: a tiny T, 1e-300, is not 0 there, and the best token keeps 0)
+            next_id = top.indices[torch.multinomial(scaled.softmax(-1), 1, generator=generator)]
         ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
     return tokenizer.decode(ids[0])
 
@@ -91,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:  # a CheckpointError is a ValueError
         print(f"hplab: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hplab: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -23,6 +23,7 @@ With the defaults the run finishes in well under a minute on a 2-core laptop:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -49,12 +50,19 @@ from hplab.dist import Mesh, init_distributed, shutdown
 from hplab.launch import launch, note_error, note_step, supervised
 from hplab.models.gpt import build_model
 from hplab.observe import Observers
-from hplab.preflight import preflight
+from hplab.preflight import preflight, release_save_folders
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command: its exit code (0, 2 for a refused command line, 130 on Ctrl-C). Every
     error is one line, `hplab: error: ...`, said by rank 0 (or by the rank it happened on)."""
+    try:
+        return command(argv)
+    finally:
+        release_save_folders()  # (--save's lock: `preflight.claim_save_folder`)
+
+
+def command(argv: list[str] | None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here: KeyboardInterrupt
     argv = sys.argv[1:] if argv is None else list(argv)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
@@ -71,11 +79,13 @@ def main(argv: list[str] | None = None) -> int:
             return launch(args.nproc, argv, main, __file__, args.max_restarts, restart(argv))
         result = run(args)
     except KeyboardInterrupt:
+        finish_saves()
         if rank == 0:
             print("hplab: interrupted", file=sys.stderr)
         return 130
     except (ValueError, RuntimeError, OSError) as err:  # includes LayoutError, CommTimeout
         err = in_flags(err, argv)
+        finish_saves()
         if supervised():  # train.py --nproc's launcher names the process that failed, once
             note_error(str(err))
         elif dist.is_initialized() or rank == 0:  # started: each rank says its own (a timeout)
@@ -91,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"metrics written to {args.metrics}")
     shutdown()
     return 0
+
+
+def finish_saves() -> None:
+    """A checkpoint still being written (--async-save) gets to disk before this rank goes: it
+    may be the newest one a restart can resume from (its failure was said already). A rank a
+    launcher stops (SIGTERM) goes at once: its write is lost, and the previous one stays."""
+    with contextlib.suppress(checkpoint.CheckpointError):
+        checkpoint.finish_saves()
 
 
 def restart(argv: list[str]):
@@ -109,6 +127,14 @@ def restart(argv: list[str]):
 
 def run(args) -> dict | None:
     """This rank's whole run (steps 1 to 6 above); the metrics on rank 0, None elsewhere."""
+    try:
+        return run_claimed(args)
+    finally:
+        release_save_folders()  # (rank 0 held --save's lock: `preflight.claim_save_folder`)
+
+
+def run_claimed(args) -> dict | None:
+    """`run`'s steps, the --save folder held by rank 0 meanwhile."""
     job = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
     device = init_distributed(None if args.backend == "auto" else args.backend)
     link.use(args.link)  # an emulated network between the ranks, or none
@@ -164,7 +190,10 @@ def train(par, job, args, steps_to_run: range, watch, earlier: list) -> tuple[li
         bar.set_postfix(loss=f"{loss:.4f}", **latest, tok_s=f"{tokens_per_step / elapsed:,.0f}")
         if args.save and (last or args.save_every and done % args.save_every == 0):
             losses = earlier + [s["loss"] for s in steps]
-            saves.append(checkpoint.save_run(par, args.save, vars(args), done, losses))
+            saves.append(
+                checkpoint.save_run(par, args.save, vars(args), done, losses, args.async_save)
+            )
+    checkpoint.finish_saves()  # (--async-save: the last one is on disk)
     bar.close()
     return steps, evals, saves
 

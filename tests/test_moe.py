@@ -378,7 +378,7 @@ def test_train_metrics_count_the_routing_and_the_all_to_all_bytes(runs):
     ("flags", "says"),
     [
         ("--ep 3 --moe-experts 4", "--ep 3 must divide --moe-experts (4) and --dp (4)"),
-        ("--ep 2", "--ep 2 must divide --moe-experts (0)"),
+        ("--ep 2", "--ep 2 shares out a mixture of experts, and this model has none"),
         (
             "--moe-experts 4 --moe-top-k 5",
             "--moe-top-k 5 must be between 1 and the number of experts",

@@ -328,7 +328,7 @@ def test_cli_text_report_and_search(capsys):
         (["--model", "gpt2", "--cp", "8", "--cp-style", "ulysses"], "rank: 12) over 8 context"),
         (["--model", "gpt2", "--moe-experts", "8", "--dp", "8", "--ep", "3"], "must divide"),
         (["--model", "gpt2", "--moe-experts", "8", "--dp", "2", "--ep", "4"], "--dp (2)"),
-        (["--model", "gpt2", "--dp", "2", "--ep", "2"], "--moe-experts (0)"),
+        (["--model", "gpt2", "--dp", "2", "--ep", "2"], "and this model has none"),
         (["--model", "gpt2", "--moe-experts", "4", "--moe-top-k", "5"], "number of experts, 4"),
         (["--model", "gpt2", "--cp", "0"], "at least 1"),
         (["--model", "gpt2", "--n-layer", "0"], "positive"),
@@ -472,3 +472,45 @@ def test_cli_shows_context_and_expert_parallel(capsys):
         "ep group: each GPU sends",
     ):
         assert needle in text, needle
+
+
+def test_young_s_interval_is_where_goodput_peaks():
+    """√(2·C·M) maximises τ/(τ+C)·(1 − (R + (τ+C)/2)/M) to first order: on a fine grid the best
+    interval lies within 5% of it (C/M is not 0: Daly's correction) and its goodput within
+    0.01 points of the peak (C = 30 s, R = 60 s, Llama 3's 16,384 GPUs)."""
+    from hplab.plan import reliability as R
+
+    mtbf = R.cluster_mtbf_s(16384)
+    assert mtbf / 3600 == pytest.approx(54 * 24 / 419)  # 419 failures in 54 days
+    best = R.young_interval_s(30, mtbf)
+    grid = [best * (0.5 + i / 1000) for i in range(1001)]
+    peak = max(grid, key=lambda t: R.goodput(t, 30, 60, mtbf))
+    assert peak == pytest.approx(best, rel=0.05)
+    assert R.goodput(best, 30, 60, mtbf) > R.goodput(peak, 30, 60, mtbf) - 1e-4
+    plan = R.checkpoint_plan(16384, 30, 60)
+    assert plan["goodput"] == max(row["goodput"] for row in plan["by_interval"])
+    assert 0.9 < plan["goodput"] < 0.95
+    assert R.goodput(1e9, 30, 60, mtbf) == 0.0  # never saving: failures eat everything
+
+
+def test_cli_gives_the_checkpoint_interval(capsys):
+    assert P.main(["--gpus", "16384", "--checkpoint-seconds", "30"]) == 0
+    text = capsys.readouterr().out
+    assert "the cluster fails every 3.09 h" in text
+    assert "save every √(2·C·MTBF) = 13.6 min of training (Young): goodput 92.3%" in text
+    for bad, says in (
+        (["--checkpoint-seconds", "30"], "--checkpoint-seconds needs --gpus N"),
+        (["--gpus", "8", "--checkpoint-seconds", "inf"], "must be a positive, finite float"),
+        (["--params", "inf"], "must be a positive, finite float"),
+    ):
+        with pytest.raises(SystemExit) as exit:
+            P.main(bad)
+        assert exit.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_search_over_2_to_the_40_gpus_is_one_line(capsys):
+    """(Its layouts grow with the divisors of N: it would not end.)"""
+    with pytest.raises(SystemExit) as exit:
+        P.main(["--search", "--gpus", str(2**40), "--model", "gpt2"])
+    assert exit.value.code == 2
+    assert "--search ranks layouts of up to 1,048,576 GPUs" in capsys.readouterr().err

@@ -22,9 +22,10 @@ TRAIN = str(ROOT / "hplab" / "train.py")
 RUN = ["--steps", "8", "--batch-size", "8", "--no-progress"]
 
 
-def train(tmp_path, name: str, *flags: str, fault: str = "", torchrun=(), timeout_s=4):
+def train(tmp_path, name: str, *flags: str, fault="", torchrun=(), timeout_s=60, nproc=2):
     """A run of 2 processes, train.py --nproc or, given torchrun's own flags, torchrun; (exit
-    code, hplab lines, metrics)."""
+    code, hplab lines, metrics). `timeout_s`: HPLAB_TIMEOUT_S, how long a frozen peer takes to
+    notice (a restart's ranks must also meet within it: each imports torch afresh)."""
     metrics = tmp_path / f"{name}.json"
     args = [*RUN, "--metrics", str(metrics), *flags]
     command = [sys.executable, TRAIN, *args]
@@ -34,7 +35,7 @@ def train(tmp_path, name: str, *flags: str, fault: str = "", torchrun=(), timeou
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(HPLAB_FAULT=fault, HPLAB_TIMEOUT_S=str(timeout_s))
     done = subprocess.run(
-        command if torchrun else [*command, "--nproc", "2"],
+        command if torchrun else [*command, "--nproc", str(nproc)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -63,10 +64,13 @@ def test_a_killed_then_a_frozen_rank_cost_only_the_steps_since_the_checkpoint(
     tmp_path, uninterrupted
 ):
     """Rank 1 killed at step 4 (first attempt), rank 0 frozen at step 5 (second): each restart
-    resumes from the checkpoint of step 3 (--save-every 3), and the curve is unchanged."""
+    resumes from the checkpoint of step 3 (--save-every 3), and the curve is unchanged. With
+    --async-save that checkpoint is written while training goes on (rank 0 finishes it when
+    its peer is lost): the curve shows it is the snapshot of its step boundary."""
     save = str(tmp_path / "ckpt")
-    flags = ["--save", save, "--save-every", "3", "--max-restarts", "2"]
-    code, lines, metrics = train(tmp_path, "faults", *flags, fault="4:1:kill,5:0:hang@1")
+    flags = ["--save", save, "--save-every", "3", "--max-restarts", "2", "--async-save"]
+    faults = "4:1:kill,5:0:hang@1"
+    code, lines, metrics = train(tmp_path, "faults", *flags, fault=faults, timeout_s=5)
     assert code == 0, lines
     assert lines == [
         "hplab: restart 1 of 2: process 1 was killed by SIGKILL at step 4; resuming from step 3",
@@ -78,8 +82,9 @@ def test_a_killed_then_a_frozen_rank_cost_only_the_steps_since_the_checkpoint(
     restarts = metrics["restarts"]  # what each failed attempt cost
     assert [(r["failed_at_step"], r["resumed_from_step"]) for r in restarts] == [(4, 3), (5, 3)]
     assert all(r["seconds"] > 0 for r in restarts)
-    assert [c["step"] for c in metrics["checkpoints"]] == [6, 8]  # (the last attempt's saves)
-    assert all(c["bytes"] > 0 and c["seconds"] > 0 for c in metrics["checkpoints"])
+    saves = metrics["checkpoints"]  # the last attempt's, each written beside training
+    assert [c["step"] for c in saves] == [6, 8]
+    assert all(c["bytes"] > 0 and c["seconds"] > 0 and c["write_seconds"] > 0 for c in saves)
 
 
 def test_after_its_last_restart_the_job_ends_with_one_line(tmp_path):
@@ -94,17 +99,31 @@ def test_after_its_last_restart_the_job_ends_with_one_line(tmp_path):
     ]
 
 
-def test_under_torchrun_a_restarted_train_py_resumes_by_itself(tmp_path, uninterrupted):
-    """torchrun --max-restarts 1 starts the same command again; `--resume auto` (and a restart
-    count above 0) resumes from --save's checkpoint, or starts afresh when there is none."""
+def test_under_torchrun_a_restarted_train_py_resumes_by_itself_on_fewer_processes(
+    tmp_path, uninterrupted, capsys
+):
+    """Saved by 4 data-parallel ranks at step 4; then torchrun on 2 (a node lost) with
+    --resume auto: the global batch stays, in twice the microbatches (each rank's microbatch,
+    and its memory, as before). Killed at step 6, torchrun --max-restarts 1 starts the same
+    command again, which resumes from --save's checkpoint of step 6 by itself (a restart count
+    above 0). The curve equals an uninterrupted run's."""
     save = str(tmp_path / "ckpt")
+    code, lines, first = train(tmp_path, "four", "--save", save, "--steps", "4", nproc=4)
+    assert code == 0 and first["config"]["dp"] == 4, lines
     flags = ["--save", save, "--save-every", "3", "--resume", "auto"]
-    code, lines, metrics = train(
-        tmp_path, "torchrun", *flags, fault="4:1:kill", torchrun=["--max-restarts=1"]
-    )
+    restarts = ["--max-restarts=1"]  # (torchrun's own flag)
+    code, lines, metrics = train(tmp_path, "two", *flags, fault="6:1:kill", torchrun=restarts)
     assert code == 0, lines
-    assert metrics["resumed"]["step"] == 3
+    assert (metrics["config"]["dp"], metrics["config"]["microbatches"]) == (2, 2)
+    assert metrics["resumed"]["step"] == 6  # (attempt 0 resumed from 4 and saved at 6)
     assert curve(metrics) == pytest.approx(uninterrupted, rel=1e-5, abs=0)
+    from hplab.train import main  # a layout that cannot shrink: one line, before any process
+
+    assert main(["--nproc", "2", "--tp", "2", "--pp", "2", "--resume", save]) == 2
+    assert capsys.readouterr().err == (
+        "hplab: error: 2 processes cannot be split into tp=2 × pp=2 groups: make tp × pp "
+        "divide the number of processes (a checkpoint reshards into any layout)\n"
+    )
 
 
 @pytest.mark.parametrize(

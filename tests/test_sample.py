@@ -121,10 +121,16 @@ def one_error_line(capsys, argv):
 
 def test_bad_input_is_one_line(saved, tmp_path, capsys):
     good = ["--checkpoint", str(saved), "--prompt", "HAMLET:"]
-    assert "positive, got 0" in one_error_line(capsys, good + ["--top-k", "0"])
-    assert "positive, got -1.0" in one_error_line(capsys, good + ["--temperature", "-1"])
-    assert "positive, got 0.0" in one_error_line(capsys, good + ["--temperature", "0"])
-    assert "positive, got 0" in one_error_line(capsys, good + ["--max-new-tokens", "0"])
+    assert "positive, finite number, got 0" in one_error_line(capsys, good + ["--top-k", "0"])
+    assert "positive, finite number, got -1.0" in one_error_line(
+        capsys, good + ["--temperature", "-1"]
+    )
+    assert "positive, finite number, got 0.0" in one_error_line(
+        capsys, good + ["--temperature", "0"]
+    )
+    assert "positive, finite number, got 0" in one_error_line(
+        capsys, good + ["--max-new-tokens", "0"]
+    )
     assert "empty" in one_error_line(capsys, ["--checkpoint", str(saved), "--prompt", ""])
     assert "expected a Hugging Face model folder" in one_error_line(
         capsys, ["--checkpoint", str(tmp_path / "no")] + good[2:]
@@ -146,7 +152,7 @@ def test_bad_input_is_one_line(saved, tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("hplab: error: argument --top-k") and err.count("\n") == 1
-    with pytest.raises(ValueError, match="--temperature must be positive"):
+    with pytest.raises(ValueError, match="--temperature must be a positive, finite number"):
         sample.generate(None, IdTokenizer(), "1", temperature=float("nan"))
 
 
@@ -172,3 +178,18 @@ def test_command_line_prints_prompt_and_continuation(saved):
     )
     assert run.returncode == 0 and run.stdout.startswith("HAMLET:"), run.stderr
     assert len(run.stdout.strip()) > len("HAMLET:")
+
+
+def test_hostile_sampling_input_is_one_line_and_a_tiny_temperature_is_greedy(saved, capsys):
+    """A billion tokens would run silently for ever; T = 1e-300 is 0 in float32 (0/0: NaN);
+    bytes that are no UTF-8 reach Python as lone surrogates; torch takes seeds below 2**63."""
+    good = ["--checkpoint", str(saved), "--prompt", "HAMLET:"]
+    assert "at most 10,000" in one_error_line(capsys, good + ["--max-new-tokens", "1000000000"])
+    assert "not UTF-8 text" in one_error_line(
+        capsys,
+        ["--checkpoint", str(saved), "--prompt", b"\xff\xfe".decode(errors="surrogateescape")],
+    )
+    assert "from 0 to 2**63 - 1" in one_error_line(capsys, good + ["--seed", str(2**70)])
+    model, tokenizer = sample.load_model(saved)
+    greedy = sample.generate(model, tokenizer, "HAMLET:", 12)
+    assert sample.generate(model, tokenizer, "HAMLET:", 12, temperature=1e-300) == greedy

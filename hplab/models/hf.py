@@ -24,15 +24,47 @@ def shipped_tokenizers() -> dict[int, str]:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """A config.json → ModelConfig: hplab's own (written by --save), or GPT-2's, Llama's or
-    Qwen2's; ValueError, one sentence, for anything else."""
+    Qwen2's, with sizes hplab can build (`checked`); ValueError, one sentence, for anything
+    else."""
+    if not isinstance(hf, dict):
+        raise ValueError("is not a JSON object {...}")
     if "hplab" in hf:  # written by hplab's --save: its own config, tokenizer included
-        return ModelConfig(**hf["hplab"]["config"])
+        try:
+            return checked(ModelConfig(**hf["hplab"]["config"]))
+        except (TypeError, KeyError) as err:
+            raise ValueError(f"has an 'hplab' entry without a usable config ({err})") from None
     kind = hf.get("model_type")
-    if kind == "gpt2":
-        return gpt.config_from_hf(hf)
-    if kind in ("llama", "qwen2"):
-        return llama.config_from_hf(hf, shipped_tokenizers())
+    try:
+        if kind == "gpt2":
+            return checked(gpt.config_from_hf(hf))
+        if kind in ("llama", "qwen2"):
+            return checked(llama.config_from_hf(hf, shipped_tokenizers()))
+    except (TypeError, KeyError) as err:
+        raise ValueError(f"cannot be read as a {kind} config ({err})") from None
     raise ValueError(f"says model_type {kind!r}: hplab reads gpt2, llama and qwen2 models")
+
+
+#: the largest size of each kind hplab builds (from an untrusted config.json: no model of a
+#: million layers, which would take for ever to build)
+SIZE_LIMITS = dict(vocab_size=2**20, n_positions=2**20, n_embd=2**16, n_layer=1024, n_head=1024)
+SIZE_LIMITS |= dict(n_kv_head=1024, intermediate_size=2**18, n_experts=1024, moe_top_k=1024)
+
+
+def checked(config: ModelConfig) -> ModelConfig:
+    """`config`, if its sizes are whole numbers hplab can build and its constants are finite
+    and positive; else ValueError naming the first that is not."""
+    for name, limit in SIZE_LIMITS.items():
+        value, low = (
+            getattr(config, name),
+            int(name not in ("n_kv_head", "n_experts", "intermediate_size")),
+        )
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= limit:
+            raise ValueError(f"has {name} {value!r}: a whole number from {low} to {limit:,}")
+    for name in ("layer_norm_epsilon", "rope_theta"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e30:
+            raise ValueError(f"has {name} {value!r}: a positive, finite number")
+    return config
 
 
 def architecture(config: ModelConfig) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import fields, replace
 
 from hplab.config import Layout, LayoutError, ModelConfig
@@ -19,9 +20,11 @@ from hplab.plan.presets import (
     default_batch_size,
     model_presets,
 )
+from hplab.plan.reliability import LLAMA3_GPU_MTBF_H, checkpoint_plan, format_checkpoint_plan
 from hplab.plan.search import TIME_PARTS, search
 
 MODEL_FIELDS = {f.name for f in fields(ModelConfig)}
+MAX_SEARCH_GPUS = 2**20
 LAYOUT_FIELDS = [f.name for f in fields(Layout)]
 DESCRIPTION = (
     "The planner: how much memory a layout needs on each GPU, how long a step takes, and why."
@@ -117,8 +120,10 @@ def _positive(kind):
             value = kind(text)
         except ValueError:
             value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text!r}")
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(
+                f"must be a positive, finite {kind.__name__}, got {text!r}"
+            )
         return value
 
     return parse
@@ -183,6 +188,20 @@ def _planner_flags() -> dict[str, dict]:
                 dest="eff_" + f.name,
             )
             for f in fields(Efficiency)
+        },
+        "failures (with --gpus: how often to checkpoint, and the goodput)": {
+            "--checkpoint-seconds": dict(
+                real, help="training stops this long for each checkpoint (measured: metrics)"
+            ),
+            "--restart-seconds": dict(
+                real, default=60.0, help="to restart after a failure, besides lost training"
+            ),
+            "--gpu-mtbf-hours": dict(
+                real,
+                default=LLAMA3_GPU_MTBF_H,
+                help="hours between failures of one GPU (default: Llama 3's, 419 in 54 days "
+                "on 16,384 GPUs)",
+            ),
         },
         "output": {
             "--search": dict(on, help="rank every layout of --gpus GPUs that hplab runs"),
@@ -284,6 +303,13 @@ def _run(args) -> tuple[dict, str]:
     """The result of the command line (its JSON) and the report for humans."""
     if args.params is not None:
         return _model_states(args)
+    if args.checkpoint_seconds is not None:
+        if not args.gpus:
+            raise PlanError("--checkpoint-seconds needs --gpus N (the cluster that may fail)")
+        res = checkpoint_plan(
+            args.gpus, args.checkpoint_seconds, args.restart_seconds, args.gpu_mtbf_hours
+        )
+        return res, format_checkpoint_plan(res)
     model = _model(args)
     precision = args.precision or (
         "bf16" if args.model.startswith(("gpt3-", "megatron-")) else "fp32"
@@ -294,6 +320,8 @@ def _run(args) -> tuple[dict, str]:
     if args.search:
         if not args.gpus:
             raise PlanError("--search needs --gpus N")
+        if args.gpus > MAX_SEARCH_GPUS:  # (its layouts grow with the divisors of N)
+            raise PlanError(f"--search ranks layouts of up to {MAX_SEARCH_GPUS:,} GPUs")
         res = search(
             model,
             args.gpus,
@@ -320,5 +348,7 @@ def main(argv=None) -> int:
         res, text = _run(args)
     except LayoutError as e:  # (PlanError too)
         parser.error(str(e))  # one line, exit code 2, like a bad flag
+    except KeyboardInterrupt:
+        parser.exit(130, "hplab.plan: interrupted\n")
     print(json.dumps(res, indent=2, default=str, ensure_ascii=False) if args.json else text)
     return 0
