@@ -258,6 +258,25 @@ WRONG = {
         ],
         "not_unpermuted": [("by_pair[order] = results", "by_pair[:] = results")],
     },
+    "goodput": {
+        "whole_interval_lost": [
+            (
+                "(restart_s + (interval_s + checkpoint_s) / 2)",
+                "(restart_s + interval_s + checkpoint_s)",
+            )
+        ],
+        "no_restart": [
+            (
+                "lost = (restart_s + (interval_s + checkpoint_s) / 2)",
+                "lost = ((interval_s + checkpoint_s) / 2)",
+            )
+        ],
+        "no_saving_cost": [("saving = interval_s / (interval_s + checkpoint_s)", "saving = 1.0")],
+        "no_floor": [("return max(0.0, saving * (1 - lost))", "return saving * (1 - lost)")],
+        "no_factor_2": [
+            ("math.sqrt(2 * checkpoint_s * mtbf_s)", "math.sqrt(checkpoint_s * mtbf_s)")
+        ],
+    },
     "gqa_heads": {
         "queries_strided": [
             (
@@ -592,6 +611,20 @@ def test_gqa_heads_names_the_block_the_shared_head_and_the_sum(outcomes):
         )
 
 
+def test_goodput_names_the_lost_half_the_restart_the_save_and_the_factor_2(outcomes):
+    for mistake, says in (
+        ("whole_interval_lost", "loses half an interval on average, not all of it"),
+        ("no_restart", "each failure also costs the restart"),
+        ("no_saving_cost", "saving stops training: multiply by τ/(τ+C)"),
+        ("no_floor", "goodput cannot be negative"),
+    ):
+        assert says in failed(outcomes, "goodput", mistake, "goodput"), mistake
+    assert "the factor 2" in failed(outcomes, "goodput", "no_factor_2", "best_interval")
+    assert "your best interval is higher" in failed(
+        outcomes, "goodput", "no_factor_2", "the best interval is the best"
+    )
+
+
 def test_command_line_errors_are_one_line(capsys):
     assert main(["no_such_exercise"]) == 2
     err = capsys.readouterr().err.strip()
@@ -644,3 +677,30 @@ def test_the_shim_is_the_course_checker():
     from hplab import check
 
     assert check.main is main and check.run_check is run_check and check.EXERCISES is EXERCISES
+
+
+CHEATS = {
+    "exits with a pass": "import os\n\ndef goodput(*a):\n    os._exit(0)\n\n"
+    "def best_interval(c, m):\n    os._exit(0)\n",
+    "patches the checker": "import hplab.course.check.lab11_goodput as checker\n"
+    "checker.goodput = checker.young_interval_s = lambda *a: 0.5\n"
+    "def goodput(*a):\n    return 0.5\n\ndef best_interval(c, m):\n    return 0.5\n",
+    "swallows the timeout": "import time\n\ndef goodput(*a):\n    while True:\n        try:\n"
+    "            time.sleep(1)\n        except:  # noqa: E722\n            pass\n\n"
+    "def best_interval(c, m):\n    return 0.5\n",
+}
+
+
+def test_the_learner_s_code_cannot_reach_the_checker(tmp_path):
+    """It runs in a sandbox process of its own (check/sandbox.py): exiting, patching the
+    checker's functions or a bare `except:` around the time limit pass nothing."""
+    paths = []
+    for name, source in CHEATS.items():
+        paths.append(tmp_path / f"{name.replace(' ', '_')}.py")
+        paths[-1].write_text(source)
+    exits, patches, swallows = run_check("goodput", paths, limit_s=3)
+    assert all(not r.passed and "ended its process" in r.message for r in exits), exits
+    assert not any(r.passed for r in patches[:2]), patches
+    assert [(r.passed, r.message) for r in swallows] == [
+        (False, "did not finish in 3 s: an endless loop, or ranks waiting?")
+    ]

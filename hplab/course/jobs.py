@@ -62,17 +62,19 @@ def _progress(label: str, show: bool):
     return draw
 
 
-def _environment() -> dict:
-    """The launched processes' environment: unbuffered output, one thread each, hplab importable."""
+def _environment(extra: dict | None = None) -> dict:
+    """The launched processes' environment: unbuffered output, one thread each, hplab
+    importable, and `extra` (e.g. HPLAB_FAULT)."""
     return dict(
         os.environ,
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([str(REPO_DIR), os.environ.get("PYTHONPATH", "")]),
+        **(extra or {}),
     )
 
 
-def _start(nproc: int, script: str | Path, args: list[str], output: Path):
+def _start(nproc: int, script: str | Path, args: list[str], output: Path, env: dict | None):
     """Start the job, its output appended to the file `output`, in a process group of its own;
     returns (its pid, its exit code or None while it runs). train.py and the course's two
     benchmarks are their own launchers (`--nproc`): from a notebook their `main` is forked from a
@@ -85,7 +87,7 @@ def _start(nproc: int, script: str | Path, args: list[str], output: Path):
     elif getattr(sys.modules["__main__"], "__file__", None) is None:  # a notebook, a REPL
         main = importlib.import_module(module).main
         argv = ["--nproc", str(nproc), *args]
-        job = launch.start_forked(main, argv, str(output), _environment(), REPO_DIR)
+        job = launch.start_forked(main, argv, str(output), _environment(env), REPO_DIR)
         return job.pid, lambda: job.exitcode
     else:
         command = [sys.executable, str(script), "--nproc", str(nproc), *args]
@@ -94,7 +96,7 @@ def _start(nproc: int, script: str | Path, args: list[str], output: Path):
             command,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=_environment(),
+            env=_environment(env),
             cwd=REPO_DIR,
             start_new_session=True,
         )
@@ -159,16 +161,18 @@ def launch(
     label: str | None = None,
     progress: bool = True,
     timeout_s: float = 600.0,
+    env: dict | None = None,
 ) -> tuple[str, float]:
-    """Run `script` on `nproc` local processes; return (captured output, seconds). Progress
-    comes from rank 0's tqdm bar. A non-zero exit raises LaunchError with the job's `hplab:
-    error:` line (or the tail of its output); past `timeout_s` the whole job is killed."""
+    """Run `script` on `nproc` local processes (`env`: variables to add); return (captured
+    output, seconds). Progress comes from rank 0's tqdm bar. A non-zero exit raises LaunchError
+    with the job's `hplab: error:` line (or the tail of its output); past `timeout_s` the whole
+    job is killed."""
     label = label or f"{Path(script).name} on {nproc} processes"
     draw, start = _progress(label, progress), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hplab-") as folder:
         output = Path(folder) / "output.txt"
         output.touch()
-        job = _start(nproc, script, args, output)
+        job = _start(nproc, script, args, output, env)
         text, returncode = _watch(job, output, label, draw, start, timeout_s)
     seconds, text = time.monotonic() - start, text.decode(errors="replace")
     if returncode != 0:
@@ -196,6 +200,7 @@ def launch_json(
     label: str,
     progress: bool,
     timeout_s: float,
+    env: dict | None = None,
 ) -> tuple[dict, float, str]:
     """Launch `script` with `out_flag PATH` added; return (the JSON it wrote, seconds, output)."""
     with tempfile.TemporaryDirectory(prefix="hplab-") as tmp:
@@ -207,5 +212,6 @@ def launch_json(
             label,
             progress,
             timeout_s,
+            env,
         )
         return json.loads(path.read_text()), seconds, output

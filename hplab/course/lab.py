@@ -92,11 +92,13 @@ def train(
     progress: bool = True,
     timeout_s: float = 600.0,
     trace: bool | str = False,
+    fault: str | None = None,
     **flags,
 ) -> Run:
     """Run `python hplab/train.py --nproc nproc` with `flags` (python names:
     `bucket_mb=1` is `--bucket-mb 1`, `recompute=True` is `--recompute`) and return its Run.
-    `trace=True` (or a folder) adds `--trace` (a new temporary folder): see `Run.timeline()`."""
+    `trace=True` (or a folder) adds `--trace` (a new temporary folder): see `Run.timeline()`.
+    `fault="9:1:kill"` injects failures (HPLAB_FAULT, `hplab.faults`)."""
     shown = as_flags(
         {
             k: v
@@ -109,7 +111,14 @@ def train(
     args = as_flags({k: v for k, v in flags.items() if k != "metrics"} | {"trace": trace})
     return Run(
         *launch_json(
-            nproc, REPO_DIR / "hplab" / "train.py", args, "--metrics", label, progress, timeout_s
+            nproc,
+            REPO_DIR / "hplab" / "train.py",
+            args,
+            "--metrics",
+            label,
+            progress,
+            timeout_s,
+            {"HPLAB_FAULT": fault or ""},
         ),
         trace_dir=trace,
     )

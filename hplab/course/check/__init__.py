@@ -12,7 +12,7 @@ computes on the whole batch) and says precisely what differs:
 Exit code 0 when every check passes, 1 when one fails, 2 for a wrong command line; a file that
 raises, exits or runs too long fails with one line. Solutions: `labs/solutions/` (try first).
 
-The checkers, one module per lab (`lab00_memory.py` ... `lab10_gqa_heads.py`, named as the
+The checkers, one module per lab (`lab00_memory.py` ... `lab11_goodput.py`, named as the
 exercises are), share `report.py` (Results, tensor comparisons) and, for labs 02 and 03,
 `reference.py` (a tiny GPT trained by one process); `runner.py` runs them.
 `python -m hplab.course.check NAME [FILE]` is the same command.

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from hplab.comm import CommTimeout
+from hplab.course.check.sandbox import LearnerError
 from hplab.dist import Mesh
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32 sums added in a different order agree to about this
@@ -78,6 +79,8 @@ class Report:
             raise
         except NotImplementedError as err:
             self.add(f"not implemented yet ({err})", "")
+        except LearnerError as err:  # (from the sandbox: said there, with the line)
+            self.add(str(err), "")
         except SystemExit as err:
             self.add(f"your file called sys.exit({err.code!r}): a checked file must not exit", "")
         except CommTimeout as err:  # only distributed exercises, each with a hint

@@ -26,7 +26,9 @@ from hplab.course.check.lab07_planning import check_planning
 from hplab.course.check.lab08_lse_merge import check_lse_merge
 from hplab.course.check.lab09_dispatch import check_dispatch
 from hplab.course.check.lab10_gqa_heads import check_gqa_heads
+from hplab.course.check.lab11_goodput import check_goodput
 from hplab.course.check.report import CheckTimeout, Report, Result
+from hplab.course.check.sandbox import Sandbox
 from hplab.dist import Mesh
 from hplab.launch import run_distributed
 
@@ -58,6 +60,7 @@ EXERCISES = {
     "lse_merge": Exercise("08", "lab08_lse_merge.py", 0, check_lse_merge),
     "dispatch": Exercise("09", "lab09_dispatch.py", 0, check_dispatch),
     "gqa_heads": Exercise("10", "lab10_gqa_heads.py", 0, check_gqa_heads),
+    "goodput": Exercise("11", "lab11_goodput.py", 0, check_goodput),
 }
 
 
@@ -70,15 +73,20 @@ def check_files(name: str, paths: list[str], limit_s: float) -> list[list[Result
     exercise, previous = EXERCISES[name], signal.signal(signal.SIGALRM, expire)
     mesh, out = [Mesh.create(dp=exercise.nproc)] if exercise.nproc else [], []
     for path in paths:
-        report = Report(path, exercise.hint)
+        report, sandbox = Report(path, exercise.hint), None
         try:
             signal.setitimer(signal.ITIMER_REAL, limit_s)
-            with report.case("import"):  # the learner's file, run by path
-                exercise.check(SimpleNamespace(**runpy.run_path(path)), report, *mesh)
+            with report.case("import"):  # the learner's file, run by path: in a sandbox of
+                if exercise.nproc == 0:  # its own where the checker runs in this process
+                    module = sandbox = Sandbox(path)
+                else:  # (a distributed exercise runs the learner's code on each rank)
+                    module = SimpleNamespace(**runpy.run_path(path))
+                exercise.check(module, report, *mesh)
         except CheckTimeout:
             report.add(f"did not finish in {limit_s:g} s: an endless loop, or ranks waiting?", "")
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            sandbox and sandbox.close()
         out.append(report.results)
     signal.signal(signal.SIGALRM, previous)
     return out
@@ -130,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"hplab: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hplab: interrupted", file=sys.stderr)
+        return 130
     shown, failed = os.path.relpath(path), sum(not r.passed for r in results)
     where = f"on {exercise.nproc} processes" if exercise.nproc else "in this process"
     print(
