@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,12 +89,26 @@ def test_a_killed_then_a_frozen_rank_cost_only_the_steps_since_the_checkpoint(
     assert all(c["bytes"] > 0 and c["seconds"] > 0 and c["write_seconds"] > 0 for c in saves)
 
 
-def test_after_its_last_restart_the_job_ends_with_one_line(tmp_path):
-    save = str(tmp_path / "ckpt")
-    flags = ["--save", save, "--save-every", "3", "--max-restarts", "1"]
-    code, lines, metrics = train(tmp_path, "fails", *flags, fault="1:1:kill@*")
-    assert code == 1 and metrics is None
-    assert lines == [
+def _killed_rank(argv: list[str]) -> int:
+    """A rank of `launch` (forked): rank 1 is killed at step 1; rank 0 then finds its peer
+    gone, as gloo would tell it, and says so in the status folder."""
+    from hplab.launch import note_error, note_step
+
+    note_step(1)
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.3)
+    note_error("all_reduce in the dp group (ranks [0, 1]) lost its connection: a peer ended")
+    return 2
+
+
+def test_after_its_last_restart_the_job_ends_with_one_line(capsys):
+    """The launcher itself, its ranks forked from here: every attempt is killed at step 1."""
+    from hplab.launch import launch
+
+    code = launch(2, [], _killed_rank, "train.py", max_restarts=1, restart=lambda attempt: 0)
+    assert code == 1
+    assert capsys.readouterr().err.splitlines() == [
         "hplab: restart 1 of 1: process 1 was killed by SIGKILL at step 1; resuming from step 0",
         "hplab: error: process 1 was killed by SIGKILL at step 1 (out of memory?) "
         "(1 restart used: --max-restarts 1)",
