@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return command(argv)
     finally:
         release_save_folders()  # (--save's lock: `preflight.claim_save_folder`)
+        if not supervised():  # (a launcher's restarts set it for its ranks: `restart`)
+            os.environ.pop("HPLAB_ATTEMPT", None)
 
 
 def command(argv: list[str] | None) -> int:
