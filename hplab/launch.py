@@ -68,9 +68,8 @@ def launch(nproc: int, argv: list[str], run_rank, script: str, max_restarts=0, r
             ended = _attempt(nproc, argv, run_rank, script, attempt, status, history)
         if ended is None or ended[1] == 130:  # finished, or Ctrl-C (said already)
             return 0 if ended is None else 130
-        why, code, step = ended
+        why, code, step, retry = ended
         history.append(dict(attempt=attempt, why=why, failed_at_step=step))
-        retry = step is not None or "killed by" in why  # (not a refusal before any step)
         history[-1]["seconds"] = round(time.monotonic() - start, 3)
         if attempt == max_restarts or not retry:
             oom = " (out of memory?)" * ("by SIGKILL" in why)
@@ -94,8 +93,8 @@ def _used(n: int) -> str:
 
 
 def _attempt(nproc, argv, run_rank, script, attempt: int, status: str, history) -> tuple | None:
-    """One attempt: start every rank, watch them; None when all finished, else (one line
-    naming what failed, the job's exit code, the step it failed at); (…, 130, …) after Ctrl-C."""
+    """One attempt: start every rank, watch them; None when all finished, else `what_failed`'s
+    (one line, exit code, step, whether a restart may help); (…, 130, …) after Ctrl-C."""
     port, workers, fork = free_port(), Workers(), not torch.cuda.is_available()
     extra = {STATUS_DIR: status, "HPLAB_ATTEMPT": str(attempt)}
     extra["HPLAB_RESTARTS"] = json.dumps(history)  # (rank 0 puts them in the metrics)
@@ -116,18 +115,19 @@ def _attempt(nproc, argv, run_rank, script, attempt: int, status: str, history) 
     except KeyboardInterrupt:
         workers.stop_all()
         print(f"hplab: interrupted: stopped all {nproc} processes", file=sys.stderr)
-        return "interrupted", 130, None
+        return "interrupted", 130, None, False
     codes = {rank: workers.poll(pid) for rank, pid in enumerate(workers.pids)}  # None: running
     workers.stop_all()
     return what_failed(codes, Path(status))
 
 
 def what_failed(codes: dict[int, int | None], status: Path) -> tuple | None:
-    """(one line, exit code, step) naming the process that brought the job down and the step it
-    was at, or None if every rank ended well (`codes`: each rank's exit code, None if it still
-    ran when the others had failed). A killed process first (it could say nothing); then one
-    that failed on its own; then one still running when its peers timed out waiting for it
-    (frozen); else the first that timed out or lost its peers."""
+    """(one line, exit code, step, whether a restart may help) naming the process that brought
+    the job down and the step it was at, or None if every rank ended well (`codes`: each rank's
+    exit code, None if it still ran when the others had failed). A killed process first (it
+    could say nothing); then one that failed on its own; then one still running when its peers
+    timed out waiting for it (frozen); else the first that timed out or lost its peers. A
+    failure before any step that was not a kill is a refusal: a restart would not help."""
     steps, errors = read_status(status, len(codes))
     still_running = [rank for rank, code in codes.items() if code is None]
 
@@ -142,7 +142,12 @@ def what_failed(codes: dict[int, int | None], status: Path) -> tuple | None:
         return None
     if killed := [rank for rank in failed if codes[rank] < 0]:
         name = signal.Signals(-codes[killed[0]]).name
-        return f"process {killed[0]} was killed by {name}{at(killed[0])}", 1, steps.get(killed[0])
+        return (
+            f"process {killed[0]} was killed by {name}{at(killed[0])}",
+            1,
+            steps.get(killed[0]),
+            True,
+        )
     own = [rank for rank in failed if not about_peers(rank)] or failed
     rank = own[0]
     timed_out = any("timed out" in errors.get(r, "") for r in failed)
@@ -152,9 +157,11 @@ def what_failed(codes: dict[int, int | None], status: Path) -> tuple | None:
             "timed out waiting for it",
             codes[rank],
             steps.get(still_running[0]),
+            still_running[0] in steps,
         )
     why = errors.get(rank, f"exit code {codes[rank]}")
-    return f"process {rank} failed{at(rank)}: {why}", codes[rank], steps.get(rank)
+    # (a failure before any step is a refusal: it would only fail again)
+    return f"process {rank} failed{at(rank)}: {why}", codes[rank], steps.get(rank), rank in steps
 
 
 # --- what a rank tells its launcher: its step, its error -------------------------------------
