@@ -45,6 +45,16 @@ def ring_all_reduce(tensor, comm):
 """
 
 # exercise -> {mistake: [(text in the solution, what replaces it), ...]}; ("", text) appends.
+PATCHES_THE_TP_CHECKER = """
+import hplab.course.check.lab04_tp_linear as checker
+import hplab.course.check.report as report
+
+checker._forward_problem = checker._x_grad_problem = lambda *a: None
+checker._gradients_problem = checker._communication_problem = lambda *a: None
+report.first = report.differs = report.first_wrong = lambda *a, **k: None
+"""
+
+
 WRONG = {
     "memory": {
         "untied_head": [("embeddings = V * h + S * h", "embeddings = 2 * V * h + S * h")],
@@ -172,6 +182,18 @@ WRONG = {
                 "    def backward(ctx, grad):\n        grad = grad.clone()\n"
                 "        ctx.comm.all_reduce(grad)\n        return grad, None",
             ),
+        ],
+        # the learner's code runs in a sandbox (check/sandbox.py): it cannot reach the checker
+        "no_g_patching_the_checker": [
+            (
+                "ReduceFromTP.apply(F.linear(x_slice, self.weight), self.comm) + self.bias",
+                "F.linear(x_slice, self.weight) + self.bias",
+            ),
+            ("", PATCHES_THE_TP_CHECKER),
+        ],
+        "exits_with_a_pass": [("", "\nimport os\n\nos._exit(0)\n")],
+        "torch_distributed_directly": [  # not the comm it was given (the checker sees that)
+            ("        comm.all_reduce(x)", "        torch.distributed.all_reduce(x)")
         ],
     },
     "one_f_one_b": {
@@ -493,6 +515,19 @@ def test_tp_linear_names_the_bias_and_a_reducing_g(outcomes):
     assert "2× too large: only f's backward all-reduces" in message
 
 
+def test_a_distributed_check_cannot_be_patched_or_exited(outcomes):
+    """On each rank the learner's code runs in a sandbox, given a communicator whose calls run
+    in the checker's process: patching the checker there, or exiting, passes nothing."""
+    assert "only this rank's partial sum: g must all-reduce it" in failed(
+        outcomes, "tp_linear", "no_g_patching_the_checker", "b=2 s=8 h=16: forward"
+    )
+    exits = outcomes["tp_linear"]["exits_with_a_pass"]
+    assert [(r.name, r.passed) for r in exits.values()] == [("import", False)]
+    assert "your file ended its process while loading it" in exits["import"].message
+    message = failed(outcomes, "tp_linear", "torch_distributed_directly")
+    assert "at line" in message and "through the comm it is given" in message
+
+
 def test_one_f_one_b_names_wrong_warmup_counts(outcomes):
     assert "p=2, m=2: ranks hold at most [2, 2] microbatches' activations, 1F1B [2, 1]" in failed(
         outcomes, "one_f_one_b", "gpipe"
@@ -653,9 +688,10 @@ def test_an_endless_loop_fails_within_the_time_limit(tmp_path):
 def test_distributed_checks_report_an_exit_and_an_endless_loop(tmp_path):
     exits, loops = tmp_path / "exits.py", tmp_path / "loops.py"
     exits.write_text("import sys\nsys.exit(3)\n")
-    loops.write_text(
-        "class ColumnParallelLinear:\n    def __init__(self, full, comm):\n"
-        "        while True:\n            pass\n"
+    loops.write_text(  # and swallows what it can catch: the checker's timeout is not there
+        "import time\n\nclass ColumnParallelLinear:\n    def __init__(self, full, comm):\n"
+        "        while True:\n            try:\n                time.sleep(1)\n"
+        "            except:  # noqa: E722\n                pass\n"
     )
     exited, looped = run_check("tp_linear", [exits, loops], limit_s=5)
     assert [r.passed for r in exited] == [False] and "sys.exit(3)" in exited[0].message

@@ -130,43 +130,62 @@ def check_buckets(module, report: Report, mesh: Mesh) -> None:
         link.use(None)
 
 
+def buckets_in_sandbox(env, config, bucket_bytes: float) -> None:
+    """(In the learner's sandbox.) The model, and their BucketedAllReduce on its parameters
+    between two hooks that tell the checker: one before theirs, one after theirs returned."""
+    params = list((model := build_model(config, seed=0)).parameters())
+    for k, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _, k=k: env.tell("arrived", k))
+    sync = env.learner.BucketedAllReduce(params, env.comm, bucket_bytes)
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: env.tell("returned"))
+    env.state.update(model=model, sync=sync)
+
+
+def backward_in_sandbox(env, rows) -> None:
+    env.state["model"].zero_grad()
+    env.state["model"](*rows)[1].backward()
+
+
+def wait_in_sandbox(env) -> dict:
+    env.state["sync"].wait()
+    return {k: p.grad for k, p in env.state["model"].named_parameters()}
+
+
 def check_one_size(module, report: Report, mesh: Mesh, ref, bucket_bytes: float) -> None:
     """Two steps with the learner's BucketedAllReduce at `bucket_bytes`; one Result."""
-    params = list((model := build_model(ref.config, seed=0)).parameters())
-    comm, seen = WatchedComm(mesh.world), {}
+    named = dict(build_model(ref.config, seed=0).named_parameters())  # the sandbox's, in order
+    params, seen = list(named.values()), {}
+    module.comm = comm = WatchedComm(mesh.world)
 
-    def before(param):  # registered before the learner's hooks: runs before theirs
+    def arrived(k):  # told by a hook before the learner's: runs before theirs
         s = mesh.ledger.totals().get("all_reduce")
         seen["started"].append((s.calls, s.bytes) if s else (0, 0))
-        seen["arrived"].append(param)
+        seen["arrived"].append(params[k] if k is not None else None)
         seen["times"].append(time.perf_counter())
         comm.gradient = len(seen["arrived"])
 
-    def after(_param):  # registered after theirs: their hook has returned
+    def returned():  # told by a hook after theirs: their hook has returned
         seen["returned"].append(time.perf_counter())
 
-    for p in params:
-        p.register_post_accumulate_grad_hook(before)
-    sync = module.BucketedAllReduce(params, comm, bucket_bytes)
-    for p in params:
-        p.register_post_accumulate_grad_hook(after)
+    module.listeners.update(arrived=arrived, returned=returned)
+    module.run(buckets_in_sandbox, ref.config, bucket_bytes)
     for step, rows in enumerate(ref.rows):
-        model.zero_grad()
         mesh.ledger.reset()
         seen.update(started=[], arrived=[], times=[], returned=[])
         link.QUEUE.log, comm.in_backward, comm.waited = [], True, []
-        model(*rows)[1].backward()
+        module.run(backward_in_sandbox, rows)
         comm.in_backward = False
-        before(None)  # when backward returned
-        sync.wait()
-        before(None)  # after wait()
+        arrived(None)  # when backward returned
+        grads = module.run(wait_in_sandbox)
+        arrived(None)  # after wait()
         transfers = [(start, end) for _, start, end in link.QUEUE.log]
         arrivals = seen["times"][: len(params)]
         overlap = torch.tensor(overlap_s(transfers, seen["returned"], arrivals))
         dist.all_reduce(overlap, op=dist.ReduceOp.MAX)  # (raw: not the learner's traffic)
         n_buckets = seen["started"][-1][0]
         if problem := first_wrong(
-            {k: p.grad for k, p in model.named_parameters()},
+            {k: grads.get(k) for k in named},
             ref.grads[step],
             "gradients are not the global-batch average",
             mesh.world.size,

@@ -31,41 +31,61 @@ def traffic_problem(used: dict, flat_bytes: int) -> str | None:
     )
 
 
+def zero1_in_sandbox(env, config, lr: float) -> None:
+    """(In the learner's sandbox.) The model, and their ZeRO1 over its parameters."""
+    model = build_model(config, seed=0)
+    env.state.update(model=model, opt=env.learner.ZeRO1(list(model.parameters()), env.comm, lr=lr))
+
+
+def backward_in_sandbox(env, rows) -> None:
+    env.state["model"].zero_grad()
+    env.state["model"](*rows)[1].backward()
+
+
+def step_in_sandbox(env) -> tuple:
+    """Their step; then the parameters, whether any changed, self.master.grad and how many
+    numbers Adam keeps (its state's tensors)."""
+    model, opt = env.state["model"], env.state["opt"]
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    state = sum(
+        t.numel()
+        for s in opt.optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    moved = not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    master_grad = getattr(getattr(opt, "master", None), "grad", None)
+    return dict(model.named_parameters()), moved, master_grad, state
+
+
 def check_zero1(module, report: Report, mesh: Mesh) -> None:
     """ZeRO1 on this rank's rows against one process's AdamW on the whole batch: my shard's grad,
     the params, Adam state 2 × Ψ/n, one reduce-scatter and one all-gather of the padded buffer."""
     lr, n, r = 1e-2, mesh.world.size, mesh.world.rank
     ref = gpt_reference(mesh, steps=3, lr=lr)
-    model, numel = build_model(ref.config, seed=0), sum(g.numel() for g in ref.grads[0])
+    names = [k for k, _ in build_model(ref.config, seed=0).named_parameters()]
+    numel = sum(g.numel() for g in ref.grads[0])
     shard, flat_bytes = math.ceil(numel / n), 4 * n * math.ceil(numel / n)  # padded, fp32
     report.label = "ZeRO1(params, comm, lr)"  # an exception ends the file's check (see Report)
-    opt = module.ZeRO1(list(model.parameters()), mesh.world, lr=lr)
+    module.run(zero1_in_sandbox, ref.config, lr)
     for step, rows in enumerate(ref.rows):
-        model.zero_grad()
-        model(*rows)[1].backward()
+        module.run(backward_in_sandbox, rows)
         report.label = f"step {step + 1}"
-        before = [p.detach().clone() for p in model.parameters()]
-        _, used = collectives(mesh, opt.step)
+        (params, moved, got, state), used = collectives(mesh, module.run, step_in_sandbox)
         want = F.pad(
             torch.cat([g.reshape(-1) for g in ref.grads[step]]), (0, shard * n - numel)
         ).view(n, shard)[r]
-        got = getattr(getattr(opt, "master", None), "grad", None)
-        state = sum(
-            t.numel()
-            for s in opt.optimizer.state.values()
-            for t in s.values()
-            if torch.is_tensor(t) and t.dim() > 0
-        )
         problem = first(
             [
                 traffic_problem(used, flat_bytes),
                 (d := differs(got, want, n))
                 and f"self.master.grad is not my shard of the global-batch average gradient: {d}",
-                all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+                not moved
                 and "the parameters did not change in this step: the shards' values after the "
                 "optimizer step must reach every rank's parameters",
                 first_wrong(
-                    dict(model.named_parameters()),
+                    {k: params.get(k) for k in names},
                     ref.params[step],
                     "parameters differ from one process's AdamW",
                 ),

@@ -54,14 +54,12 @@ def _x_grad_problem(x_grad, ref: SimpleNamespace, n: int) -> str | None:
     )
 
 
-def _gradients_problem(column, row, ref: SimpleNamespace, rows: slice) -> str | None:
+GRADIENTS = ("column.weight.grad", "column.bias.grad", "row.weight.grad", "row.bias.grad")
+
+
+def _gradients_problem(grads: dict, ref: SimpleNamespace, rows: slice) -> str | None:
     return first_wrong(
-        {
-            "column.weight.grad": column.weight.grad,
-            "column.bias.grad": column.bias.grad,
-            "row.weight.grad": row.weight.grad,
-            "row.bias.grad": row.bias.grad,
-        },
+        {k: grads.get(k) for k in GRADIENTS},
         [
             ref.fc.weight.grad[rows],
             ref.fc.bias.grad[rows],
@@ -85,6 +83,28 @@ def _communication_problem(used: dict, z_bytes: int) -> str | None:
     )
 
 
+def layers_in_sandbox(env, fc, proj) -> None:
+    """(In the learner's sandbox.) Their column- and row-parallel layers, cut from the whole
+    MLP's two."""
+    column = env.learner.ColumnParallelLinear(fc, env.comm)
+    env.state.update(column=column, row=env.learner.RowParallelLinear(proj, env.comm))
+
+
+def forward_in_sandbox(env, x):
+    env.state["x"], column, row = x, env.state["column"], env.state["row"]
+    env.state["z"] = z = row(F.gelu(column(x)))
+    return z.detach()
+
+
+def backward_in_sandbox(env, weights) -> tuple:
+    """Backward of sum(Z · weights): X.grad and this rank's four parameter gradients."""
+    (env.state["z"] * weights).sum().backward()
+    column, row = env.state["column"], env.state["row"]
+    layers = {"column.weight": column.weight, "column.bias": column.bias}
+    layers.update({"row.weight": row.weight, "row.bias": row.bias})
+    return env.state["x"].grad, {f"{k}.grad": p.grad for k, p in layers.items()}
+
+
 def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
     """Column → GeLU → row against the whole MLP in one process (same weights, same X): Z,
     X.grad (f's backward), this rank's slice of each gradient, one all-reduce of Z each way."""
@@ -93,19 +113,16 @@ def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
         case, ref = f"b={b} s={s} h={h}", whole_mlp(b, s, h)
         rows = slice(r * 4 * h // n, (r + 1) * 4 * h // n)  # this rank's slice of the 4h
         report.label = case  # an exception ends the file's check (see Report)
-        column, row = (
-            module.ColumnParallelLinear(ref.mine[0], mesh.world),
-            module.RowParallelLinear(ref.mine[1], mesh.world),
-        )
-        z, forward = collectives(mesh, lambda: row(F.gelu(column(ref.x))))  # noqa: B023 (now)
-        backward = collectives(mesh, (z * ref.weights).sum().backward)[1]
+        module.run(layers_in_sandbox, *ref.mine)
+        z, forward = collectives(mesh, module.run, forward_in_sandbox, ref.x)
+        (x_grad, grads), backward = collectives(mesh, module.run, backward_in_sandbox, ref.weights)
         z_bytes = ref.z.numel() * 4
         report.add(
             _forward_problem(z, ref, n), "Z equals the whole MLP's output", f"{case}: forward"
         )
-        report.add(_x_grad_problem(ref.x.grad, ref, n), "equals one process's", f"{case}: X.grad")
+        report.add(_x_grad_problem(x_grad, ref, n), "equals one process's", f"{case}: X.grad")
         report.add(
-            _gradients_problem(column, row, ref, rows),
+            _gradients_problem(grads, ref, rows),
             "this rank's slices of the single-process gradients",
             f"{case}: parameter gradients",
         )

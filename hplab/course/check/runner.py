@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import signal
 import sys
 from collections import namedtuple
 from pathlib import Path
-from types import SimpleNamespace
 
 from hplab.course.check.lab00_memory import check_memory
 from hplab.course.check.lab01_ring_allreduce import check_ring
@@ -76,12 +74,9 @@ def check_files(name: str, paths: list[str], limit_s: float) -> list[list[Result
         report, sandbox = Report(path, exercise.hint), None
         try:
             signal.setitimer(signal.ITIMER_REAL, limit_s)
-            with report.case("import"):  # the learner's file, run by path: in a sandbox of
-                if exercise.nproc == 0:  # its own where the checker runs in this process
-                    module = sandbox = Sandbox(path)
-                else:  # (a distributed exercise runs the learner's code on each rank)
-                    module = SimpleNamespace(**runpy.run_path(path))
-                exercise.check(module, report, *mesh)
+            with report.case("import"):  # the learner's file, in a sandbox of its own (with
+                sandbox = Sandbox(path, mesh[0].world if mesh else None)  # the rank's comm)
+                exercise.check(sandbox, report, *mesh)
         except CheckTimeout:
             report.add(f"did not finish in {limit_s:g} s: an endless loop, or ranks waiting?", "")
         finally:
