@@ -192,6 +192,7 @@ def prepare_jsonl(
         if num_documents == 0:
             raise DataError(f"{input_path}: empty corpus, no non-empty {text_key!r} found")
     except BaseException as error:
+        texts.close()  # its progress bar too: a message after it starts on a line of its own
         temporary_bin.unlink(missing_ok=True)
         if isinstance(error, UnicodeDecodeError):
             raise DataError(f"{input_path}: not UTF-8 text") from None

@@ -195,6 +195,37 @@ def test_ctrl_c_stops_every_process_with_one_line():
     assert wait_gone(workers, 15) == []
 
 
+def ctrl_c(*args, **kwargs):
+    raise KeyboardInterrupt  # what Python raises where Ctrl-C's SIGINT arrives
+
+
+def test_ctrl_c_in_sample_plan_check_and_data_prepare_is_one_line(tmp_path, capsys, monkeypatch):
+    """Each command, interrupted inside its work: one line, exit code 130; data prepare, cut
+    off as it encodes, leaves no half-written file (its progress bar cleared, the line after)."""
+    from hplab import data, sample
+    from hplab.course.check import runner
+    from hplab.plan import cli
+
+    corpus = tmp_path / "corpus.jsonl"  # (its .bin.tmp is open when encoding starts)
+    corpus.write_text("".join(f'{{"text": "line {i}"}}\n' for i in range(1200)))
+    monkeypatch.setattr(data, "encode_documents", ctrl_c)
+    prefix = str(tmp_path / "o")
+    assert data.main(["prepare", "--input", str(corpus), "--output-prefix", prefix]) == 130
+    assert capsys.readouterr().err.split("\r")[-1] == "interrupted: nothing was written\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["corpus.jsonl"]
+
+    monkeypatch.setattr(sample, "load_model", ctrl_c)
+    assert sample.main(["--checkpoint", str(tmp_path), "--prompt", "HAMLET:"]) == 130
+    assert capsys.readouterr().err == "hplab: interrupted\n"
+    monkeypatch.setattr(runner, "run_check", ctrl_c)
+    assert runner.main(["memory"]) == 130
+    assert capsys.readouterr().err == "hplab: interrupted\n"
+    monkeypatch.setattr(cli, "search", ctrl_c)
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["--model", "gpt2", "--search", "--gpus", "8"])
+    assert ended.value.code == 130 and capsys.readouterr().err == "hplab.plan: interrupted\n"
+
+
 def with_suppressed(fn, *args):
     try:
         fn(*args)
