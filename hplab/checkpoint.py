@@ -36,7 +36,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from hplab import fsdp, moe, tp
+from hplab import faults, fsdp, moe, tp
 from hplab.models.gpt import GPTConfig, build_model
 from hplab.models.hf import (
     architecture,
@@ -101,6 +101,7 @@ def _write_files(tmp: Path, config, model_state, optimizer_state, trainer_state)
         {k: v.detach().float().cpu().contiguous() for k, v in model_state.items()}, config
     )
     save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
+    faults.strike_in_save(trainer_state.get("step"))  # HPLAB_FAULT: none unless asked
     hf_config = {
         **to_hf_config(config).to_dict(),
         "architectures": [architecture(config)],

@@ -9,6 +9,8 @@ strikes global rank RANK as it starts step STEP (counted from 0, as the metrics 
     hang            it stops answering (a stuck GPU, a deadlock): it stops itself (SIGSTOP),
                     and its peers time out in their next collective (HPLAB_TIMEOUT_S)
     slow=SECONDS    a straggler: that step takes SECONDS longer, on that rank alone
+    kill-in-save    killed by SIGKILL while it writes the checkpoint of STEP steps (its first
+                    file written, the rest not): the writer is rank 0, so RANK must be 0
 
 A fault strikes in the job's first attempt only, so that a restart can get past it; `@N`
 makes it strike in attempt N instead (restart N of `--max-restarts`), `@*` in every attempt:
@@ -16,7 +18,8 @@ makes it strike in attempt N instead (restart N of `--max-restarts`), `@*` in ev
     HPLAB_FAULT=3:1:kill@0,3:1:kill@1        killed at step 3 of the first two attempts
 
 The attempt is HPLAB_ATTEMPT, which `train.py --nproc` sets for each attempt (under torchrun,
-its TORCHELASTIC_RESTART_COUNT). `train.py` calls `strike(step, rank)` before each step.
+its TORCHELASTIC_RESTART_COUNT). `train.py` calls `strike(step, rank)` before each step, and
+`checkpoint.save` calls `strike_in_save(step)` inside each write.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "slow")
+KINDS = ("kill", "hang", "slow", "kill-in-save")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ def _parse_one(item: str) -> Fault:
     kind, _, seconds = parts[2].partition("=")
     if kind not in KINDS or bool(seconds) != (kind == "slow"):
         raise ValueError(f"has kind {parts[2]!r}")
+    if kind == "kill-in-save" and parts[1] != "0":
+        raise ValueError("kills a rank other than 0 in a save: only rank 0 writes checkpoints")
     delay = _seconds(seconds) if kind == "slow" else 0.0
     every = attempt == "*"
     return Fault(step, rank, kind, delay, None if every else _count(attempt or "0", "attempt"))
@@ -100,4 +105,13 @@ def strike(step: int, rank: int, faults: list[Fault]) -> None:
             continue
         if fault.kind in ("kill", "hang"):  # (a launcher wakes a stopped rank to end it)
             os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
-        time.sleep(fault.seconds)
+        if fault.kind == "slow":
+            time.sleep(fault.seconds)
+
+
+def strike_in_save(step: int) -> None:
+    """A `kill-in-save` planned for the checkpoint of `step` steps in this attempt (rank 0)."""
+    for fault in planned():
+        if fault.kind == "kill-in-save" and fault.step == step:
+            if fault.attempt in (None, attempt()):
+                os.kill(os.getpid(), signal.SIGKILL)

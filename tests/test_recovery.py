@@ -62,31 +62,38 @@ def uninterrupted(tmp_path_factory):
     return curve(metrics)
 
 
-def test_a_killed_then_a_frozen_rank_cost_only_the_steps_since_the_checkpoint(
+def test_a_killed_a_frozen_and_a_saving_rank_cost_only_the_steps_since_the_checkpoint(
     tmp_path, uninterrupted
 ):
-    """Rank 1 killed at step 4 (first attempt), rank 0 frozen at step 5 (second): each restart
-    resumes from the checkpoint of step 3 (--save-every 3), and the curve is unchanged. With
+    """Rank 1 killed at step 4 (first attempt), rank 0 frozen at step 5 (second), rank 0 killed
+    while it writes the checkpoint of step 6 (third): each restart resumes from the checkpoint
+    of step 3 (--save-every 3; the torn one is never used), and the curve is unchanged. With
     --async-save that checkpoint is written while training goes on (rank 0 finishes it when
     its peer is lost): the curve shows it is the snapshot of its step boundary."""
     save = str(tmp_path / "ckpt")
-    flags = ["--save", save, "--save-every", "3", "--max-restarts", "2", "--async-save"]
-    faults = "4:1:kill,5:0:hang@1"
+    flags = ["--save", save, "--save-every", "3", "--max-restarts", "3", "--async-save"]
+    faults = "4:1:kill,5:0:hang@1,6:0:kill-in-save@2"
     code, lines, metrics = train(tmp_path, "faults", *flags, fault=faults, timeout_s=5)
     assert code == 0, lines
     assert lines == [
-        "hplab: restart 1 of 2: process 1 was killed by SIGKILL at step 4; resuming from step 3",
-        "hplab: restart 2 of 2: process 0 stopped responding at step 5: its peers timed out "
+        "hplab: restart 1 of 3: process 1 was killed by SIGKILL at step 4; resuming from step 3",
+        "hplab: restart 2 of 3: process 0 stopped responding at step 5: its peers timed out "
         "waiting for it; resuming from step 3",
+        "hplab: restart 3 of 3: process 0 was killed by SIGKILL at step 6; resuming from step 3",
     ]
     assert curve(metrics) == pytest.approx(uninterrupted, rel=1e-5, abs=0)
     assert len(curve(metrics)) == 8 and metrics["resumed"]["step"] == 3
     restarts = metrics["restarts"]  # what each failed attempt cost
-    assert [(r["failed_at_step"], r["resumed_from_step"]) for r in restarts] == [(4, 3), (5, 3)]
+    assert [(r["failed_at_step"], r["resumed_from_step"]) for r in restarts] == [
+        (4, 3),
+        (5, 3),
+        (6, 3),
+    ]
     assert all(r["seconds"] > 0 for r in restarts)
     saves = metrics["checkpoints"]  # the last attempt's, each written beside training
     assert [c["step"] for c in saves] == [6, 8]
     assert all(c["bytes"] > 0 and c["seconds"] > 0 and c["write_seconds"] > 0 for c in saves)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # torn: gone
 
 
 def _killed_rank(argv: list[str]) -> int:
@@ -153,6 +160,7 @@ def test_under_torchrun_a_restarted_train_py_resumes_by_itself_on_fewer_processe
         ("1:1:slow=inf", "has slow=inf"),
         ("1:1:slow=-2", "has slow=-2"),
         ("1:1:kill@x", "has attempt 'x'"),
+        ("6:1:kill-in-save", "only rank 0 writes checkpoints"),
     ],
 )
 def test_a_malformed_fault_is_one_line(text, says):
