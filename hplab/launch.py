@@ -57,9 +57,10 @@ def launch(nproc: int, argv: list[str], run_rank, script: str, max_restarts=0, r
     When an attempt fails (a process killed or ended by an error, a collective timed out) and
     restarts are left, every rank is started again, as torchelastic does: `restart(attempt)`
     (train.py's: check everything again, find the checkpoint to resume from) returns the step
-    the next attempt resumes from, and one line says so. Each rank tells the launcher its step
-    and its error through files in a status folder (`note_step`, `note_error`), so that one line
-    can name the process that brought the job down and where."""
+    the next attempt resumes from (None: nothing is left to train), and one line says so. Each
+    rank tells the launcher its step and its error through files in a status folder
+    (`note_step`, `note_error`), so that one line can name the process that brought the job
+    down and where."""
     import_before_the_group_exists()
     history = []  # the failed attempts, for the metrics file (HPLAB_RESTARTS)
     for attempt in itertools.count():
@@ -81,6 +82,9 @@ def launch(nproc: int, argv: list[str], run_rank, script: str, max_restarts=0, r
         except ValueError as err:  # e.g. the checkpoint it would resume from is damaged
             print(f"hplab: error: {why}; cannot restart: {err}", file=sys.stderr)
             return 2
+        if resumed is None:  # its checkpoint holds every step: the run is done
+            print(f"hplab: {why}, after the last checkpoint: the run is complete", file=sys.stderr)
+            return 0
         print(
             f"hplab: restart {attempt + 1} of {max_restarts}: {why}; resuming from step {resumed}",
             file=sys.stderr,

@@ -12,6 +12,7 @@ machine (GPUs, the planner's estimate of the memory), and the token files.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -115,6 +116,11 @@ def check_switches(args) -> None:
         )
 
 
+class RunComplete(Exception):
+    """A run that resumes by itself finds that its checkpoint holds every step: nothing is left
+    to train (a rank lost after the last save, or the same command run again)."""
+
+
 def resume_point(args) -> None:
     """`--resume auto`, and every restart after a failure (HPLAB_ATTEMPT or torchrun's restart
     count above 0) with --save: resume from --save's newest complete checkpoint. With none
@@ -122,8 +128,14 @@ def resume_point(args) -> None:
     if args.resume == "auto" and not args.save:
         raise ValueError("--resume auto resumes from --save's newest checkpoint: give --save DIR")
     if args.resume == "auto" or (faults.attempt() > 0 and args.save):
-        if checkpoint.newest(args.save):
+        if folder := checkpoint.newest(args.save):
             args.resume, args.init_from = args.save, None
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):  # (damaged:
+                step = json.loads((folder / "trainer_state.json").read_text())["step"]  # said
+                if step == args.steps:  # by `resumable`)
+                    raise RunComplete(
+                        f"{args.save} already holds all {step} steps: nothing is left to train"
+                    )
         elif args.resume == "auto":
             args.resume = None
 

@@ -50,7 +50,7 @@ from hplab.dist import Mesh, init_distributed, shutdown
 from hplab.launch import launch, note_error, note_step, supervised
 from hplab.models.gpt import build_model
 from hplab.observe import Observers
-from hplab.preflight import preflight, release_save_folders
+from hplab.preflight import RunComplete, preflight, release_save_folders
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +85,10 @@ def command(argv: list[str] | None) -> int:
         if rank == 0:
             print("hplab: interrupted", file=sys.stderr)
         return 130
+    except RunComplete as done:  # (a restart under torchrun after the last save, say)
+        if rank == 0:
+            print(f"hplab: {done}", file=sys.stderr)
+        return 0
     except (ValueError, RuntimeError, OSError) as err:  # includes LayoutError, CommTimeout
         err = in_flags(err, argv)
         finish_saves()
@@ -118,10 +122,13 @@ def restart(argv: list[str]):
     restart resumes from --save's newest checkpoint: `preflight.resume_point`); returns the
     step it resumes from."""
 
-    def check(attempt: int) -> int:
+    def check(attempt: int) -> int | None:
         os.environ["HPLAB_ATTEMPT"] = str(attempt)  # (as its ranks will see it)
         args = parse_args(argv)
-        job = preflight(args, args.nproc)
+        try:
+            job = preflight(args, args.nproc)
+        except RunComplete:  # the failure came after the last save: nothing to restart
+            return None
         return job.saved["trainer_state"]["step"] if args.resume else 0
 
     return check

@@ -122,6 +122,19 @@ def test_after_its_last_restart_the_job_ends_with_one_line(capsys):
     ]
 
 
+def test_a_failure_after_the_last_checkpoint_completes_the_job(capsys):
+    """A rank lost after the last save (its checkpoint holds every step): `restart` says
+    there is nothing left (None), and the job ends well, with one line."""
+    from hplab.launch import launch
+
+    code = launch(2, [], _killed_rank, "train.py", max_restarts=1, restart=lambda attempt: None)
+    assert code == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "hplab: process 1 was killed by SIGKILL at step 1, after the last checkpoint: the run "
+        "is complete"
+    ]
+
+
 def test_under_torchrun_a_restarted_train_py_resumes_by_itself_on_fewer_processes(
     tmp_path, uninterrupted, capsys
 ):
@@ -133,6 +146,11 @@ def test_under_torchrun_a_restarted_train_py_resumes_by_itself_on_fewer_processe
     save = str(tmp_path / "ckpt")
     code, lines, first = train(tmp_path, "four", "--save", save, "--steps", "4", nproc=4)
     assert code == 0 and first["config"]["dp"] == 4, lines
+    from hplab.train import main  # the same command again: done already, before any process
+
+    assert main(["--nproc", "4", "--steps", "4", "--save", save, "--resume", "auto"]) == 0
+    said = capsys.readouterr().err
+    assert said == f"hplab: {save} already holds all 4 steps: nothing is left to train\n"
     flags = ["--save", save, "--save-every", "3", "--resume", "auto"]
     restarts = ["--max-restarts=1"]  # (torchrun's own flag)
     code, lines, metrics = train(tmp_path, "two", *flags, fault="6:1:kill", torchrun=restarts)
@@ -140,7 +158,7 @@ def test_under_torchrun_a_restarted_train_py_resumes_by_itself_on_fewer_processe
     assert (metrics["config"]["dp"], metrics["config"]["microbatches"]) == (2, 2)
     assert metrics["resumed"]["step"] == 6  # (attempt 0 resumed from 4 and saved at 6)
     assert curve(metrics) == pytest.approx(uninterrupted, rel=1e-5, abs=0)
-    from hplab.train import main  # a layout that cannot shrink: one line, before any process
+    # a layout that cannot shrink: one line, before any process
 
     assert main(["--nproc", "2", "--tp", "2", "--pp", "2", "--resume", save]) == 2
     assert capsys.readouterr().err == (
