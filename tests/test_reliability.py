@@ -74,13 +74,18 @@ def start_training(
     tag: str, *flags: str, torchrun: bool = False, timeout_s: int = 8, settle_s: float = 1
 ):
     """A 2-process training run that would take minutes; returns (launcher, worker pids)."""
+    launcher = launch_training(tag, *flags, torchrun=torchrun, timeout_s=timeout_s)
+    return launcher, wait_for_workers(launcher, tag, settle_s)
+
+
+def launch_training(tag: str, *flags: str, torchrun: bool = False, timeout_s: int = 8):
     args = ["--steps", "100000", "--no-progress", *flags]
     cmd = (
         torchrun_command(2, TRAIN, *args)
         if torchrun
         else [sys.executable, TRAIN, "--nproc", "2", *args]
     )
-    launcher = subprocess.Popen(
+    return subprocess.Popen(
         cmd,
         cwd=ROOT,
         start_new_session=True,
@@ -89,6 +94,10 @@ def start_training(
         stderr=subprocess.PIPE,
         env=clean_env(HPLAB_FAULT_TAG=tag, HPLAB_TIMEOUT_S=str(timeout_s)),
     )
+
+
+def wait_for_workers(launcher, tag: str, settle_s: float) -> list[int]:
+    """The pids of its 2 workers once both exist (and, with `settle_s`, train)."""
     deadline = time.monotonic() + 90
     while len(workers := tagged_processes(tag)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -99,7 +108,7 @@ def start_training(
         while not all(gloo_threads(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(settle_s)
-    return launcher, workers
+    return workers
 
 
 def wait_gone(pids: list[int], seconds: float) -> list[int]:
@@ -171,16 +180,27 @@ def test_a_killed_rank_is_named_and_the_job_ends():
 
 
 @LINUX
-@pytest.mark.parametrize("settle_s", [1, 0], ids=["training", "starting"])
-@pytest.mark.parametrize("torchrun", [False, True], ids=["--nproc", "torchrun"])
-def test_workers_die_with_their_launcher(torchrun, settle_s):
+def test_workers_die_with_their_launcher():
     """Also when the launcher dies while its workers are still importing torch (before they
-    could ask for PR_SET_PDEATHSIG): they used to train on, orphaned, for good."""
-    tag = uuid.uuid4().hex
-    launcher, workers = start_training(tag, torchrun=torchrun, settle_s=settle_s)
-    launcher.kill()  # SIGKILL: the launcher cannot pass anything on
-    launcher.communicate()
-    assert wait_gone(workers, 15) == [], "workers outlived their launcher"
+    could ask for PR_SET_PDEATHSIG): they used to train on, orphaned, for good. Four launchers
+    at once, train.py --nproc and torchrun, each killed (SIGKILL: it can pass nothing on) as
+    soon as its workers exist, or once they train."""
+    runs = {
+        (torchrun, settle_s): (tag := uuid.uuid4().hex, launch_training(tag, torchrun=torchrun))
+        for settle_s in (0, 1)  # starting, training
+        for torchrun in (False, True)
+    }
+    workers = {}
+    try:
+        for (torchrun, settle_s), (tag, launcher) in runs.items():
+            workers[torchrun, settle_s] = wait_for_workers(launcher, tag, settle_s)
+            launcher.kill()
+    finally:  # (a failure above leaves no run of 100,000 steps behind)
+        for _, launcher in runs.values():
+            launcher.kill()
+            launcher.communicate()
+    for key, pids in workers.items():
+        assert wait_gone(pids, 15) == [], f"workers outlived their launcher: {key}"
 
 
 @LINUX
