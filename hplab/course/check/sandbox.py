@@ -19,6 +19,7 @@ as themselves, anything else as a LearnerError whose text names the line of thei
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import pickle
 import runpy
@@ -163,7 +164,10 @@ def _serve(path: str, conn, comm_shape, threads: int) -> None:
         learner=Learner(**namespace), comm=comm, state={}, tell=lambda *a: _ask("tell", *a)
     )
     while True:
-        kind, name, args, kwargs = _receive(conn)
+        try:
+            kind, name, args, kwargs = _receive(conn)
+        except (EOFError, OSError):  # the checker has gone: so does its sandbox, quietly
+            return
         try:
             if kind == "attr":
                 value = namespace.get(name, AttributeError)
@@ -173,7 +177,8 @@ def _serve(path: str, conn, comm_shape, threads: int) -> None:
             else:
                 _send(conn, "ok", namespace[name](*args, **kwargs))
         except BaseException as err:
-            _send(conn, *_caught(err, path))
+            with contextlib.suppress(OSError):  # (the checker may have gone meanwhile)
+                _send(conn, *_caught(err, path))
 
 
 # --- the checker's side -----------------------------------------------------------------------
