@@ -315,15 +315,10 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
-    out = {}
+    out, deadline = {}, time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            try:
-                rank, ok, value = results.get(timeout=timeout_s)
-            except Exception:  # queue.Empty
-                raise TimeoutError(
-                    f"{world_size}-process run did not finish in {timeout_s:.0f}s"
-                ) from None
+        while len(out) < world_size:
+            rank, ok, value = _next_result(results, procs, out, deadline, timeout_s)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = value
@@ -333,6 +328,27 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def _next_result(results, procs: list, out: dict, deadline: float, timeout_s: float) -> tuple:
+    """The next (rank, ok, value) a child sent; a RuntimeError as soon as a child has ended
+    without sending one (killed, crashed: its peers would wait for it until the deadline), a
+    TimeoutError at the deadline."""
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except Exception:  # queue.Empty
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(procs)}-process run did not finish in {timeout_s:.0f}s")
+        for rank, p in enumerate(procs):
+            if rank not in out and p.exitcode is not None:
+                try:  # (its result may still be in the pipe)
+                    return results.get(timeout=2.0)
+                except Exception:
+                    raise RuntimeError(
+                        f"rank {rank} ended (exit code {p.exitcode}) without a result"
+                    ) from None
 
 
 # --- notebooks: train.py without a fresh interpreter ------------------------------------------

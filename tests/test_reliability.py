@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import hplab
 from hplab.dist import shutdown
@@ -213,6 +214,20 @@ def test_ctrl_c_stops_every_process_with_one_line():
     assert hplab_lines(err) == ["hplab: interrupted: stopped all 2 processes"], err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert wait_gone(workers, 15) == []
+
+
+def _rank_1_ends_without_a_result():
+    if dist.get_rank() == 1:
+        os._exit(3)  # as a crash or the out-of-memory killer would: nothing sent back
+    time.sleep(60)  # (its peer: what waited for the whole timeout before)
+    return "never"
+
+
+def test_run_distributed_names_a_rank_that_ended_without_a_result():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^rank 1 ended \(exit code 3\) without a result$"):
+        run_distributed(_rank_1_ends_without_a_result, 2, timeout_s=120)
+    assert time.monotonic() - start < 30
 
 
 def ctrl_c(*args, **kwargs):
