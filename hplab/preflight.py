@@ -130,9 +130,10 @@ def resume_point(args) -> None:
     if args.resume == "auto" or (faults.attempt() > 0 and args.save):
         if folder := checkpoint.newest(args.save):
             args.resume, args.init_from = args.save, None
-            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):  # (damaged:
-                step = json.loads((folder / "trainer_state.json").read_text())["step"]  # said
-                if step == args.steps:  # by `resumable`)
+            # (a damaged trainer_state.json: `resumable` says so, in one line)
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+                step = json.loads((folder / "trainer_state.json").read_text())["step"]
+                if step == args.steps:
                     raise RunComplete(
                         f"{args.save} already holds all {step} steps: nothing is left to train"
                     )

@@ -120,7 +120,7 @@ def finish_saves() -> None:
 def restart(argv: list[str]):
     """For `launch`: before restart `attempt`, check everything again as its ranks will (a
     restart resumes from --save's newest checkpoint: `preflight.resume_point`); returns the
-    step it resumes from."""
+    step it resumes from, or None when that checkpoint already holds every step."""
 
     def check(attempt: int) -> int | None:
         os.environ["HPLAB_ATTEMPT"] = str(attempt)  # (as its ranks will see it)
