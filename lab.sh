@@ -38,12 +38,10 @@ case "${1:-}" in
         exec .venv/bin/python -m hplab.train --nproc 4 --dp 4 --metrics runs/demo.json ;;
     test)
         setup
-        # Three pytest workers on two cores, each file (a notebook's cells, a module's
-        # fixtures) on one of them: the multi-process tests wait often (process starts,
-        # timeouts, a browser), so a third worker fills the idle time (whole suite 524 s
-        # against 538 s with two, same tree). The labs, the longest files, go first so that
-        # the short ones fill in at the end.
-        exec .venv/bin/python -m pytest -p no:cacheprovider -n 3 --dist loadfile labs tests \
+        # Two pytest workers, each file (a notebook's cells, a module's fixtures) on one of
+        # them: the multi-process tests leave a core idle half the time. The labs, the longest
+        # files, go first so that the short ones fill in at the end.
+        exec .venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadfile labs tests \
             --nbval-lax ;;
     *)
         echo "usage: ./lab.sh demo | test | setup" >&2
