@@ -19,6 +19,8 @@ import itertools
 import json
 import multiprocessing
 import os
+import pickle
+import queue
 import signal
 import subprocess
 import sys
@@ -280,7 +282,9 @@ def _child(fn, rank, world_size, port, args, results, backend, timeout_s):
     torch.set_num_threads(1)
     try:
         init_distributed(backend, timeout_s)
-        results.put((rank, True, fn(*args)))
+        # pickled here, tensors by value: through the queue, torch would share their memory,
+        # and the parent could rebuild them only while this process lives (it may have gone)
+        results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:  # report every failure to the parent, then exit
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -321,7 +325,7 @@ def run_distributed(
             rank, ok, value = _next_result(results, procs, out, deadline, timeout_s)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:  # after a failure, the others are stopped quickly
             p.join(timeout=5 if len(out) == world_size else 1)
@@ -337,7 +341,7 @@ def _next_result(results, procs: list, out: dict, deadline: float, timeout_s: fl
     while True:
         try:
             return results.get(timeout=1.0)
-        except Exception:  # queue.Empty
+        except queue.Empty:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(procs)}-process run did not finish in {timeout_s:.0f}s")
@@ -345,7 +349,7 @@ def _next_result(results, procs: list, out: dict, deadline: float, timeout_s: fl
             if rank not in out and p.exitcode is not None:
                 try:  # (its result may still be in the pipe)
                     return results.get(timeout=2.0)
-                except Exception:
+                except queue.Empty:
                     raise RuntimeError(
                         f"rank {rank} ended (exit code {p.exitcode}) without a result"
                     ) from None
