@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hplab import link
 from hplab.comm import bucket_params
-from hplab.course.check.reference import gpt_reference
+from hplab.course.check.reference import backward_in_sandbox, gpt_reference
 from hplab.course.check.report import Report, first_wrong
 from hplab.dist import Mesh
 from hplab.models.gpt import build_model
@@ -140,11 +140,6 @@ def buckets_in_sandbox(env, config, bucket_bytes: float) -> None:
     for p in params:
         p.register_post_accumulate_grad_hook(lambda _: env.tell("returned"))
     env.state.update(model=model, sync=sync)
-
-
-def backward_in_sandbox(env, rows) -> None:
-    env.state["model"].zero_grad()
-    env.state["model"](*rows)[1].backward()
 
 
 def wait_in_sandbox(env) -> dict:

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hplab.course.check.reference import gpt_reference
+from hplab.course.check.reference import backward_in_sandbox, gpt_reference
 from hplab.course.check.report import Report, collectives, differs, first, first_wrong
 from hplab.dist import Mesh
 from hplab.models.gpt import build_model
@@ -35,11 +35,6 @@ def zero1_in_sandbox(env, config, lr: float) -> None:
     """(In the learner's sandbox.) The model, and their ZeRO1 over its parameters."""
     model = build_model(config, seed=0)
     env.state.update(model=model, opt=env.learner.ZeRO1(list(model.parameters()), env.comm, lr=lr))
-
-
-def backward_in_sandbox(env, rows) -> None:
-    env.state["model"].zero_grad()
-    env.state["model"](*rows)[1].backward()
 
 
 def step_in_sandbox(env) -> tuple:

@@ -37,3 +37,10 @@ def gpt_reference(mesh: Mesh, steps: int, lr: float = 0.0) -> SimpleNamespace:
         params=params,
         rows=[(b[r, :, :-1], b[r, :, 1:]) for b in batches],
     )
+
+
+def backward_in_sandbox(env, rows) -> None:
+    """(In the learner's sandbox.) One backward of the model the driver built, on this rank's
+    rows, its gradients zeroed first."""
+    env.state["model"].zero_grad()
+    env.state["model"](*rows)[1].backward()
