@@ -1,7 +1,7 @@
 """Goodput against the checkpoint interval, measured: jobs whose processes are killed at random
 times, restarted from their newest checkpoint, beside the formula of `hplab.plan.reliability`.
 
-    python bench/bench_goodput.py           # ~15 minutes on 2 cores; bench/results/goodput.json
+    python bench/bench_goodput.py           # ~12 minutes on 2 cores; bench/results/goodput.json
     python bench/bench_goodput.py --quick   # three intervals, shorter jobs
 
 Every job is the same command, `python -m hplab.train --nproc 2 --steps N --save-every K
@@ -11,11 +11,12 @@ seconds, the same seeded draw for every K; the launcher stops the others and sta
 again from the newest complete checkpoint, as it would after a real failure.
 
 * measured goodput = N · t_step / (T − S): the clean training time the job needed over the time
-  it took, its first start S left out (a long job pays it once), t_step a clean step's median;
+  it took, its first start S left out (a long job pays it once), t_step the median of the job's
+  own steps (a shared machine's speed drifts by ±20% between jobs; this takes it out);
 * the formula, `reliability.goodput(τ, C, R, M)` with τ = K · t_step, C a save's measured cost
-  (training stood still, the median after the first), R a restart's (from each job's time
-  taken, what its start, steps and saves do not account for, per failure: `accounting`; the
-  median over the jobs) and the M of the failures it was given.
+  (training stood still: the median of every save of every job), R a restart's (from each job's
+  time taken, what its start, steps and saves do not account for, per failure: `accounting`;
+  the median over the jobs) and the M of the failures it was given.
 
 One failure schedule, a few failures per job: the measured points scatter around the expectation
 by the luck of where each failure fell in its interval; their shape, and where the best K lies,
@@ -93,37 +94,38 @@ def job(folder: Path, steps: int, every: int | None, failures: list[float]) -> d
     return dict(metrics=json.loads(metrics.read_text()), seconds=seconds, killed=killed)
 
 
-def accounting(run: dict, steps: int, every: int, step_s: float, start_s: float) -> dict:
+def accounting(run: dict, steps: int, every: int, save_s: float, start_s: float) -> dict:
     """One job's numbers. Its time T = the first start S + the steps it trained (those a
     failure made it train again included) + its saves + a restart per failure, so a restart
-    costs R = (T − S − trained · t_step − saves · C − the first attempt's first save) / failures
-    (a restart pays its own first save, which imports transformers' config: ~1 s here)."""
+    costs R = (T − S − trained · t_step − saves · C) / failures: what is left, its own first
+    save included (it imports transformers' config: ~1 s here)."""
     metrics, seconds = run["metrics"], run["seconds"]
-    saves = [c["seconds"] for c in metrics["checkpoints"]]
-    save_s, first_save_extra = statistics.median(saves[1:] or saves), saves[0] - saves[-1]
-    redone = sum(r["failed_at_step"] - r["resumed_from_step"] for r in metrics["restarts"])
+    step_s = statistics.median(s["time_s"] for s in metrics["steps"][1:])  # this job's speed
+    redone = sum(  # a rank struck while starting has trained nothing: no step
+        max((r["failed_at_step"] or 0) - (r["resumed_from_step"] or 0), 0)
+        for r in metrics["restarts"]
+    )
     trained, failures = steps + redone, len(metrics["restarts"])
-    spent = start_s + trained * step_s + trained / every * save_s + max(first_save_extra, 0)
+    spent = start_s + trained * step_s + trained / every * save_s
     return dict(
         save_every=every,
+        step_s=step_s,
         tau_s=every * step_s,
         seconds=round(seconds, 2),
         failures=failures,
         killed_at_s=run["killed"],
         steps_trained_again=redone,
-        save_s=save_s,
         restart_s=(seconds - spent) / failures if failures else None,
         measured=steps * step_s / (seconds - start_s),
-        step_s_last_attempt=statistics.median(s["time_s"] for s in metrics["steps"][1:]),
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="three intervals, shorter jobs")
-    parser.add_argument("--mtbf", type=float, default=30.0, help="M: mean seconds between kills")
+    parser.add_argument("--mtbf", type=float, default=15.0, help="M: mean seconds between kills")
     args = parser.parse_args()
-    steps, intervals = (400, [2, 16, 128]) if args.quick else (3000, [1, 4, 16, 64, 256])
+    steps, intervals = (400, [2, 16, 128]) if args.quick else (2000, [1, 4, 16, 64, 256])
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
         clean = job(Path(tmp), steps, None, [])  # no saves, no failures
         step_s = statistics.median(s["time_s"] for s in clean["metrics"]["steps"][1:])
@@ -132,16 +134,13 @@ def main() -> None:
         while horizon < 3 * steps * step_s:  # more than any job lasts
             horizon += draw.expovariate(1 / args.mtbf)
             failures.append(round(horizon, 3))
-        rows = []
+        runs = {}
         for every in intervals:
-            run = job(Path(tmp), steps, every, failures)
-            rows.append(accounting(run, steps, every, step_s, start_s))
-            print(
-                f"--save-every {every:>4}: {rows[-1]['failures']} failures, goodput "
-                f"{rows[-1]['measured']:.1%} ({run['seconds']:.0f} s)",
-                flush=True,
-            )
-    save_s = statistics.median(r["save_s"] for r in rows)
+            runs[every] = job(Path(tmp), steps, every, failures)
+            print(f"--save-every {every:>4}: {runs[every]['seconds']:.0f} s", flush=True)
+    saves = [c["seconds"] for run in runs.values() for c in run["metrics"]["checkpoints"]]
+    save_s = statistics.median(saves)
+    rows = [accounting(run, steps, every, save_s, start_s) for every, run in runs.items()]
     restart_s = statistics.median(r["restart_s"] for r in rows if r["failures"])
     for r in rows:
         r["formula"] = reliability.goodput(r["tau_s"], save_s, restart_s, args.mtbf)
