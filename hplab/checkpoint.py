@@ -36,7 +36,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from hplab import faults, fsdp, moe, tp
+from hplab import comm, faults, fsdp, moe, tp
 from hplab.models.gpt import GPTConfig, build_model
 from hplab.models.hf import (
     architecture,
@@ -120,11 +120,8 @@ def _write_files(tmp: Path, config, model_state, optimizer_state, trainer_state)
         rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     save_file(rng, tmp / "rng.safetensors")
     checksums = {path.name: sha256(path) for path in sorted(tmp.iterdir())}
-    (tmp / "trainer_state.json").write_text(
-        json.dumps(
-            {"format_version": FORMAT_VERSION, **trainer_state, "checksums": checksums}, indent=1
-        )
-    )
+    last = {"format_version": FORMAT_VERSION, **trainer_state, "checksums": checksums}
+    (tmp / "trainer_state.json").write_text(json.dumps(last, indent=1))
     for path in tmp.iterdir():  # on disk before the renames
         with open(path, "rb") as f:
             os.fsync(f.fileno())
@@ -304,7 +301,8 @@ def gather_full_state(par) -> tuple[dict, dict]:
         names = [n for n, p in params if sender and (mesh.dp_rank == 0 or moe.is_expert(p))]
         mine = ({n: model_state[n] for n in names}, {n: optimizer_state[n] for n in names})
         everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None
-        dist.gather_object(mine, everyone, dst=0)  # in memory, between our own processes
+        with comm.explained("the checkpoint's gather"):  # in memory, between our processes
+            dist.gather_object(mine, everyone, dst=0)
         for model_part, optimizer_part in everyone or []:
             model_state.update(model_part)
             optimizer_state.update(optimizer_part)
@@ -366,7 +364,7 @@ def save_run(par, directory, flags: dict, step: int, losses: list, background=Fa
         writer.start()
         if not background:
             finish_saves()
-    dist.barrier()
+    par.mesh.world.barrier()
     record["seconds"] = time.perf_counter() - start
     return record
 

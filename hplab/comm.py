@@ -53,6 +53,21 @@ class CommTimeout(RuntimeError):
     disagree on the order of collectives), or a peer process ended."""
 
 
+@contextlib.contextmanager
+def explained(op: str, group: str = "world", ranks: list[int] | None = None):
+    """Inside, a timeout or a lost peer (gloo's or NCCL's own words: a C++ file and line)
+    becomes a CommTimeout that names the operation and the group."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err).lower()
+        why = next((w for k, w in WHY_IT_FAILED.items() if any(s in text for s in k)), None)
+        if why:
+            where = f"{group} group (ranks {ranks})" if ranks else f"{group} group"
+            raise CommTimeout(f"{op} in the {where} {why}") from None
+        raise
+
+
 @dataclass
 class OpStats:
     calls: int = 0
@@ -170,17 +185,8 @@ class Communicator:
     def _guard(self, op: str, call, label: str = ""):
         """Run `call` inside a profiler range named `label` (a timeline shows it); a timeout or
         a lost peer becomes a CommTimeout naming the operation and the group."""
-        try:
-            with record_function(label or f"{op} {self.name}"):
-                return call()
-        except RuntimeError as err:
-            text = str(err).lower()
-            why = next((w for k, w in WHY_IT_FAILED.items() if any(s in text for s in k)), None)
-            if why:
-                raise CommTimeout(
-                    f"{op} in the {self.name} group (ranks {self.ranks}) {why}"
-                ) from None
-            raise
+        with record_function(label or f"{op} {self.name}"), explained(op, self.name, self.ranks):
+            return call()
 
     def _stamp(self, op: str, peer: int | None) -> tuple:
         """Note this launch on the emulated link's board: a collective's among the group, a
@@ -416,14 +422,11 @@ def bucket_params(params: list[torch.Tensor], bucket_mb: float) -> list[list[tor
     """DDP's and ZeRO's messages: buckets of at most `bucket_mb` MiB (a larger parameter alone; 0:
     one each; `math.inf`: one), one dtype and device each, in reverse definition order (roughly
     the order backward produces gradients)."""
-    buckets, size = [], 0
+    buckets, size, kind = [], 0, None
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if (
-            not buckets
-            or size + nbytes > bucket_mb * 2**20
-            or (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device)
-        ):
+        if size + nbytes > bucket_mb * 2**20 or (p.dtype, p.device) != kind:
+            kind = (p.dtype, p.device)
             buckets.append([])
             size = 0
         buckets[-1].append(p)
@@ -441,9 +444,6 @@ def communicator(group=None, name: str = "dp") -> Communicator:
     if isinstance(group, Communicator):
         return group
     group = dist.group.WORLD if group is None else group
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend(group) == "nccl"
-        else torch.device("cpu")
-    )
+    on_gpu = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     return Communicator(group, name, DEFAULT_LEDGER, dist.get_process_group_ranks(group), device)

@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from hplab import checkpoint, faults, link, metrics
 from hplab.cli import in_flags, parse_args
+from hplab.comm import explained
 from hplab.compose import evaluate, parallelize, train_step
 from hplab.data import get_batch, global_batch_indices, shard_for_rank
 from hplab.dist import Mesh, init_distributed, shutdown
@@ -158,7 +159,8 @@ def run_claimed(args) -> dict | None:
     steps, evals, saves = train(par, job, args, range(first_step, args.steps), watch, earlier)
     mine = watch.per_rank(len(steps))
     everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
+    with explained("the metrics' gather"):
+        dist.gather_object(mine, everyone, dst=0)
     if mesh.rank != 0:
         return None
     backend = dist.get_backend()

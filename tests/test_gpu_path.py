@@ -11,16 +11,20 @@ real thing wherever one GPU is.
 
 from __future__ import annotations
 
+import ast
 import json
 import types
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 from hplab import compose, cp, schedule
-from hplab.comm import CommTimeout, Communicator
+from hplab.comm import CommTimeout, Communicator, explained
 from hplab.dist import choose_backend
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # --- 1. one backend and device per job ----------------------------------------------------------
 
@@ -262,6 +266,48 @@ def test_nccl_errors_become_one_line(text, says):
 
     with pytest.raises(CommTimeout, match=f"^all_reduce in the dp group .ranks .0, 1.. {says}"):
         Communicator._guard(comm, "all_reduce", fail)
+
+
+def test_a_raw_collective_outside_a_communicator_is_explained_too():
+    """Every torch.distributed collective the library calls itself, outside comm.py's
+    Communicator (a checkpoint's gather, the metrics' gather), sits inside `explained`: a rank
+    that loses its peer there says one line, not gloo's C++ file and line."""
+    text = "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    with pytest.raises(CommTimeout, match="^the checkpoint's gather in the world group lost its"):
+        with explained("the checkpoint's gather"):
+            raise RuntimeError(text)
+    collectives = {
+        "barrier",
+        "gather_object",
+        "all_gather_object",
+        "broadcast_object_list",
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "reduce_scatter",
+        "send",
+        "recv",
+    }
+    raw = []
+    for path in sorted((ROOT / "hplab").rglob("*.py")):
+        if path.name == "comm.py" or "course" in path.parts:
+            continue
+        tree = ast.parse(path.read_text())
+        inside = {
+            id(n)
+            for w in ast.walk(tree)
+            if isinstance(w, ast.With)
+            and any("explained" in ast.unparse(i.context_expr) for i in w.items)
+            for n in ast.walk(w)
+        }
+        raw += [
+            f"{path.name}:{n.lineno}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+            and ast.unparse(n.func) in {f"dist.{c}" for c in collectives}
+            and id(n) not in inside
+        ]
+    assert raw == []
 
 
 # --- 5. clocks of the device's work ------------------------------------------------------------
