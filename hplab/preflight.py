@@ -68,7 +68,8 @@ def preflight(args, world_size: int) -> Run:
         )
     settle_lr_schedule(args)
     for fault in faults.planned():  # (a malformed HPLAB_FAULT: ValueError, one line)
-        if fault.rank >= world_size:
+        struck_already = fault.attempt is not None and fault.attempt < faults.attempt()
+        if fault.rank >= world_size and not struck_already:  # (an elastic job shrinks)
             raise ValueError(
                 f"HPLAB_FAULT asks rank {fault.rank} to fail, but the job has {world_size} "
                 f"process{'es' * (world_size > 1)} (ranks 0 to {world_size - 1})"

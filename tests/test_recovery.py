@@ -17,29 +17,30 @@ from pathlib import Path
 import pytest
 
 from hplab import faults
-from hplab.launch import torchrun_command, what_failed
+from hplab.dist import free_port
+from hplab.launch import what_failed
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "hplab" / "train.py")
 RUN = ["--steps", "8", "--batch-size", "8", "--no-progress"]
 
 
-def train(tmp_path, name: str, *flags: str, fault="", torchrun=(), timeout_s=60, nproc=2):
-    """A run of 2 processes, train.py --nproc or, given torchrun's own flags, torchrun; (exit
-    code, hplab lines, metrics). `timeout_s`: HPLAB_TIMEOUT_S, how long a frozen peer takes to
-    notice (a restart's ranks must also meet within it: each imports torch afresh)."""
-    metrics = tmp_path / f"{name}.json"
-    args = [*RUN, "--metrics", str(metrics), *flags]
-    command = [sys.executable, TRAIN, *args]
-    if torchrun:
-        command = torchrun_command(2, TRAIN, *args)
-        command[command.index(TRAIN) : command.index(TRAIN)] = torchrun
+def environment(fault: str, timeout_s) -> dict:
+    """This process's environment for a job's launcher, less any torchrun variables, with
+    HPLAB_FAULT and HPLAB_TIMEOUT_S (how long a frozen peer takes to notice: a restart's ranks
+    must also meet within it, each importing torch afresh)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(HPLAB_FAULT=fault, HPLAB_TIMEOUT_S=str(timeout_s))
+    return env
+
+
+def train(tmp_path, name: str, *flags: str, fault="", timeout_s=60, nproc=2):
+    """A run of `train.py --nproc`: (exit code, hplab lines, metrics)."""
+    metrics = tmp_path / f"{name}.json"
     done = subprocess.run(
-        command if torchrun else [*command, "--nproc", str(nproc)],
+        [sys.executable, TRAIN, *RUN, "--metrics", str(metrics), *flags, "--nproc", str(nproc)],
         cwd=tmp_path,
-        env=env,
+        env=environment(fault, timeout_s),
         capture_output=True,
         text=True,
         timeout=300,
@@ -139,32 +140,81 @@ def test_a_failure_after_the_last_checkpoint_completes_the_job(capsys):
     ]
 
 
-def test_under_torchrun_a_restarted_train_py_resumes_by_itself_on_fewer_processes(
+def elastic_node(tmp_path, name: str, port: int, *args: str, host: bool) -> subprocess.Popen:
+    """One node of an elastic torchrun job (--nnodes 1:2): its own agent and one process,
+    meeting the other node at a c10d rendezvous on `port`; `host` holds the rendezvous store.
+    The rendezvous is tuned for one machine: a node silent for 2 s is gone, and a round closes
+    3 s after its first member arrived. Every rank 1 hangs at step 6 of the first attempt."""
+    quick = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1"),
+        *("--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"),
+        *("--rdzv-id=elastic", f"--rdzv-conf=is_host={str(host).lower()},{quick}", TRAIN),
+        *args,
+    ]
+    env = environment("6:1:hang", 60)
+    with open(tmp_path / f"{name}.err", "w") as err:
+        return subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
+
+
+def step_saved(save: Path) -> int | None:
+    try:
+        return json.loads((save / "trainer_state.json").read_text())["step"]
+    except (OSError, ValueError):
+        return None
+
+
+def test_an_elastic_torchrun_job_that_loses_a_node_resumes_on_fewer_processes(
     tmp_path, uninterrupted, capsys
 ):
-    """Saved by 4 data-parallel ranks at step 4; then torchrun on 2 (a node lost) with
-    --resume auto: the global batch stays, in twice the microbatches (each rank's microbatch,
-    and its memory, as before). Killed at step 6, torchrun --max-restarts 1 starts the same
-    command again, which resumes from --save's checkpoint of step 6 by itself (a restart count
-    above 0). The curve equals an uninterrupted run's."""
-    save = str(tmp_path / "ckpt")
-    code, lines, first = train(tmp_path, "four", "--save", save, "--steps", "4", nproc=4)
+    """Saved by 4 data-parallel ranks at step 4. Then an elastic torchrun job of two nodes
+    (`--nnodes 1:2`, one process each) resumes it with --resume auto: the global batch stays,
+    in twice the microbatches (each rank's microbatch, and its memory, as before). It saves at
+    step 6; node 2's rank hangs; node 2 is lost (its agent and its rank SIGKILLed: no goodbye to
+    the rendezvous). Node 1's rank loses its peer, its agent restarts it (--max-restarts 1) in a
+    new rendezvous round of one node, and train.py resumes by itself from step 6 on 1 process
+    (4 microbatches). The curve equals an uninterrupted run's."""
+    save = tmp_path / "ckpt"
+    code, lines, first = train(tmp_path, "four", "--save", str(save), "--steps", "4", nproc=4)
     assert code == 0 and first["config"]["dp"] == 4, lines
     from hplab.train import main  # the same command again: done already, before any process
 
-    assert main(["--nproc", "4", "--steps", "4", "--save", save, "--resume", "auto"]) == 0
+    assert main(["--nproc", "4", "--steps", "4", "--save", str(save), "--resume", "auto"]) == 0
     said = capsys.readouterr().err
     assert said == f"hplab: {save} already holds all 4 steps: nothing is left to train\n"
-    flags = ["--save", save, "--save-every", "3", "--resume", "auto"]
-    restarts = ["--max-restarts=1"]  # (torchrun's own flag)
-    code, lines, metrics = train(tmp_path, "two", *flags, fault="6:1:kill", torchrun=restarts)
-    assert code == 0, lines
-    assert (metrics["config"]["dp"], metrics["config"]["microbatches"]) == (2, 2)
-    assert metrics["resumed"]["step"] == 6  # (attempt 0 resumed from 4 and saved at 6)
+    args = [*RUN, "--save", str(save), "--save-every", "3", "--resume", "auto"]
+    port = free_port()
+    node1 = elastic_node(tmp_path, "node1", port, *args, "--metrics", "m.json", host=True)
+    node2 = elastic_node(tmp_path, "node2", port, *args, host=False)
+    try:
+        deadline = time.monotonic() + 120
+        while step_saved(save) != 6 and node1.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert step_saved(save) == 6, (tmp_path / "node1.err").read_text()[-3000:]
+        workers = Path(f"/proc/{node2.pid}/task/{node2.pid}/children").read_text().split()
+        for pid in [node2.pid, *map(int, workers)]:  # the node is lost: agent and rank at once
+            os.kill(pid, signal.SIGKILL)
+        assert node1.wait(timeout=120) == 0, (tmp_path / "node1.err").read_text()[-3000:]
+    finally:
+        for node in (node1, node2):
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["world_size"] == 1 and metrics["resumed"]["step"] == 6
+    assert (metrics["config"]["dp"], metrics["config"]["microbatches"]) == (1, 4)
     assert curve(metrics) == pytest.approx(uninterrupted, rel=1e-5, abs=0)
+    said = (tmp_path / "node1.err").read_text()  # hplab's line, not gloo's C++ file and line
+    assert "Traceback" not in said and "pair.cc" not in said and "lost its connection" in said
     # a layout that cannot shrink: one line, before any process
-
-    assert main(["--nproc", "2", "--tp", "2", "--pp", "2", "--resume", save]) == 2
+    assert main(["--nproc", "2", "--tp", "2", "--pp", "2", "--resume", str(save)]) == 2
     assert capsys.readouterr().err == (
         "hplab: error: 2 processes cannot be split into tp=2 × pp=2 groups: make tp × pp "
         "divide the number of processes (a checkpoint reshards into any layout)\n"
