@@ -39,8 +39,9 @@ from torch.profiler import record_function
 from hplab import link
 from hplab.formulas import bus_factor  # the factors above, in one home
 
-#: What gloo and NCCL say when a peer has gone (NCCL: once its communicator was aborted).
-LOST_PEER = ("connection", "remote process exited", "network error", "communicator was aborted")
+#: What gloo and NCCL say when a peer has gone ("connectFullMesh failed" while the group forms;
+#: NCCL: once its communicator was aborted).
+LOST_PEER = ("connect", "remote process exited", "network error", "communicator was aborted")
 WHY_IT_FAILED = {  # what an error's text holds → what it means
     ("timed out", "timeout", "timing out"): "timed out: a peer probably crashed or called "
     "collectives in a different order",

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hplab import link
-from hplab.comm import OPEN_COMMUNICATORS, CommLedger, Communicator
+from hplab.comm import OPEN_COMMUNICATORS, CommLedger, Communicator, explained
 from hplab.config import Layout, check_experts, check_mesh, check_sizes_and_choices
 
 
@@ -139,7 +139,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         global TIMEOUT
         TIMEOUT = timedelta(seconds=timeout_s)
         import_before_the_group_exists()
-        dist.init_process_group(backend, timeout=TIMEOUT, **attempt_store())
+        with explained("init_process_group"):  # (a peer that died while the group formed)
+            dist.init_process_group(backend, timeout=TIMEOUT, **attempt_store())
         atexit.unregister(shutdown)  # once, however often we start
         atexit.register(shutdown)
     return device
