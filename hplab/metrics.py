@@ -104,9 +104,10 @@ def summary_table(metrics: dict) -> str:
         " cp{cp_rank}" if metrics.get("context_parallel") else ""
     )
     heads = [f"  rank {r} {where.format(**c):<15}" for r, c in enumerate(mesh)]
+    n, world = len(steps), metrics["world_size"]
     lines = [
-        f"loss {steps[0]['loss']:.4f} → {steps[-1]['loss']:.4f} over {len(steps)} steps; "
-        f"{metrics['tokens_per_s']:,.0f} tokens/s on {metrics['world_size']} processes "
+        f"loss {steps[0]['loss']:.4f} → {steps[-1]['loss']:.4f} over {n} step{'s' * (n != 1)}; "
+        f"{metrics['tokens_per_s']:,.0f} tokens/s on {world} process{'es' * (world != 1)} "
         f"({metrics['backend']})",
         "",
         "memory per rank (MiB)   params    grads    optim   master  activ.     peak",
