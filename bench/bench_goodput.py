@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from hplab.flags import at_least  # noqa: E402
 from hplab.plan import reliability  # noqa: E402
 
 RUN = ["--nproc", "2", "--batch-size", "8", "--no-progress"]
@@ -86,7 +87,12 @@ def job(folder: Path, steps: int, every: int | None, failures: list[float]) -> d
     )
     killer = threading.Thread(target=kill_on_schedule, args=(process, failures, killed))
     killer.start()
-    _, err = process.communicate()
+    try:
+        _, err = process.communicate()
+    except BaseException:  # Ctrl-C: the launcher stops its ranks on SIGTERM, as torchrun does
+        process.terminate()
+        process.wait()
+        raise
     seconds = time.monotonic() - start
     killer.join()
     if process.returncode != 0:
@@ -123,7 +129,8 @@ def accounting(run: dict, steps: int, every: int, save_s: float, start_s: float)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="three intervals, shorter jobs")
-    parser.add_argument("--mtbf", type=float, default=15.0, help="M: mean seconds between kills")
+    seconds = at_least(0, float, above=True)  # (0, negative, inf, nan: one line)
+    parser.add_argument("--mtbf", type=seconds, default=15.0, help="M: mean seconds between kills")
     args = parser.parse_args()
     steps, intervals = (400, [2, 16, 128]) if args.quick else (2000, [1, 4, 16, 64, 256])
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
@@ -173,4 +180,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the job got the same Ctrl-C; its folder is removed
+        sys.exit("bench_goodput: interrupted; bench/results/goodput.json was not changed")
