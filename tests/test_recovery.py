@@ -1,7 +1,8 @@
 """Failures at scale, injected for real (HPLAB_FAULT): a killed or frozen rank costs only the
 steps since the last checkpoint. `train.py --nproc --max-restarts` stops every rank and starts
 them again from --save's newest checkpoint, one line per restart; under torchrun a restarted
-train.py resumes by itself; the recovered loss curve equals an uninterrupted run's.
+train.py resumes by itself; the recovered loss curve equals an uninterrupted run's on one
+process.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def curve(metrics: dict) -> list[float]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    code, lines, metrics = train(tmp_path_factory.mktemp("plain"), "plain")
+    """One process, never interrupted: the curve every recovered layout must equal."""
+    code, lines, metrics = train(tmp_path_factory.mktemp("plain"), "plain", nproc=1)
     assert code == 0 and lines == [], lines
     return curve(metrics)
 
