@@ -13,6 +13,8 @@ import sys
 from collections import namedtuple
 from pathlib import Path
 
+import torch
+
 from hplab.course.check.lab00_memory import check_memory
 from hplab.course.check.lab01_ring_allreduce import check_ring
 from hplab.course.check.lab02_buckets import check_buckets
@@ -62,8 +64,9 @@ EXERCISES = {
 }
 
 
-def check_files(name: str, paths: list[str], limit_s: float) -> list[list[Result]]:
-    """Per file, its Results as this process sees them; each file gets `limit_s` seconds."""
+def check_files(name: str, paths: list[str], limit_s: float, fork=False) -> list[list[Result]]:
+    """Per file, its Results as this process sees them; each file gets `limit_s` seconds
+    (`fork`: a lone check's sandbox forks from this process, see Sandbox)."""
 
     def expire(*_):  # SIGALRM's handler (checks run in a main thread)
         raise CheckTimeout
@@ -75,7 +78,7 @@ def check_files(name: str, paths: list[str], limit_s: float) -> list[list[Result
         try:
             signal.setitimer(signal.ITIMER_REAL, limit_s)
             with report.case("import"):  # the learner's file, in a sandbox of its own (with
-                sandbox = Sandbox(path, mesh[0].world if mesh else None)  # the rank's comm)
+                sandbox = Sandbox(path, mesh[0].world if mesh else None, fork)  # its comm)
                 exercise.check(sandbox, report, *mesh)
         except CheckTimeout:
             report.add(f"did not finish in {limit_s:g} s: an endless loop, or ranks waiting?", "")
@@ -102,7 +105,7 @@ def _merge(per_rank: list[list[Result]]) -> list[Result]:
     ]
 
 
-def run_check(name: str, paths: list[str | Path], limit_s: float = FILE_LIMIT_S) -> list:
+def run_check(name: str, paths: list[str | Path], limit_s: float = FILE_LIMIT_S, fork=False):
     """Per file, its Results, all checked in one launch (ValueError: unknown exercise or file)."""
     if name not in EXERCISES:
         raise ValueError(f"unknown exercise {name!r}: choose one of {', '.join(EXERCISES)}")
@@ -110,7 +113,7 @@ def run_check(name: str, paths: list[str | Path], limit_s: float = FILE_LIMIT_S)
     if missing := [p for p in paths if not Path(p).is_file()]:
         raise ValueError(f"no such file: {missing[0]}")
     if nproc == 0:
-        return check_files(name, paths, limit_s)
+        return check_files(name, paths, limit_s, fork)
     try:
         by_rank = run_distributed(
             check_files, nproc, name, paths, limit_s, timeout_s=limit_s * len(paths) + 60
@@ -128,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exercise = EXERCISES.get(args.name, Exercise("", "", 0, None))
     path = args.file or str(EXERCISES_DIR / exercise.file)
-    try:
-        results = run_check(args.name, [path])[0]
+    try:  # alone in this process: on one thread, its sandbox can fork from here (no server)
+        torch.set_num_threads(1)
+        results = run_check(args.name, [path], fork=True)[0]
     except ValueError as err:
         print(f"hplab: error: {err}", file=sys.stderr)
         return 2

@@ -185,11 +185,13 @@ def _serve(path: str, conn, comm_shape, threads: int) -> None:
 
 
 class Sandbox:
-    def __init__(self, path: str, comm=None):
+    def __init__(self, path: str, comm=None, fork: bool = False):
         # A rank of a distributed check forks its sandbox (it has imported everything, and its
-        # torch runs on one thread, so no thread pool is cut in two); a lone process asks a
+        # torch runs on one thread, so no thread pool is cut in two), and so does a process
+        # that says it can (`fork`: `python -m hplab.check`, one thread); others ask a
         # forkserver, started once with torch and hplab imported (~3 s, then ~0.05 s a file).
-        fork = comm is not None and sys.platform == "linux" and torch.get_num_threads() == 1
+        fork = (fork or comm is not None) and sys.platform == "linux"
+        fork = fork and torch.get_num_threads() == 1
         server = multiprocessing.get_context("fork" if fork else "forkserver")
         if not fork:
             server.set_forkserver_preload(FORKSERVER_PRELOAD)
