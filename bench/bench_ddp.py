@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import MODELS, rss_bytes  # noqa: E402  (bench/ is on sys.path as the script dir)
 
-from hplab.memory import peak_rss_bytes  # noqa: E402
+from hplab.observe.memory import peak_rss_bytes  # noqa: E402
 
 
 def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float, out: str) -> None:
@@ -48,10 +48,10 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
 
     from hplab.course.timeline import hidden_fraction, read_timeline
     from hplab.data import TokenDataset, get_batch, global_batch_indices, shard_for_rank
-    from hplab.ddp import DDP
-    from hplab.dist import init_distributed, shutdown
     from hplab.models.gpt import build_model, config_from_preset
-    from hplab.observe import Recorder
+    from hplab.observe.observers import Recorder
+    from hplab.parallel.ddp import DDP
+    from hplab.runtime.group import init_distributed, shutdown
 
     device = init_distributed()
     config = config_from_preset("tiny", **dict(MODELS[model_name].items()))
@@ -120,7 +120,7 @@ def worker(impl: str, model_name: str, steps: int, batch: int, bucket_mb: float,
 
 
 def launch(nproc, impl, model_name, steps, batch, bucket_mb) -> list[dict]:
-    from hplab.launch import torchrun_command
+    from hplab.runtime.launch import torchrun_command
 
     out = ROOT / "bench" / "results" / f".tmp_{impl}.json"
     cmd = torchrun_command(

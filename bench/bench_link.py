@@ -43,9 +43,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hplab import formulas  # noqa: E402
 from hplab.course.bucket_sweep import sweep  # noqa: E402
-from hplab.link import parse  # noqa: E402
+from hplab.plan import formulas  # noqa: E402
+from hplab.runtime.link import parse  # noqa: E402
 
 SIZES = [0, 0.02, 0.05, 0.1, 0.15, 0.25, 0.5, 25]  # MiB: per parameter ... one bucket
 SETTINGS = {  # name: model overrides and global batch (sequences)

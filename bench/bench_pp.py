@@ -54,10 +54,10 @@ def batches(n):
 
 def hplab_engine(schedule, v):
     from hplab.cli import build_parser, layout_of, optim_of
-    from hplab.compose import parallelize
-    from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.observe import MemoryWatch, PipelineTrace
+    from hplab.observe.observers import MemoryWatch, PipelineTrace
+    from hplab.parallel.compose import parallelize
+    from hplab.parallel.mesh import Mesh
 
     args = build_parser().parse_args(
         [
@@ -86,12 +86,12 @@ def hplab_engine(schedule, v):
 def torch_1f1b():
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from hplab import pp
-    from hplab.compose import finalize_grads, make_sharded_optimizer
     from hplab.config import Layout, OptimConfig
-    from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.precision import MixedPrecision
+    from hplab.parallel import pp
+    from hplab.parallel.compose import finalize_grads, make_sharded_optimizer
+    from hplab.parallel.mesh import Mesh
+    from hplab.parallel.precision import MixedPrecision
 
     mesh = Mesh.create(pp=WORLD)
     model = build_model(model_config(), seed=0).to(mesh.device)
@@ -125,8 +125,8 @@ def torch_1f1b():
 def _worker():
     import torch.distributed as dist
 
-    from hplab.compose import train_step
-    from hplab.dist import current_device
+    from hplab.parallel.compose import train_step
+    from hplab.runtime.group import current_device
 
     device = current_device()  # a GPU per rank where there are enough, else the CPU
     data = [(x.to(device), y.to(device)) for x, y in batches(WARMUP_STEPS + TIMED_STEPS)]
@@ -163,9 +163,9 @@ def _worker():
 
 
 def main() -> dict:
-    from hplab import pp
     from hplab.course.viz import simulated_costs
-    from hplab.launch import run_distributed
+    from hplab.parallel import pp
+    from hplab.runtime.launch import run_distributed
 
     results = run_distributed(_worker, WORLD, backend=None, timeout_s=900)  # NCCL on GPUs
     throughput = results[0]["throughput"]

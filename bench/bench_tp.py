@@ -40,7 +40,7 @@ SHAPES = {"mlp": dict(n_embd=256), "block": dict(n_embd=256, n_head=8)}
 
 def _timed(fn, x) -> float:
     """Seconds of one forward + backward on the device's clock (CUDA events on a GPU)."""
-    from hplab.clock import clock_for
+    from hplab.runtime.clock import clock_for
 
     xi, clock = x.clone().requires_grad_(), clock_for(x.device)
     start = clock.mark()
@@ -70,8 +70,8 @@ def _pair(kind: str, comm):
         parallelize_module,
     )
 
-    from hplab import tp
     from hplab.models.gpt import Block, GPTConfig
+    from hplab.parallel import tp
 
     torch.manual_seed(0)
     T, mesh = comm.size, init_device_mesh(comm.device.type, (comm.size,))
@@ -132,9 +132,9 @@ def _throughput(kind: str, comm, steps: int) -> dict:
 
 
 def _param_bytes(comm) -> list[dict]:
-    from hplab import tp
-    from hplab.memory import MemoryLedger
     from hplab.models.gpt import build_model, config_from_preset
+    from hplab.observe.memory import MemoryLedger
+    from hplab.parallel import tp
 
     out = []
     for name, overrides in (
@@ -171,9 +171,9 @@ def _param_bytes(comm) -> list[dict]:
 
 
 def _activations_and_comm(comm, ledger) -> dict:
-    from hplab import tp
-    from hplab.memory import MemoryLedger
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.observe.memory import MemoryLedger
+    from hplab.parallel import tp
 
     config = GPTConfig(n_embd=256, n_head=8, n_layer=1, n_positions=SEQ, vocab_size=512)
     activations, comm_per_block = {}, {}
@@ -198,7 +198,7 @@ def _activations_and_comm(comm, ledger) -> dict:
 
 
 def worker(steps: int) -> dict:
-    from hplab.dist import Mesh
+    from hplab.parallel.mesh import Mesh
 
     torch.set_num_threads(1)
     mesh = Mesh.create(dp=1, tp=WORLD, pp=1)
@@ -258,7 +258,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer timed steps")
     parser.add_argument("--out", default=str(ROOT / "bench/results/tp.json"))
     args = parser.parse_args()
-    from hplab.launch import run_distributed
+    from hplab.runtime.launch import run_distributed
 
     steps = 5 if args.quick else 20
     result = run_distributed(worker, WORLD, steps, backend=None)[0]  # NCCL when each has a GPU

@@ -15,7 +15,7 @@ block + root; FSDP2: `fully_shard` on every block, then on the root). ZeRO-1: hp
 * peak memory ratio: CUDA's `max_memory_allocated` on GPU; on CPU, the growth of the process's
   peak resident set over its size right before the model was built (the CPU allocator keeps
   no statistics; the baseline removes the PyTorch runtime both share), as bench_ddp.py. Both
-  sides' modules (FSDP2, ZeroRedundancyOptimizer, hplab.zero) are imported before the
+  sides' modules (FSDP2, ZeroRedundancyOptimizer, hplab.parallel.zero) are imported before the
   baseline, so their code pages are not counted as data. (The PyTorch profiler's memory
   events are no alternative here: they miss frees made on gloo's threads, which is where
   the tensors of asynchronous collectives are released.)
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import MODELS, rss_bytes  # noqa: E402  (bench/ is on sys.path as the script dir)
 
-from hplab.memory import peak_rss_bytes  # noqa: E402
+from hplab.observe.memory import peak_rss_bytes  # noqa: E402
 
 PAIRS = {"zero3": ("hplab-zero3", "torch-fsdp2"), "zero1": ("hplab-zero1", "torch-zero1")}
 
@@ -58,7 +58,7 @@ def build(impl: str, model, mesh, lr: float = 1e-3):
     import torch
 
     if impl == "hplab-zero1":  # the tutorial loop, no DDP: the optimizer averages the grads
-        from hplab.zero import ZeroOptimizer
+        from hplab.parallel.zero import ZeroOptimizer
 
         opt = ZeroOptimizer(
             model.parameters(),
@@ -79,7 +79,7 @@ def build(impl: str, model, mesh, lr: float = 1e-3):
         return step
 
     if impl == "hplab-zero3":  # the same tutorial loop as FSDP2's below
-        from hplab.fsdp import fully_shard as hplab_fully_shard
+        from hplab.parallel.fsdp import fully_shard as hplab_fully_shard
 
         for block in model.transformer.h:
             hplab_fully_shard(block, mesh.dp)
@@ -123,8 +123,9 @@ def worker(impl: str, model_name: str, steps: int, batch: int, out: str) -> None
     import torch.distributed as dist
 
     from hplab.data import TokenDataset, get_batch, global_batch_indices, shard_for_rank
-    from hplab.dist import Mesh, init_distributed, shutdown
     from hplab.models.gpt import build_model, config_from_preset
+    from hplab.parallel.mesh import Mesh
+    from hplab.runtime.group import init_distributed, shutdown
 
     device = init_distributed()
     mesh = Mesh.create(dp=dist.get_world_size(), device=device)
@@ -141,7 +142,7 @@ def worker(impl: str, model_name: str, steps: int, batch: int, out: str) -> None
     import torch.distributed.optim  # noqa: E401,F401
     import torch.nn.parallel
 
-    import hplab.zero  # noqa: F401
+    import hplab.parallel.zero  # noqa: F401
 
     baseline = rss_bytes()
     if device.type == "cuda":
@@ -170,11 +171,11 @@ def worker(impl: str, model_name: str, steps: int, batch: int, out: str) -> None
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
-    shutdown()  # before torch's wrappers let go of the group (see hplab.dist.shutdown)
+    shutdown()  # before torch's wrappers let go of the group (see hplab.runtime.group.shutdown)
 
 
 def launch(nproc, impl, model_name, steps, batch) -> list[dict]:
-    from hplab.launch import torchrun_command
+    from hplab.runtime.launch import torchrun_command
 
     out = ROOT / "bench" / "results" / f".tmp_zero_{impl}.json"
     cmd = torchrun_command(

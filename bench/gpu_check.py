@@ -127,7 +127,7 @@ def benchmark(script: str, directory: Path) -> dict:
 def mfu(directory: Path, quick: bool, compiled: bool) -> dict:
     """GPT-2 (124M), bf16, sequence 1024: model FLOPs/s over the measured bf16 matmul peak."""
     from hplab.course.lab import measure_peak_flops
-    from hplab.formulas import training_flops_per_token
+    from hplab.plan.formulas import training_flops_per_token
 
     flags = ["--model", "gpt2", "--precision", "bf16", "--batch-size", "16"]
     flags += ["--steps", "6" if quick else "15"] + ["--compile"] * compiled

@@ -19,8 +19,8 @@ This is what the Colossal-AI GPT-2 tutorial (one of the seed documents) does, at
   `--seed`; 400 pairs per play to train on, 100 per play held out. Chance is 50%.
 * **The loop**: AdamW with no weight decay on biases and LayerNorm weights, a linear warm-up
   over the first 10% of the steps then linear decay to 0 (`get_linear_schedule_with_warmup`).
-  Two processes (started by `hplab.launch.run_distributed`: NCCL and a GPU each where there are
-  enough GPUs, else gloo on the CPU) each take half of every global batch; the wrapper averages
+  Two processes (started by `hplab.runtime.launch.run_distributed`: NCCL and a GPU each where there
+  are enough GPUs, else gloo on the CPU) each take half of every global batch; the wrapper averages
   the gradients, so every `--wrap` trains the same model.
 
 It prints the held-out accuracy before and after fine-tuning; `--out PATH` writes the results
@@ -109,7 +109,11 @@ def finetune(args, train: dict, test: dict, pad_id: int) -> dict:
 
     logging.set_verbosity_error()  # not the notice that `score` is new: we know, we train it
     logging.disable_progress_bar()
-    rank, world, device = dist.get_rank(), dist.get_world_size(), hplab.dist.current_device()
+    rank, world, device = (
+        dist.get_rank(),
+        dist.get_world_size(),
+        hplab.runtime.group.current_device(),
+    )
     train, test = ({k: v.to(device) for k, v in data.items()} for data in (train, test))
     torch.manual_seed(args.seed)  # the new `score` layer: the same on every rank
     model = GPT2ForSequenceClassification.from_pretrained(args.init, num_labels=2).to(device)
@@ -233,7 +237,7 @@ def main(argv=None) -> int:
     tokenizer, seq_len = load_tokenizer(tokenizer_name), min(SEQ_LEN, n_positions)
     train, test = (encode(tokenizer, examples, seq_len) for examples in labelled_lines(args.seed))
     pad_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
-    launch = hplab.launch.run_distributed  # backend None: NCCL if each process has a GPU
+    launch = hplab.runtime.launch.run_distributed  # backend None: NCCL if each process has a GPU
     result = launch(finetune, args.nproc, args, train, test, pad_id, backend=None)[0]
     print(
         f"task: are two lines from {' or '.join(PLAYS.values())}? {len(train['labels'])} "

@@ -15,12 +15,13 @@ import importlib
 _PUBLIC = {
     name: module
     for module, names in {  # name -> the module that defines it
-        "hplab.ddp": ["DDP"],
-        "hplab.sync": ["DoubleSyncError"],
-        "hplab.zero": ["ZeroOptimizer"],
-        "hplab.fsdp": ["fully_shard", "full_parameters"],
-        "hplab.dist": ["Mesh", "init_distributed"],
-        "hplab.compose": [
+        "hplab.parallel.ddp": ["DDP"],
+        "hplab.parallel.sync": ["DoubleSyncError"],
+        "hplab.parallel.zero": ["ZeroOptimizer"],
+        "hplab.parallel.fsdp": ["fully_shard", "full_parameters"],
+        "hplab.parallel.mesh": ["Mesh"],
+        "hplab.runtime.group": ["init_distributed"],
+        "hplab.parallel.compose": [
             "finish_gradient_sync",
             "parallelize",
             "finalize_grads",
@@ -30,40 +31,39 @@ _PUBLIC = {
     }.items()
     for name in names
 }
+# The rooms (README's layout section says why each exists), and the strategies by their short
+# names: `hplab.tp` is `hplab.parallel.tp`, as learners type it.
 _MODULES = {
-    "tp",
-    "pp",
-    "comm",
-    "dist",
-    "memory",
+    "parallel",
+    "models",
+    "runtime",
+    "observe",
     "plan",
-    "formulas",
+    "course",
     "checkpoint",
+    "cli",
+    "config",
     "data",
-    "precision",
+    "flags",
+    "preflight",
+    "sample",
+    "check",
+}
+_STRATEGIES = {
     "ddp",
     "zero",
     "fsdp",
-    "models",
-    "check",
-    "compose",
+    "precision",
+    "tp",
+    "pp",
     "schedule",
     "cp",
     "moe",
-    "sample",
-    "config",
-    "flags",
-    "launch",
-    "metrics",
-    "observe",
-    "optim",
-    "cli",
-    "preflight",
-    "course",
+    "compose",
 }
 _COURSE = {"lab", "viz", "timeline", "collectives_bench"}  # hplab.<name> is hplab.course.<name>
 
-__all__ = sorted(_PUBLIC) + sorted(_MODULES | _COURSE)
+__all__ = sorted(_PUBLIC) + sorted(_MODULES | _STRATEGIES | _COURSE)
 
 
 def __getattr__(name: str):
@@ -71,6 +71,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_PUBLIC[name]), name)
     if name in _MODULES:
         return importlib.import_module(f"hplab.{name}")
+    if name in _STRATEGIES:
+        return importlib.import_module(f"hplab.parallel.{name}")
     if name in _COURSE:
         return importlib.import_module(f"hplab.course.{name}")
     raise AttributeError(f"module 'hplab' has no attribute {name!r}")

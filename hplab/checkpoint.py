@@ -36,7 +36,6 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from hplab import comm, faults, fsdp, moe, tp
 from hplab.models.gpt import GPTConfig, build_model
 from hplab.models.hf import (
     architecture,
@@ -45,8 +44,11 @@ from hplab.models.hf import (
     to_hf_config,
     to_hf_state_dict,
 )
-from hplab.precision import MasterWeightOptimizer
-from hplab.zero import ZeroOptimizer
+from hplab.parallel import collectives as comm
+from hplab.parallel import fsdp, moe, tp
+from hplab.parallel.precision import MasterWeightOptimizer
+from hplab.parallel.zero import ZeroOptimizer
+from hplab.runtime import faults
 
 FORMAT_VERSION = 1
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # what a model's weights may be stored as
@@ -255,9 +257,10 @@ def check_compatible(saved, wanted, advice="resume with the same --model and siz
 
 
 # --- from a layout's pieces to the single-device state, and back ------------------------------
-# `par` is what hplab.compose.parallelize returned. A rank's own parameters (requires_grad: not
-# a pipeline rank's freed layers) are rebuilt in two steps: data-parallel shards (ZeroOptimizer,
-# fully_shard) gathered over dp, then tensor-parallel slices over tp; stages meet on rank 0.
+# `par` is what hplab.parallel.compose.parallelize returned. A rank's own parameters
+# (requires_grad: not a pipeline rank's freed layers) are rebuilt in two steps: data-parallel
+# shards (ZeroOptimizer, fully_shard) gathered over dp, then tensor-parallel slices over tp; stages
+# meet on rank 0.
 
 
 def _tensor_parallel(p, t: torch.Tensor, mesh, glue: bool) -> torch.Tensor:

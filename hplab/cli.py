@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hplab.config import BALANCES, Layout, OptimConfig, from_values
 from hplab.flags import COUNT, NONNEGATIVE, SEED, OneLineParser, add_flags, at_least, shown
-from hplab.formulas import LR_DECAYS
+from hplab.plan.formulas import LR_DECAYS
 
 on = dict(action="store_true")
 MODEL_FLAGS = {
@@ -117,7 +117,7 @@ OUTPUT_FLAGS = {
     "--link": dict(
         metavar="BANDWIDTH[,LATENCY]",
         help="emulate a network link between the ranks, e.g. 20MB/s,200us: each collective "
-        "and message then takes α + bytes/β more, asleep (hplab.link; default: HPLAB_LINK, "
+        "and message then takes α + bytes/β more, asleep (hplab.runtime.link; default: HPLAB_LINK, "
         "else none)",
     ),
     "--nproc": dict(

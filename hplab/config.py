@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hplab.flags import COUNT, NONNEGATIVE, flag, option
-from hplab.formulas import (
+from hplab.plan.formulas import (
     CP_SPLITS,
     CP_STYLES,
     PRECISION_BYTES,
@@ -41,7 +41,7 @@ from hplab.refusals import REFUSALS  # what does not compose yet, and why
 RECOMPUTE = ("none", "selective", "full")  # (in the planner's order of preference)
 PRECISIONS = tuple(PRECISION_BYTES)
 ARCHS = ("gpt2", "llama")  # hplab/models/gpt.py, hplab/models/llama.py
-BALANCES = ("batch", "sequence")  # what a load-balancing loss counts over (hplab/moe.py)
+BALANCES = ("batch", "sequence")  # what a load-balancing loss counts over (hplab/parallel/moe.py)
 
 
 class LayoutError(ValueError):
@@ -70,7 +70,7 @@ class ModelConfig:
     n_head: int = 4
     layer_norm_epsilon: float = 1e-5
     tokenizer: str = "hplab-bpe"  # which shipped tokenizer produced the token ids
-    n_experts: int = 0  # > 0: each block's MLP is a mixture of experts (hplab/moe.py)
+    n_experts: int = 0  # > 0: each block's MLP is a mixture of experts (hplab/parallel/moe.py)
     moe_top_k: int = 2  # experts per token
     moe_capacity_factor: float = 0.0  # 0: dropless
     moe_aux_coef: float = 0.01  # weight of the load-balancing loss added to the loss
@@ -258,7 +258,7 @@ def check_llama(model: ModelConfig) -> None:
 
 
 def check_balance(balance: str) -> str:
-    """What the load-balancing loss counts tokens over (hplab/moe.py)."""
+    """What the load-balancing loss counts tokens over (hplab/parallel/moe.py)."""
     if balance not in BALANCES:
         raise LayoutError(f"--moe-balance must be one of {', '.join(BALANCES)}, got {balance!r}")
     return balance

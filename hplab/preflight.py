@@ -24,16 +24,17 @@ from pathlib import Path
 
 import torch
 
-from hplab import checkpoint, faults, link
+from hplab import checkpoint
 from hplab.cli import build_parser, layout_of, optim_of
 from hplab.config import Layout, LayoutError, ModelConfig, OptimConfig, validate
 from hplab.data import TokenDataset
-from hplab.dist import TIMEOUT_PROBLEM, choose_backend
-from hplab.launch import supervised
-from hplab.metrics import is_metrics_file
 from hplab.models.gpt import config_from_preset
-from hplab.observe import is_trace_folder
+from hplab.observe.metrics import is_metrics_file
+from hplab.observe.observers import is_trace_folder
 from hplab.plan import plan
+from hplab.runtime import faults, link
+from hplab.runtime.group import TIMEOUT_PROBLEM, choose_backend
+from hplab.runtime.launch import supervised
 
 
 @dataclass

@@ -12,7 +12,7 @@ Every process runs this same file, top to bottom:
 4. load a checkpoint (`--resume`, `--init-from`), resharded into this layout;
 5. train: each step takes the global batch the seed and the step choose, this rank's share of
    it, and `train_step` (forward, backward, every synchronisation, the optimizer step); rank 0
-   shows a progress bar; the observers (`hplab.observe`) measure from outside;
+   shows a progress bar; the observers (`hplab.observe.observers`) measure from outside;
 6. rank 0 gathers what every rank measured, prints a summary and writes the metrics file
    (`--metrics PATH`) that the labs, tests and benchmarks read.
 
@@ -42,16 +42,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from hplab import checkpoint, faults, link, metrics
+from hplab import checkpoint
 from hplab.cli import in_flags, parse_args
-from hplab.comm import explained
-from hplab.compose import evaluate, parallelize, train_step
 from hplab.data import get_batch, global_batch_indices, shard_for_rank
-from hplab.dist import Mesh, init_distributed, shutdown
-from hplab.launch import launch, note_error, note_step, supervised
 from hplab.models.gpt import build_model
-from hplab.observe import Observers
+from hplab.observe import metrics
+from hplab.observe.observers import Observers
+from hplab.parallel.collectives import explained
+from hplab.parallel.compose import evaluate, parallelize, train_step
+from hplab.parallel.mesh import Mesh
 from hplab.preflight import RunComplete, preflight, release_save_folders
+from hplab.runtime import faults, link
+from hplab.runtime.group import init_distributed, shutdown
+from hplab.runtime.launch import launch, note_error, note_step, supervised
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ def test_public_names_are_the_building_blocks():
     import torch
 
     import hplab
-    from hplab import compose, ddp, fsdp, zero
+    from hplab.parallel import compose, ddp, fsdp, zero
 
     assert hplab.DDP is ddp.DDP and issubclass(hplab.DDP, torch.nn.Module)
     assert hplab.ZeroOptimizer is zero.ZeroOptimizer

@@ -3,8 +3,8 @@
 import pytest
 
 from hplab.course.bucket_sweep import calibrated_link, job_view, sweep
-from hplab.link import parse
 from hplab.models.gpt import build_model, config_from_preset
+from hplab.runtime.link import parse
 
 
 def test_job_view_takes_the_last_rank_to_finish_backward():

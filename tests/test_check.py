@@ -419,7 +419,7 @@ def test_buckets_need_reverse_order_and_overlap(outcomes):
     for mistake in ("forward_order", "from_last_hook", "in_wait"):
         results = outcomes["buckets"][mistake]
         message = failed(outcomes, "buckets", mistake, "bucket_bytes=0")
-        assert "0 all-reduce(s) of 0 B had started, hplab.ddp's" in message, mistake
+        assert "0 all-reduce(s) of 0 B had started, hplab.DDP's" in message, mistake
         assert "parameters in reverse" in message and "hook that completes it" in message
         assert not results["bucket_bytes=20000"].passed, mistake
     # one bucket: from the last hook is right; after backward returned is too late

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from hplab.checkpoint import gather_full_state
-from hplab.launch import run_distributed
+from hplab.runtime.launch import run_distributed
 
 STEPS, GLOBAL_BATCH, RTOL = 3, 8, 1e-5
 DENSE = dict(vocab_size=101, n_positions=16, n_embd=32, n_layer=4, n_head=4)
@@ -166,10 +166,10 @@ def train(settings: dict, meshes: dict, experts: bool | None = None) -> dict:
     gathered single-device model (numpy: tensors do not cross a finished process's queue)."""
     import torch.distributed as dist
 
-    from hplab.compose import parallelize, train_step
     from hplab.config import OptimConfig
-    from hplab.dist import Mesh
     from hplab.models.gpt import build_model
+    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.mesh import Mesh
 
     c = layout_of(settings)
     key = (c.dp, c.tp, c.pp, c.cp, c.ep)
@@ -209,8 +209,8 @@ def run_one_process() -> dict:
 
 def torch_reference(config: dict) -> dict:
     """Plain PyTorch: the model on the whole batch, AdamW, clip_grad_norm_."""
-    from hplab.compose import make_optimizer
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel.compose import make_optimizer
 
     model = build_model(GPTConfig(**config), 0)
     optimizer = make_optimizer(model.parameters(), TRAINING["lr"], TRAINING["weight_decay"])

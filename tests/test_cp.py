@@ -1,4 +1,4 @@
-"""Context parallel (hplab/cp.py): ring attention (contiguous and zig-zag) and Ulysses.
+"""Context parallel (hplab/parallel/cp.py): ring attention (contiguous and zig-zag) and Ulysses.
 
 Attention on N ranks, each holding its tokens of one sequence, must equal PyTorch's causal
 `scaled_dot_product_attention` on the whole sequence: the output and dQ, dK, dV of a random
@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hplab import cp, formulas
-from hplab.formulas import CP_SPLITS, ring_attention_bytes
-from hplab.launch import run_distributed
+from hplab.parallel import cp
+from hplab.plan import formulas
+from hplab.plan.formulas import CP_SPLITS, ring_attention_bytes
+from hplab.runtime.launch import run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
 B, HEADS, SEQ, D = 2, 4, 16, 8  # SEQ splits into 2N chunks for N = 2 and 4
@@ -42,7 +43,7 @@ def attention_worker():
     """Every style and split on this rank's tokens; returns its shards and the ring's bytes."""
     import torch.distributed as dist
 
-    from hplab.comm import CommLedger, Communicator
+    from hplab.parallel.collectives import CommLedger, Communicator
 
     ledger = CommLedger()
     comm = Communicator(None if dist.get_world_size() == 1 else dist.group.WORLD, "cp", ledger)
@@ -110,13 +111,13 @@ def train(layout: dict) -> dict:
     the global gradient norm of each step: AdamW and clipping hide a gradient's scale from the
     losses, so a missing average over cp shows only there. With cp, what the AttentionMeter
     saw."""
-    from hplab import compose
-    from hplab.compose import parallelize, train_step
     from hplab.config import Layout, OptimConfig
-    from hplab.dist import Mesh
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.observe import AttentionMeter
-    from hplab.optim import stepped_groups
+    from hplab.observe.observers import AttentionMeter
+    from hplab.parallel import compose
+    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.mesh import Mesh
+    from hplab.parallel.optim import stepped_groups
 
     mesh = Mesh.create(
         layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1), cp=layout.get("cp", 1)
@@ -307,7 +308,7 @@ def test_layouts_that_do_not_split_are_refused_in_one_sentence():
 def test_the_mesh_puts_cp_between_tp_and_dp():
     """Megatron's order: tp innermost, then cp, then dp, then pp (8 ranks, dp2 × cp2 × tp2)."""
     from hplab.config import Layout, LayoutError, check_mesh
-    from hplab.dist import group_ranks, replicas_with_context_parallel
+    from hplab.parallel.mesh import group_ranks, replicas_with_context_parallel
 
     groups = group_ranks(dp=2, tp=2, pp=1, cp=2)
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab.launch import run_distributed
+from hplab.runtime.launch import run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 4
@@ -181,8 +181,8 @@ def _toy_checks(out):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from hplab.comm import CommLedger, Communicator
-    from hplab.ddp import DDP
+    from hplab.parallel.collectives import CommLedger, Communicator
+    from hplab.parallel.ddp import DDP
 
     data, world = toy_batches(), dist.group.WORLD
     for set_to_none in (True, False):
@@ -247,10 +247,10 @@ def _one_wrapper_checks(out):
     """DDP + ZeRO-1 trains as one process (ZeRO-1 reduces at step(), after DDP's average); a
     second wrapper that would reduce the same gradient in the same backward is refused when it
     is built, before any collective (so every rank refuses alike)."""
-    from hplab.ddp import DDP
-    from hplab.fsdp import fully_shard
-    from hplab.sync import DoubleSyncError
-    from hplab.zero import ZeroOptimizer
+    from hplab.parallel.ddp import DDP
+    from hplab.parallel.fsdp import fully_shard
+    from hplab.parallel.sync import DoubleSyncError
+    from hplab.parallel.zero import ZeroOptimizer
 
     data = toy_batches()
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731 (unused parameters stay put)
@@ -285,9 +285,9 @@ def _one_wrapper_checks(out):
 def _gpt_checks(out):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from hplab.comm import DEFAULT_LEDGER
-    from hplab.ddp import DDP
     from hplab.models.gpt import build_model, config_from_preset
+    from hplab.parallel.collectives import DEFAULT_LEDGER
+    from hplab.parallel.ddp import DDP
 
     data, config = gpt_batches(), config_from_preset("tiny")
     ref = build_model(config, 0)
@@ -309,8 +309,8 @@ def _gpt_checks(out):
 def _hf_checks(out):
     from transformers import GPT2LMHeadModel
 
-    from hplab.ddp import DDP
     from hplab.models.gpt import PRESETS, to_hf_config
+    from hplab.parallel.ddp import DDP
 
     data = gpt_batches(3)
     torch.manual_seed(0)
@@ -515,18 +515,26 @@ def test_a_second_wrapper_reducing_the_same_gradient_is_refused(results):
             assert line and who in line and fix in line and "\n" not in line, (pair, line)
 
 
-def test_make_buckets_order_and_sizes():
-    from hplab.ddp import make_buckets
+def test_buckets_order_and_sizes():
+    """DDP's buckets: the parameters in reverse (backward's order), a new bucket when the next
+    parameter would overflow `bucket_mb` (here 20 bytes), a lone larger one on its own."""
+    from hplab.parallel.collectives import bucket_params
+
+    def ids(buckets):
+        return [[id(p) for p in bucket] for bucket in buckets]
 
     params = [nn.Parameter(torch.zeros(k)) for k in (4, 2, 3)]
-    ids = lambda buckets: [[id(p) for p in b.params] for b in buckets]  # noqa: E731
-    assert ids(make_buckets(params, 0)) == [[id(params[2])], [id(params[1])], [id(params[0])]]
-    assert ids(make_buckets(params, math.inf)) == [[id(p) for p in reversed(params)]]
-    assert ids(make_buckets(params, 20)) == [[id(params[2]), id(params[1])], [id(params[0])]]
+    assert ids(bucket_params(params, 0)) == [[id(params[2])], [id(params[1])], [id(params[0])]]
+    assert ids(bucket_params(params, math.inf)) == [[id(p) for p in reversed(params)]]
+    twenty_bytes = 20 / 2**20
+    assert ids(bucket_params(params, twenty_bytes)) == [
+        [id(params[2]), id(params[1])],
+        [id(params[0])],
+    ]
 
 
 def test_bus_bytes_follow_nccl_tests_convention():
-    from hplab.comm import bus_factor
+    from hplab.parallel.collectives import bus_factor
 
     for n in (2, 4):
         assert bus_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from hplab import metrics, train
+from hplab import train
 from hplab.data import TOKEN_DTYPE, TokenDataset, get_batch, global_batch_indices
-from hplab.launch import run_distributed
+from hplab.observe import metrics
+from hplab.runtime.launch import run_distributed
 
 RTOL = 1e-5
 STEPS, LR = 3, 1e-2
@@ -127,10 +128,10 @@ def test_eighteen_batches_fit_the_split():  # the limit above is the split's rea
 
 
 def _in_two_processes(directory: str) -> dict:
-    from hplab.compose import evaluate, parallelize, train_step
     from hplab.config import Layout, OptimConfig
-    from hplab.dist import Mesh
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel.compose import evaluate, parallelize, train_step
+    from hplab.parallel.mesh import Mesh
 
     out = {}
     for name, layout in LAYOUTS.items():

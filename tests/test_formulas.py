@@ -1,4 +1,4 @@
-"""hplab.formulas is the one home of the formulas: it loads without torch, and every module
+"""hplab.plan.formulas is the one home of the formulas: it loads without torch, and every module
 that used to hold its own copy now hands out the very same function (or equal values)."""
 
 import subprocess
@@ -6,17 +6,19 @@ import sys
 
 import pytest
 
-from hplab import formulas as F
+from hplab.plan import formulas as F
 
 
 def test_imports_without_torch():
-    code = "import sys, hplab.formulas; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, hplab.plan.formulas; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_old_locations_are_the_same_objects():
-    from hplab import comm, lab, plan, pp, viz
+    from hplab import lab, plan, viz
     from hplab.models import gpt
+    from hplab.parallel import collectives as comm
+    from hplab.parallel import pp
 
     same = [
         (comm.bus_factor, F.bus_factor),
@@ -79,9 +81,9 @@ def test_bus_factor_and_alpha_beta_agree():
 
 
 def test_moe_parameter_count_matches_the_module():
-    """gpt_num_params with E experts adds exactly what hplab.moe's layer adds over one MLP."""
-    from hplab import moe
+    """gpt_num_params with E experts adds exactly what moe.py's layer adds over one MLP."""
     from hplab.models.gpt import MLP, GPTConfig
+    from hplab.parallel import moe
 
     h, E, config = 8, 4, GPTConfig(n_embd=8, n_head=2)
     layer, mlp = moe.MoE(h, E, 2, lambda: MLP(config)), MLP(config)
@@ -102,8 +104,8 @@ def test_tensor_parallel_activations_at_t1_are_the_planners_and_measured():
     import torch
 
     from hplab import plan
-    from hplab.memory import MemoryLedger
     from hplab.models.gpt import build_model, config_from_preset
+    from hplab.observe.memory import MemoryLedger
 
     s, b, h, a, L, V = 64, 8, 64, 4, 4, 2048
     parts = F.tensor_parallel_activation_bytes(s, b, h, a, L, V)

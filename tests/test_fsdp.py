@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab.launch import run_distributed
+from hplab.runtime.launch import run_distributed
 
 TOL = 1e-5
 FP16_LOSS_TOL = 1e-4  # measured ≤ 3e-6
@@ -141,7 +141,7 @@ def plain_loop(model, batches, rank, n, accumulate=1, set_to_none=True, probe=No
 
 
 def shard_model(model, group=None, **kwargs):
-    from hplab.fsdp import fully_shard
+    from hplab.parallel.fsdp import fully_shard
 
     for block in blocks_of(model):
         fully_shard(block, group, **kwargs)
@@ -166,10 +166,16 @@ def _worker(n):
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from hplab.comm import CommLedger, Communicator
-    from hplab.fsdp import full_parameters, gather_full, is_shard, local_shard, memory_tensors
-    from hplab.memory import storage_bytes
     from hplab.models.gpt import build_model, config_from_preset
+    from hplab.observe.memory import storage_bytes
+    from hplab.parallel.collectives import CommLedger, Communicator
+    from hplab.parallel.fsdp import (
+        full_parameters,
+        gather_full,
+        is_shard,
+        local_shard,
+        memory_tensors,
+    )
 
     rank, out = dist.get_rank(), {}
     config = config_from_preset("tiny", seq_len=SEQ)
@@ -389,9 +395,9 @@ def _prefetch_worker(n):
     gradients appeared (B3...)."""
     import torch.distributed as dist
 
-    from hplab.comm import CommLedger, Communicator
-    from hplab.fsdp import full_parameters
     from hplab.models.gpt import build_model, config_from_preset
+    from hplab.parallel.collectives import CommLedger, Communicator
+    from hplab.parallel.fsdp import full_parameters
 
     rank, out = dist.get_rank(), {}
     config = config_from_preset("tiny", seq_len=SEQ)

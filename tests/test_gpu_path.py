@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hplab import compose, cp, schedule
-from hplab.comm import CommTimeout, Communicator, explained
-from hplab.dist import choose_backend
+from hplab.parallel import compose, cp, schedule
+from hplab.parallel.collectives import CommTimeout, Communicator, explained
+from hplab.runtime.group import choose_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,7 +65,7 @@ def test_nccl_waits_block_and_time_the_device(monkeypatch):
     and NCCL's own timing of each collective (the ledger's time)."""
     import torch.distributed as dist
 
-    from hplab import dist as hdist
+    from hplab.runtime import group as hdist
 
     calls, environ = [], {"LOCAL_WORLD_SIZE": "1"}  # (this process's own is left alone)
     monkeypatch.setattr(hdist.os, "environ", environ)
@@ -202,7 +202,7 @@ def test_the_ring_posts_each_hop_together():
 def test_the_pipeline_keeps_one_communicator_each_way():
     """pp.message_links names a communicator for each direction a schedule's messages travel,
     and the executor sends on (me, peer) and receives on (peer, me)."""
-    from hplab import pp
+    from hplab.parallel import pp
 
     mesh = types.SimpleNamespace(groups={"pp": [[0, 1]]}, rank=0, ledger=None, device="cpu")
     created = []
@@ -271,7 +271,7 @@ def test_nccl_errors_become_one_line(text, says):
 
 
 def test_a_raw_collective_outside_a_communicator_is_explained_too():
-    """Every torch.distributed collective the library calls itself, outside comm.py's
+    """Every torch.distributed collective the library calls itself, outside collectives.py's
     Communicator (a checkpoint's gather, the metrics' gather), and the group's forming, sit
     inside `explained`: a rank that loses its peer there says one line, not gloo's C++ file and
     line."""
@@ -297,7 +297,7 @@ def test_a_raw_collective_outside_a_communicator_is_explained_too():
     }
     raw = []
     for path in sorted((ROOT / "hplab").rglob("*.py")):
-        if path.name == "comm.py" or "course" in path.parts:
+        if path.name == "collectives.py" or "course" in path.parts:
             continue
         tree = ast.parse(path.read_text())
         inside = {
@@ -342,7 +342,7 @@ def test_the_ledger_times_nccl_collectives_on_the_gpu():
 
 
 def test_the_pipeline_trace_reads_the_devices_clock():
-    from hplab.observe import PipelineTrace
+    from hplab.observe.observers import PipelineTrace
 
     executor = types.SimpleNamespace(observers=[], comm=types.SimpleNamespace(device="cpu"))
     trace = PipelineTrace(executor, clock=Scripted())

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hplab.checkpoint import gather_full_state
-from hplab.launch import run_distributed
+from hplab.runtime.launch import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-5
@@ -72,8 +72,8 @@ def batches(n_steps: int, start: int = 0):
 
 def reference(n_steps: int) -> tuple[list[float], list[dict]]:
     """One process, the whole global batch: losses and the parameters after every step."""
-    from hplab.compose import make_optimizer
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel.compose import make_optimizer
 
     model = build_model(GPTConfig(**CONFIG), 0)
     optimizer = make_optimizer(model.parameters(), TRAINING["lr"], TRAINING["weight_decay"])
@@ -93,8 +93,8 @@ def train(mesh, args, steps: int = STEPS, start: int = 0, state=None):
     """Build the engine for `args` on `mesh`, optionally load a full state, train `steps`
     steps on this rank's share; return the losses and the engine."""
     from hplab.checkpoint import load_full_state
-    from hplab.compose import parallelize, train_step
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel.compose import parallelize, train_step
 
     engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, *typed(args))
     if state is not None:
@@ -128,8 +128,8 @@ def train_half(mesh, args, inject_inf: bool) -> dict:
     rank 0 also how much the full model moved at that step."""
     import math
 
-    from hplab.compose import parallelize, train_step
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel.compose import parallelize, train_step
 
     engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, *typed(args))
     share = GLOBAL_BATCH // mesh.dp_size
@@ -167,7 +167,7 @@ def run_half_layouts(layouts: dict[str, dict]) -> dict:
     steps in a second run with an inf gradient injected on the last rank."""
     import torch.distributed as dist
 
-    from hplab.dist import Mesh
+    from hplab.parallel.mesh import Mesh
 
     out = {}
     for name, layout in layouts.items():
@@ -196,8 +196,8 @@ def _world4(directory: str) -> dict:
     import torch.distributed as dist
 
     from hplab import checkpoint
-    from hplab.dist import Mesh
     from hplab.models.gpt import GPTConfig
+    from hplab.parallel.mesh import Mesh
 
     results = {"half": run_half_layouts(HALF_LAYOUTS_4)}
     _, engine = train(Mesh.create(tp=2, pp=2), make_args(tp=2, pp=2))
@@ -219,7 +219,7 @@ def _world4(directory: str) -> dict:
 
 def _world1(directory: str) -> list[float]:
     from hplab import checkpoint
-    from hplab.dist import Mesh
+    from hplab.parallel.mesh import Mesh
 
     saved = checkpoint.load(directory)
     losses, _ = train(
@@ -273,7 +273,7 @@ def test_reference_clips(ref):
 
 def _one_process_half() -> dict:
     """Each mixed-precision layout's precision and recompute on one process (no parallelism)."""
-    from hplab.dist import Mesh
+    from hplab.parallel.mesh import Mesh
 
     mesh = Mesh.create()
     return {
@@ -485,7 +485,7 @@ def _world_size(path: Path) -> int:
 def _run_configs(paths: list[str], directory: str) -> dict:
     """train.py's run() on each recipe for 2 steps (a recipe's --save goes to `directory`)."""
     from hplab import train
-    from hplab.metrics import summary_table
+    from hplab.observe.metrics import summary_table
 
     out = {}
     for path in paths:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hplab import train
-from hplab.launch import run_distributed
+from hplab.runtime.launch import run_distributed
 
 CONFIG = dict(vocab_size=2048, n_positions=16, n_embd=32, n_layer=2, n_head=4)  # hplab-bpe: 2048
 STEPS, RTOL = 3, 1e-5
@@ -67,9 +67,9 @@ def hf_logits(directory) -> torch.Tensor:
 def one_process(directory: str, steps: int) -> list[float]:
     """The reference: hplab's GPT with the folder's weights, a new torch AdamW (train.py's
     settings), the batches train.py reads at steps 0, 1, ...; the loss of each step."""
-    from hplab.compose import make_optimizer
     from hplab.data import get_batch, global_batch_indices
     from hplab.models.gpt import build_model
+    from hplab.parallel.compose import make_optimizer
 
     args = train.parse_args([*COMMON, "--init-from", directory])
     job = train.preflight(args, 1)
@@ -95,10 +95,11 @@ def _logits_after_loading(directory: str, flags: list[str]) -> torch.Tensor | No
     last stage). tp2's vocabulary slices are glued; pp2's first stage sends to the last."""
     import torch.distributed as dist
 
-    from hplab import checkpoint, tp
-    from hplab.compose import parallelize
-    from hplab.dist import Mesh
+    from hplab import checkpoint
     from hplab.models.gpt import build_model
+    from hplab.parallel import tp
+    from hplab.parallel.compose import parallelize
+    from hplab.parallel.mesh import Mesh
 
     args = train.parse_args([*COMMON, *flags, "--init-from", directory])
     job = train.preflight(args, dist.get_world_size())

@@ -28,7 +28,7 @@ def test_alpha_beta_fit_recovers_the_model_it_was_given(op, n):
 
 
 def test_alpha_beta_fit_per_call_recovers_an_emulated_links_alpha_and_beta():
-    from hplab.link import parse
+    from hplab.runtime.link import parse
 
     link, sizes = parse("20MB/s,10ms"), 2.0 ** np.arange(12, 21)
     factor = lab.alpha_beta_terms("all_reduce", 4)[1]
@@ -40,7 +40,7 @@ def test_alpha_beta_fit_per_call_recovers_an_emulated_links_alpha_and_beta():
 
 
 def test_ring_terms_follow_the_bus_factor_convention():
-    from hplab.comm import bus_factor
+    from hplab.parallel.collectives import bus_factor
 
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         for n in (2, 4, 8):

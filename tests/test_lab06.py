@@ -1,6 +1,6 @@
 """Lab 06 (hybrid 3D parallel and checkpoints): the mesh exercise's checker can tell right from
-wrong, and the rank-grid plot draws every rank where `hplab.dist` puts it. No processes: the
-mesh is arithmetic."""
+wrong, and the rank-grid plot draws every rank where `hplab.parallel.mesh` puts it. No processes:
+the mesh is arithmetic."""
 
 import textwrap
 
@@ -8,7 +8,7 @@ import pytest
 
 from hplab.config import LayoutError
 from hplab.course.check import EXERCISES, EXERCISES_DIR, SOLUTIONS_DIR, main, run_check
-from hplab.dist import coordinates
+from hplab.parallel.mesh import coordinates
 
 # dp varies fastest (PyTorch's default DeviceMesh order of the last two dims reversed): the
 # groups are those of another numbering, so only layouts with dp = 1 or tp = 1 agree.

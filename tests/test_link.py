@@ -1,4 +1,4 @@
-"""The emulated link (hplab/link.py, --link, HPLAB_LINK): every collective takes α + (bus
+"""The emulated link (hplab/runtime/link.py, --link, HPLAB_LINK): every collective takes α + (bus
 bytes)/β and every message α + payload/β of wall time after the real transfer, counted from
 the last rank's launch; a rank's transfers queue on its link; the wait sleeps. Results are bit
 for bit those without a link, for every kind of traffic (all-reduce buckets, pipeline
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hplab import link
-from hplab.launch import run_distributed
+from hplab.runtime import link
+from hplab.runtime.launch import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW = link.Link(bandwidth=2.5e6, latency=5e-3)  # 400 kB: 165 ms (loopback: ~1 ms)
@@ -181,9 +181,9 @@ def _queueing(mesh) -> dict:
 
 
 def _train(mesh, layout: dict, with_link) -> tuple[list, dict]:
-    from hplab.compose import parallelize, train_step
     from hplab.config import Layout
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel.compose import parallelize, train_step
 
     link.use(with_link)
     engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, Layout(**layout))
@@ -201,7 +201,7 @@ def _train(mesh, layout: dict, with_link) -> tuple[list, dict]:
 
 
 def _same_training(layouts: dict) -> dict:
-    from hplab.dist import Mesh
+    from hplab.parallel.mesh import Mesh
 
     out = {}
     for name, layout in layouts.items():
@@ -217,7 +217,7 @@ def _same_training(layouts: dict) -> dict:
 
 
 def _worker() -> dict:
-    from hplab.dist import Mesh
+    from hplab.parallel.mesh import Mesh
 
     mesh = Mesh(2, 1, 1)
     return {
@@ -233,7 +233,7 @@ def measured():
 
 
 def expected(op: str) -> float:
-    from hplab.formulas import bus_factor
+    from hplab.plan.formulas import bus_factor
 
     return SLOW.cost(NUMEL * 4 * bus_factor(op, 2) if op != "recv" else NUMEL * 4)
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from hplab import checkpoint
-from hplab.launch import run_distributed
 from hplab.models import hf
 from hplab.models.gpt import PRESETS, build_model
 from hplab.plan import Layout, params_per_stage, plan
+from hplab.runtime.launch import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,10 +117,10 @@ def test_saved_checkpoint_opens_in_transformers_and_init_from_reads_theirs(name,
 def test_a_hugging_face_model_is_never_cut_inside_a_head(heads, kv_heads, says):
     """tp.parallelize reads transformers' num_attention_heads and num_key_value_heads too: a
     cut through a head is one sentence, before any weight is touched."""
-    from hplab import tp
-    from hplab.comm import Communicator
     from hplab.config import LayoutError
     from hplab.models import llama
+    from hplab.parallel import tp
+    from hplab.parallel.collectives import Communicator
 
     config = dataclasses.replace(TINY, n_head=heads, n_kv_head=kv_heads, n_embd=16 * heads)
     model = transformers.LlamaForCausalLM(hf.to_hf_config(config))
@@ -197,8 +197,8 @@ def _hugging_face_models_under_tensor_parallel() -> dict:
 
     import torch.nn.functional as F
 
-    from hplab import tp
     from hplab.models import llama
+    from hplab.parallel import tp
 
     out = {}
     untied_odd = dataclasses.replace(  # (2,047 words: no split over 2 ranks)
@@ -246,7 +246,7 @@ def _hugging_face_model_under_context_parallel() -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from hplab import cp
+    from hplab.parallel import cp
 
     def err(a, b):
         return float((a - b).norm() / b.norm())
@@ -274,7 +274,8 @@ def _hugging_face_model_under_context_parallel() -> dict:
 def _launch(directory: str) -> dict:
     import torch.distributed as dist
 
-    from hplab import compose, train
+    from hplab import train
+    from hplab.parallel import compose
 
     clip, out = compose.clip_grad_norm_, {}
     for name, flags in RUNS[dist.get_world_size()].items():
@@ -320,7 +321,7 @@ def test_data_parallel_and_zero_train_the_model_one_process_trains(runs, name):
 
 @pytest.mark.parametrize("name", [n for n in RUNS[4] if n.startswith("experts")])
 def test_mixtral_style_experts_train_the_model_one_process_trains(runs, name):
-    """Each SwiGLU MLP swapped for 4 SwiGLU experts behind hplab.moe's top-2 router: expert
+    """Each SwiGLU MLP swapped for 4 SwiGLU experts behind hplab.parallel.moe's top-2 router: expert
     parallel with ZeRO-1, in a pipeline of 2 microbatches, and with tensor and sequence
     parallel."""
     reference = runs["experts: one process"]
@@ -359,7 +360,7 @@ def test_the_ring_carries_only_the_k_v_heads(runs):
     """Under grouped-query attention a K/V block is 2·b·(s/N)·h_kv numbers, h_kv = n_kv_head·d:
     2 of llama-tiny's 4 heads, half of what the same ring moves for a model with a K/V head per
     query head (formulas.ring_attention_bytes with the K/V width)."""
-    from hplab.formulas import ring_attention_bytes
+    from hplab.plan.formulas import ring_attention_bytes
 
     c, steps, cp = dataclasses.replace(PRESETS["llama-tiny"], n_layer=2), 3, 4
     kv_width = c.kv_heads * c.n_embd // c.n_head
@@ -385,7 +386,7 @@ def test_the_planner_counts_a_llama_as_a_run_holds_it(runs):
     rank of tp2 × pp2 holds the parameters and Adam state params_per_stage says, to the byte;
     one forward pass keeps the activations activation_memory says, within 0.5% (fp32 and bf16,
     with and without recompute)."""
-    from hplab import memory
+    from hplab.observe import memory
 
     c = dataclasses.replace(PRESETS["llama-tiny"], n_layer=2)
     stage = params_per_stage(c, tp=2, pp=2)

@@ -72,7 +72,7 @@ def test_recompute_gives_identical_gradients_with_fewer_saved_bytes(flash_attent
     """Full and selective recompute change what backward keeps, never what it computes. With
     the unfused attention selective recompute drops the s×s scores; with a fused one there is
     little left to drop (its log-sum-exp per row)."""
-    from hplab.memory import MemoryLedger
+    from hplab.observe.memory import MemoryLedger
 
     config = replace(PRESETS["tiny"], flash_attention=flash_attention)
     grads, saved, losses = {}, {}, {}

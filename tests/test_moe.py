@@ -5,13 +5,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hplab import moe
-from hplab.comm import CommLedger, Communicator
-from hplab.dist import new_group
-from hplab.formulas import moe_all_to_all_bytes
-from hplab.launch import run_distributed
 from hplab.models.gpt import MLP, GPTConfig
-from hplab.observe import RoutingStats
+from hplab.observe.observers import RoutingStats
+from hplab.parallel import moe
+from hplab.parallel.collectives import CommLedger, Communicator
+from hplab.plan.formulas import moe_all_to_all_bytes
+from hplab.runtime.group import new_group
+from hplab.runtime.launch import run_distributed
 
 H, E = 8, 4
 
@@ -224,7 +224,8 @@ TRAIN_RUNS = {
 def _launch(directory: str):
     """One launch: the layer under ep 4 and ep 2 (4 ranks), then train.py's own run() for
     each of TRAIN_RUNS[world]; rank 0 returns everything (the metrics of each run)."""
-    from hplab import compose, train
+    from hplab import train
+    from hplab.parallel import compose
 
     world, clip = dist.get_world_size(), compose.clip_grad_norm_
     out = {"layer": _expert_parallel((4, 2)) if world == 4 else None}

@@ -12,7 +12,7 @@ from dataclasses import fields, replace
 import pytest
 
 from hplab import plan as P
-from hplab.plan.search import _best, _neighbours
+from hplab.plan.search_layouts import _best, _neighbours
 
 GIB = 2**30
 

@@ -33,7 +33,7 @@ RUN_ACTIVATION_TOLERANCE = 0.05
 
 torch = pytest.importorskip("torch")
 gpt = pytest.importorskip("hplab.models.gpt")
-memory = pytest.importorskip("hplab.memory")
+memory = pytest.importorskip("hplab.observe.memory")
 
 
 def _tiny():
@@ -125,7 +125,7 @@ def _train_runs() -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    from hplab.launch import run_distributed
+    from hplab.runtime.launch import run_distributed
 
     return {
         **run_distributed(_train_runs, 4, timeout_s=600)[0],

@@ -16,10 +16,10 @@ import itertools
 import pytest
 import torch
 
-from hplab import pp
 from hplab.course.timeline import idle_between_actions
-from hplab.launch import run_distributed
-from hplab.observe import measured_bubble
+from hplab.observe.observers import measured_bubble
+from hplab.parallel import pp
+from hplab.runtime.launch import run_distributed
 
 TOL = 1e-5
 STEPS = 3
@@ -253,7 +253,7 @@ def test_replaying_each_action_gives_back_a_run_whose_microbatches_differ():
     from a simulation where every action and message has a cost of its own: the median costs
     per chunk miss its bubbles, its own costs give them back exactly."""
     from hplab import viz
-    from hplab.schedule import input_message
+    from hplab.parallel.schedule import input_message
 
     plans = pp.build_schedule("1f1b", 2, 4)
     own = {a: 1.0 + 0.5 * a.microbatch**2 for plan in plans for a in plan if a.kind in "FB"}
@@ -389,8 +389,8 @@ def exec_run(mesh, schedule, layers, tp_plan=False):
     """Run one step with the executor alone (grads None before), record during which kind of
     action (F, B, W) each weight gradient was accumulated, then a second step on top (grads
     must double: the executor accumulates, it never zeroes)."""
-    from hplab import tp
-    from hplab.observe import PipelineTrace
+    from hplab.observe.observers import PipelineTrace
+    from hplab.parallel import tp
 
     model = exec_model(layers)
     if tp_plan:
@@ -430,7 +430,7 @@ def exec_run(mesh, schedule, layers, tp_plan=False):
 def _executor_worker():
     import torch.distributed as dist
 
-    from hplab.dist import Mesh
+    from hplab.parallel.mesh import Mesh
 
     torch.set_num_threads(1)
     out = {}
@@ -531,8 +531,8 @@ def reference_run(n_layer, batch, microbatches=1, clip=0.0):
     """One process, the whole global batch, cut into the same microbatches as the pipeline
     (gradient accumulation of loss / microbatches); also checked against one backward on the
     whole batch (`whole_batch_loss`)."""
-    from hplab.compose import make_optimizer
     from hplab.models.gpt import build_model
+    from hplab.parallel.compose import make_optimizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: threads only fight the busy machine
@@ -595,10 +595,10 @@ def own_params(model):
 
 def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
     from hplab.cli import layout_of, optim_of
-    from hplab.compose import parallelize, train_step
-    from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.observe import MemoryWatch, PipelineTrace
+    from hplab.observe.observers import MemoryWatch, PipelineTrace
+    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.mesh import Mesh
 
     mesh = Mesh.create(dp=dp, pp=pp_size)
     args = make_args(
@@ -637,11 +637,11 @@ def run_torch_pipelining(n_layer, p, schedule, m):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from hplab.compose import finalize_grads, make_sharded_optimizer
     from hplab.config import Layout, OptimConfig
-    from hplab.dist import Mesh
     from hplab.models.gpt import build_model
-    from hplab.precision import MixedPrecision
+    from hplab.parallel.compose import finalize_grads, make_sharded_optimizer
+    from hplab.parallel.mesh import Mesh
+    from hplab.parallel.precision import MixedPrecision
 
     mesh = Mesh.create(pp=p)
     model = build_model(config(n_layer), seed=0)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from hplab import train
-from hplab.formulas import learning_rate
-from hplab.launch import run_distributed
+from hplab.plan.formulas import learning_rate
+from hplab.runtime.launch import run_distributed
 
 RTOL = 1e-5
 STEPS = 4
@@ -68,7 +68,7 @@ def test_learning_rate_warms_up_then_decays_to_min_lr():
 
 def test_lambda_lr_over_the_formula_reaches_the_masters_of_mixed_precision():
     """MasterWeightOptimizer copies each group's lr to the fp32 optimizer it steps."""
-    from hplab.precision import MasterWeightOptimizer
+    from hplab.parallel.precision import MasterWeightOptimizer
 
     p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
     opt = MasterWeightOptimizer([p], torch.optim.AdamW, lr=RECIPE["lr"])
@@ -84,8 +84,8 @@ def test_lambda_lr_over_the_formula_reaches_the_masters_of_mixed_precision():
 
 
 def test_parameter_groups_decay_only_the_matrices_of_linear_layers():
-    from hplab.compose import mark_no_decay, parameter_groups
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel.compose import mark_no_decay, parameter_groups
 
     model = build_model(GPTConfig(**CONFIG), 0)
     names = {p: n for n, p in model.named_parameters()}
@@ -193,11 +193,11 @@ def reference(weight_decay: float, by_name: bool = True) -> dict:
 
 def _in_two_processes(directory: str) -> dict:
     from hplab.checkpoint import gather_full_state
-    from hplab.compose import parallelize, train_step
     from hplab.config import Layout, OptimConfig
-    from hplab.dist import Mesh
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.optim import WrappedOptimizer
+    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.mesh import Mesh
+    from hplab.parallel.optim import WrappedOptimizer
 
     out = {}
     for name, layout in LAYOUTS.items():

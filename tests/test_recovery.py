@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from hplab import faults
-from hplab.dist import free_port
-from hplab.launch import what_failed
+from hplab.runtime import faults
+from hplab.runtime.group import free_port
+from hplab.runtime.launch import what_failed
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "hplab" / "train.py")
@@ -106,7 +106,7 @@ def test_a_killed_a_frozen_and_a_saving_rank_cost_only_the_steps_since_the_check
 def _killed_rank(argv: list[str]) -> int:
     """A rank of `launch` (forked): rank 1 is killed at step 1; rank 0 then finds its peer
     gone, as gloo would tell it, and says so in the status folder."""
-    from hplab.launch import note_error, note_step
+    from hplab.runtime.launch import note_error, note_step
 
     note_step(1)
     if os.environ["RANK"] == "1":
@@ -118,7 +118,7 @@ def _killed_rank(argv: list[str]) -> int:
 
 def test_after_its_last_restart_the_job_ends_with_one_line(capsys):
     """The launcher itself, its ranks forked from here: every attempt is killed at step 1."""
-    from hplab.launch import launch
+    from hplab.runtime.launch import launch
 
     code = launch(2, [], _killed_rank, "train.py", max_restarts=1, restart=lambda attempt: 0)
     assert code == 1
@@ -132,7 +132,7 @@ def test_after_its_last_restart_the_job_ends_with_one_line(capsys):
 def test_a_failure_after_the_last_checkpoint_completes_the_job(capsys):
     """A rank lost after the last save (its checkpoint holds every step): `restart` says
     there is nothing left (None), and the job ends well, with one line."""
-    from hplab.launch import launch
+    from hplab.runtime.launch import launch
 
     code = launch(2, [], _killed_rank, "train.py", max_restarts=1, restart=lambda attempt: None)
     assert code == 0

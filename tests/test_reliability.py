@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import hplab
-from hplab.dist import shutdown
-from hplab.launch import run_distributed, torchrun_command
+from hplab.runtime.group import shutdown
+from hplab.runtime.launch import run_distributed, torchrun_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "hplab" / "train.py")
@@ -467,7 +467,7 @@ def test_a_recipe_giving_one_setting_twice_is_one_line(tmp_path, capsys, monkeyp
 
 
 def test_the_timeout_must_be_seconds_above_0(monkeypatch):
-    from hplab.dist import _timeout_from_env
+    from hplab.runtime.group import _timeout_from_env
 
     for text in ("abc", "inf", "nan", "0", "-1", "1e9"):
         monkeypatch.setenv("HPLAB_TIMEOUT_S", text)
@@ -475,7 +475,7 @@ def test_the_timeout_must_be_seconds_above_0(monkeypatch):
         assert seconds == 120 and problem.startswith(f"HPLAB_TIMEOUT_S={text}: give the"), text
     monkeypatch.setenv("HPLAB_TIMEOUT_S", "7.5")
     assert _timeout_from_env() == (7.5, None)
-    done = subprocess.run(  # (read when hplab.dist is imported: said before any process)
+    done = subprocess.run(  # (read when hplab.runtime.group is imported: said before any process)
         [sys.executable, TRAIN, "--nproc", "2"],
         env=clean_env(HPLAB_TIMEOUT_S="abc"),
         capture_output=True,

@@ -1,4 +1,4 @@
-"""Tensor parallel (hplab/tp.py): every check against a single-process reference, in fp32.
+"""Tensor parallel (hplab/parallel/tp.py): every check against a single-process reference, in fp32.
 
 Process start-up is expensive, so each world size runs ONE launch (`_checks_world2`,
 `_checks_world4`) that performs every check and returns plain numbers; the test functions
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab.launch import run_distributed
+from hplab.runtime.launch import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-5
@@ -84,7 +84,7 @@ def sum_partial_grads(model, comm) -> None:
 @torch.no_grad()
 def full_grads(model, comm) -> dict:
     """Every parameter's full gradient, by name (tp pieces glued back)."""
-    from hplab import tp
+    from hplab.parallel import tp
 
     return {
         name: tp.unshard(p.grad, p.tp_split, comm) if tp.is_split(p) else p.grad.clone()
@@ -96,7 +96,7 @@ def full_grads(model, comm) -> dict:
 @torch.no_grad()
 def full_state_dict(model, comm) -> dict:
     """The single-device state dict (same names, full shapes), rebuilt on every rank."""
-    from hplab import tp
+    from hplab.parallel import tp
 
     return {
         name: tp.unshard(p, p.tp_split, comm) if tp.is_split(p) else p.detach().clone()
@@ -107,7 +107,7 @@ def full_state_dict(model, comm) -> dict:
 @torch.no_grad()
 def load_full_state_dict(model, state_dict: dict, comm) -> None:
     """A single-device checkpoint into a tensor-parallel model: each rank keeps its pieces."""
-    from hplab import tp
+    from hplab.parallel import tp
 
     for name, p in model.named_parameters():
         p.copy_(
@@ -117,14 +117,14 @@ def load_full_state_dict(model, state_dict: dict, comm) -> None:
 
 def gather_vocab(logits, comm, vocab_size: int):
     """All the logits [..., V] from every rank's slice, padding removed."""
-    from hplab import tp
+    from hplab.parallel import tp
 
     return tp._all_gather(logits.detach(), comm, -1)[..., :vocab_size]
 
 
 def fake_comm(size: int, rank: int = 0):
     """A Communicator that only knows its size and rank: cutting a model needs no messages."""
-    from hplab.comm import Communicator
+    from hplab.parallel.collectives import Communicator
 
     comm = object.__new__(Communicator)
     comm.size, comm.rank = size, rank
@@ -144,7 +144,7 @@ def _batch(vocab: int, batch: int = BATCH, seq: int = CONFIG["n_positions"], see
 
 def _operator_checks(comm) -> dict:
     """Each conjugate operator's forward and backward against what it should compute."""
-    from hplab import tp
+    from hplab.parallel import tp
 
     T, r = comm.size, comm.rank
     g = torch.Generator().manual_seed(7)
@@ -183,7 +183,7 @@ def _cross_entropy_checks(comm) -> dict:
     given as None or a torch ProcessGroup (here every rank is in it)."""
     import torch.distributed as dist
 
-    from hplab import tp
+    from hplab.parallel import tp
 
     out = {}
     for vocab in (8 * comm.size, 8 * comm.size + 1):
@@ -267,8 +267,8 @@ def _equivalence(ref_out, tp_out) -> dict:
 def _gpt_checks(comm, sequence_parallel: bool) -> dict:
     """The hplab GPT under TP trains exactly like one process, starts from and exports to the
     single-device checkpoint, and keeps its tied weights tied and its padding at zero."""
-    from hplab import tp
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel import tp
 
     config = GPTConfig(**CONFIG)
     batches = [_batch(config.vocab_size, seed=s) for s in range(STEPS)]
@@ -295,12 +295,12 @@ def _hf_forward(model, x, y):
     """HF GPT-2 forward; the loss from whatever logits it returns (full or vocab slice).
     Under sequence parallel the model is given only this rank's s/T ids."""
     if getattr(model, "sequence_parallel", False):
-        from hplab import tp
+        from hplab.parallel import tp
 
         x = tp.sequence_slice(x, model.tp_comm)
     logits = model(input_ids=x).logits
     if hasattr(model, "tp_comm"):
-        from hplab import tp
+        from hplab.parallel import tp
 
         return logits, tp.vocab_parallel_cross_entropy(
             logits, y, model.tp_comm, model.config.vocab_size
@@ -312,8 +312,8 @@ def _hf_checks(comm, sequence_parallel: bool) -> dict:
     """Hugging Face GPT2LMHeadModel cut in place: same logits, loss, grads and training."""
     from transformers import GPT2LMHeadModel
 
-    from hplab import tp
     from hplab.models.gpt import GPTConfig, to_hf_config
+    from hplab.parallel import tp
 
     config = GPTConfig(**CONFIG)
     torch.manual_seed(0)
@@ -333,8 +333,8 @@ def _hf_checks(comm, sequence_parallel: bool) -> dict:
 def _ledger_checks(comm, ledger, sequence_parallel: bool) -> dict:
     """Calls and bytes of every tp collective: for one block (forward, then backward) and for
     a whole forward + backward of the model."""
-    from hplab import tp
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel import tp
 
     config = GPTConfig(**CONFIG)
     model = tp.parallelize(build_model(config, 0), comm, tp.GPT_PLAN, sequence_parallel)
@@ -361,9 +361,9 @@ def _ledger_checks(comm, ledger, sequence_parallel: bool) -> dict:
 
 def _activation_checks(comm) -> dict:
     """Bytes one block saves for backward: one process, TP, and TP + sequence parallel."""
-    from hplab import tp
-    from hplab.memory import MemoryLedger
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.observe.memory import MemoryLedger
+    from hplab.parallel import tp
 
     config = GPTConfig(**{**CONFIG, "n_positions": 64, "n_embd": 64})
     out = {}
@@ -391,7 +391,7 @@ def _dtensor_checks(comm) -> dict:
         parallelize_module,
     )
 
-    from hplab import tp
+    from hplab.parallel import tp
 
     torch.manual_seed(3)
     h = 16
@@ -435,8 +435,8 @@ def _layout_checks(mesh, sequence_parallel: bool, recompute: bool = False) -> di
     global norm (tp pieces summed over tp, replicated parameters counted once), AdamW — and
     recompute (backward re-runs each block's forward, collectives included). Against one
     process training on the whole global batch with torch's own clip_grad_norm_."""
-    from hplab import tp
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel import tp
 
     config, micro, clip = GPTConfig(**CONFIG), 2, 0.5
     global_batch = 4 * mesh.dp_size
@@ -485,7 +485,7 @@ def _layout_checks(mesh, sequence_parallel: bool, recompute: bool = False) -> di
 
 
 def _checks_world2() -> dict:
-    from hplab.dist import Mesh
+    from hplab.parallel.mesh import Mesh
 
     mesh = Mesh.create(dp=1, tp=2, pp=1)
     comm = mesh.tp
@@ -504,7 +504,7 @@ def _checks_world2() -> dict:
 
 
 def _checks_world4() -> dict:
-    from hplab.dist import Mesh
+    from hplab.parallel.mesh import Mesh
 
     mesh = Mesh.create(dp=1, tp=4, pp=1)
     tp_by_dp = Mesh.create(dp=2, tp=2, pp=1)
@@ -642,9 +642,9 @@ def test_tp_and_dp_layouts_train_like_one_process(world4):
 
 
 def test_clear_errors_for_impossible_splits():
-    from hplab import tp
     from hplab.config import LayoutError, check_tensor_parallel
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel import tp
 
     with pytest.raises(
         ValueError,
@@ -677,8 +677,8 @@ def test_clear_errors_for_impossible_splits():
 
 
 def test_plan_naming_a_missing_module_is_an_error():
-    from hplab import tp
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel import tp
 
     plan = {**tp.GPT_PLAN, "transformer.h.*.attn.q_proj": tp.ColumnParallelLinear}
     with pytest.raises(
@@ -704,8 +704,8 @@ def test_plans_cut_every_layer(model_plan, sequence_parallel):
     Linear, Conv1D or Embedding is left whole, every matrix is a piece except the position
     table (replicated by design), the head stays tied, and under sequence parallel every
     whole parameter is marked as a partial sum."""
-    from hplab import tp
     from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel import tp
 
     model, plan = (
         (build_model(GPTConfig(**CONFIG)), tp.GPT_PLAN)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hplab.course.timeline import held_up, hidden_fraction, read_timeline, waits
-from hplab.launch import run_distributed
+from hplab.runtime.launch import run_distributed
 
 FLAGS = ["--dp", "2", "--steps", "3", "--batch-size", "8", "--no-progress"]
 # Each process converts its profiler's clock (the CPU's time-stamp counter) to wall time on its

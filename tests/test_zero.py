@@ -1,5 +1,5 @@
-"""ZeroOptimizer (ZeRO-1/2, hplab/zero.py) in the plain PyTorch loop, against one process and
-against PyTorch's own ZeroRedundancyOptimizer.
+"""ZeroOptimizer (ZeRO-1/2, hplab/parallel/zero.py) in the plain PyTorch loop, against one process
+and against PyTorch's own ZeroRedundancyOptimizer.
 
 One launch per world size (2 and 4 gloo processes) runs every check and returns numbers; the
 tests below assert on them. Models: a toy with a frozen parameter, a frozen bias, tied weights,
@@ -24,10 +24,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab.comm import CommLedger, Communicator
-from hplab.launch import run_distributed
-from hplab.memory import MemoryLedger
-from hplab.zero import ZeroError, ZeroOptimizer
+from hplab.observe.memory import MemoryLedger
+from hplab.parallel.collectives import CommLedger, Communicator
+from hplab.parallel.zero import ZeroError, ZeroOptimizer
+from hplab.runtime.launch import run_distributed
 
 RTOL = 1e-5
 BF16_RTOL = 2e-2
@@ -481,7 +481,7 @@ def test_bad_stage_is_refused():
 
 
 def test_buckets_follow_reverse_definition_order():
-    from hplab.zero import bucket_params
+    from hplab.parallel.zero import bucket_params
 
     params = [nn.Parameter(torch.zeros(2**18)) for _ in range(3)]  # 1 MiB each
     assert bucket_params(params, 2) == [[params[2], params[1]], [params[0]]]

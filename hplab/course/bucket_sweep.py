@@ -74,8 +74,8 @@ def sweep_here(config, sizes, batches, steps: int, warmup: int) -> dict:
     """{size: [per step: this rank's times]}: one DDP model per size, stepped in turn."""
     import torch
 
-    from hplab.ddp import DDP
     from hplab.models.gpt import build_model
+    from hplab.parallel.ddp import DDP
 
     runs = []
     for mb in sizes:
@@ -109,9 +109,9 @@ def trace_steps(config, mb: float, batches, directory: str, rank: int) -> None:
     """Two steps of bucket size `mb` traced (after one untraced), as `train.py --trace`."""
     import torch
 
-    from hplab.ddp import DDP
     from hplab.models.gpt import build_model
-    from hplab.observe import Recorder
+    from hplab.observe.observers import Recorder
+    from hplab.parallel.ddp import DDP
 
     model = build_model(config, seed=0)
     ddp = DDP(model, bucket_mb=mb)
@@ -173,8 +173,8 @@ def calibrated_link(no_link: dict, config, text: str) -> str:
 
 def describe(args, config, runs: dict, n: int) -> dict:
     """The JSON rank 0 writes (see above)."""
-    from hplab.comm import bucket_params
     from hplab.models.gpt import build_model
+    from hplab.parallel.collectives import bucket_params
 
     params = [p for p in build_model(config, seed=0).parameters() if p.requires_grad]
     return dict(
@@ -192,14 +192,14 @@ def describe(args, config, runs: dict, n: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.nproc and "RANK" not in os.environ:  # the launcher: its ranks run main again
-        from hplab.launch import launch
+        from hplab.runtime.launch import launch
 
         return launch(args.nproc, sys.argv[1:] if argv is None else list(argv), main, __file__)
     import torch.distributed as dist
 
-    from hplab import link
-    from hplab.dist import init_distributed, shutdown
     from hplab.models.gpt import config_from_preset
+    from hplab.runtime import link
+    from hplab.runtime.group import init_distributed, shutdown
 
     init_distributed()
     n, rank = dist.get_world_size(), dist.get_rank()

@@ -5,12 +5,12 @@
         its 4 ranks forked from this process as train.py --nproc forks them)
 
 Every process calls the collective on S bytes of fp32 (S = min..max in powers of two, the payload
-as `hplab.comm` counts it). A call's time is the slowest rank's (barrier, clock, call, clock); a
+as the ledger counts it). A call's time is the slowest rank's (barrier, clock, call, clock); a
 size reports the best of `--repeats` calls after a warm-up, the least disturbed by the machine (4
 processes on 2 cores often wait for a core), the median, and `core_wait`: the seconds a rank
 spent waiting for a free core per second of those calls, averaged over the ranks. Under an
 emulated link (`--link 20MB/s,1ms`, or HPLAB_LINK) every call also pays the link's
-α + (bus bytes)/β (`hplab.link`). Rank 0 writes JSON: `world_size`, `backend`, `link` (its
+α + (bus bytes)/β (`hplab.runtime.link`). Rank 0 writes JSON: `world_size`, `backend`, `link` (its
 text, or null), `repeats`, `results` {op: [{bytes, time_s, median_s, core_wait}]}, `runs` {op:
 what the backend ran inside one call}, `ledger` (rank 0's CommLedger, timed calls only), `demo`.
 """
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from hplab.clock import clock_for
-from hplab.observe import waited_for_a_core_s
+from hplab.observe.observers import waited_for_a_core_s
+from hplab.runtime.clock import clock_for
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv", "ring_step")
 
@@ -89,7 +89,7 @@ def inside(comm, op: str, *message) -> list[str]:
 
 
 def time_call(comm, op: str, *message, clock=None) -> float:
-    """Seconds of one call, as the slowest rank saw it, on the device's clock (`hplab.clock`:
+    """Seconds of one call, as the slowest rank saw it, on the device's clock (runtime/clock.py:
     on a GPU, CUDA events around the work, not the host's queueing of it)."""
     clock = clock or clock_for(comm.device)
     comm.barrier()
@@ -146,12 +146,13 @@ def main(argv=None) -> int:
     if args is None:
         return 2
     if args.nproc and "RANK" not in os.environ:  # the launcher: its ranks run main again
-        from hplab.launch import launch
+        from hplab.runtime.launch import launch
 
         return launch(args.nproc, sys.argv[1:] if argv is None else list(argv), main, __file__)
 
-    from hplab import link
-    from hplab.dist import Mesh, init_distributed, shutdown
+    from hplab.parallel.mesh import Mesh
+    from hplab.runtime import link
+    from hplab.runtime.group import init_distributed, shutdown
 
     n = int(os.environ.get("WORLD_SIZE", 1))
     mesh = Mesh.create(dp=n, device=init_distributed())

@@ -5,7 +5,7 @@ progress bar drawn from rank 0's tqdm bar; a failure raises LaunchError with the
 error:` line, a run past its time is stopped. train.py, collectives_bench.py and
 bucket_sweep.py are their own launchers (`--nproc N` forks N ranks, as torchrun would start
 them); in a notebook their `main` is forked from a process that has imported torch and hplab
-once (`hplab.launch.start_forked`), so a short run does not pay ~5 s of imports. Any other
+once (`hplab.runtime.launch.start_forked`), so a short run does not pay ~5 s of imports. Any other
 script runs under torchrun.
 """
 
@@ -78,9 +78,9 @@ def _start(nproc: int, script: str | Path, args: list[str], output: Path, env: d
     """Start the job, its output appended to the file `output`, in a process group of its own;
     returns (its pid, its exit code or None while it runs). train.py and the course's two
     benchmarks are their own launchers (`--nproc`): from a notebook their `main` is forked from a
-    preloaded process (`hplab.launch.start_forked`; from a script, which multiprocessing would
-    run again in the child, a fresh interpreter). Any other script runs under torchrun."""
-    from hplab import launch  # imports torch: only when a job is launched
+    preloaded process (`hplab.runtime.launch.start_forked`; from a script, which multiprocessing
+    would run again in the child, a fresh interpreter). Any other script runs under torchrun."""
+    from hplab.runtime import launch  # imports torch: only when a job is launched
 
     if (module := _OWN_LAUNCHERS.get(Path(script).name)) is None:
         command = launch.torchrun_command(nproc, str(script), *args)

@@ -25,8 +25,8 @@ from hplab.course import viz  # plots; matplotlib itself loads only when one is 
 from hplab.course.jobs import REPO_DIR, LaunchError, as_flags, launch, launch_json  # noqa: F401
 from hplab.course.timeline import read_timeline
 
-# in one home, hplab.formulas; lab 00 and tests call them as lab.<name>
-from hplab.formulas import alpha_beta_terms, training_flops_per_token
+# in one home, hplab.plan.formulas; lab 00 and tests call them as lab.<name>
+from hplab.plan.formulas import alpha_beta_terms, training_flops_per_token
 
 
 # --- training runs ------------------------------------------------------------------------
@@ -64,7 +64,7 @@ class Run:
         return self.metrics["comm"][rank].get(op, {}).get(key, 0)
 
     def summary(self) -> str:
-        from hplab.metrics import summary_table
+        from hplab.observe.metrics import summary_table
 
         return summary_table(self.metrics)
 
@@ -98,7 +98,7 @@ def train(
     """Run `python hplab/train.py --nproc nproc` with `flags` (python names:
     `bucket_mb=1` is `--bucket-mb 1`, `recompute=True` is `--recompute`) and return its Run.
     `trace=True` (or a folder) adds `--trace` (a new temporary folder): see `Run.timeline()`.
-    `fault="9:1:kill"` injects failures (HPLAB_FAULT, `hplab.faults`)."""
+    `fault="9:1:kill"` injects failures (HPLAB_FAULT, `hplab.runtime.faults`)."""
     shown = as_flags(
         {
             k: v
@@ -153,7 +153,7 @@ class AlphaBetaFit:
 def fit_alpha_beta(op: str, n: int, sizes, times, per_call: bool = False) -> AlphaBetaFit:
     """Least squares on *relative* error (the sizes span decades): find a, b ≥ 0 with
     T ≈ a + b·S, then α = a / steps and β = factor / b. `per_call`: one α per call, as an
-    emulated link charges it (hplab.link: α + bus bytes / β), not one per ring step."""
+    emulated link charges it (hplab.runtime.link: α + bus bytes / β), not one per ring step."""
     S, T = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
     (a, b), *_ = np.linalg.lstsq(np.stack([1 / T, S / T], axis=1), np.ones_like(T), rcond=None)
     (a, b), (steps, factor) = (max(a, 1e-9), max(b, 1e-15)), alpha_beta_terms(op, n)
@@ -231,13 +231,13 @@ def measure_peak_flops(
     n: int = 512, repeats: int = 10, threads: int | None = 1, device="cpu", dtype=None, clock=None
 ) -> float:
     """FLOP/s of an n×n matmul (2n³ FLOPs) on `device` in `dtype` (fp32 by default), the best
-    of `repeats`, timed by that device's clock (`hplab.clock`: CUDA events on a GPU, where a
+    of `repeats`, timed by that device's clock (`hplab.runtime.clock`: CUDA events on a GPU, where a
     call returns before its work is done). CPUs publish no "peak FLOP/s" the way GPU data
     sheets do, so a laptop's MFU is measured against what a large matmul reaches; `threads=1`
     matches each training process."""
     import torch
 
-    from hplab.clock import clock_for
+    from hplab.runtime.clock import clock_for
 
     clock, previous = clock or clock_for(device), torch.get_num_threads()
     torch.set_num_threads(threads or previous)

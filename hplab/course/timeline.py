@@ -7,7 +7,7 @@
     autograd::engine::...      backward: autograd's own event per function it evaluates
     all_reduce dp 4,096 B      the Communicator's range around a launch (and `wait all_reduce dp`)
     gloo:all_reduce            gloo's thread: the collective from launch to completion
-    link:all_reduce            under --link: the emulated link's transfer (hplab.link), in
+    link:all_reduce            under --link: the emulated link's transfer (hplab.runtime.link), in
                                place of gloo's (which only moved the bytes on loopback)
 
 An asynchronous collective runs on gloo's threads while the caller computes on; its wait is only
@@ -25,7 +25,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from hplab.schedule import COMPUTE
+from hplab.parallel.schedule import COMPUTE
 
 SPAN_KINDS = {
     "forward": "forward",

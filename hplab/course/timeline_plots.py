@@ -6,7 +6,7 @@ communication lanes (`train.py --trace`). `hplab.course.viz` re-exports them all
 from statistics import median
 
 from hplab.course import figure
-from hplab.formulas import bubble_formula, bubble_fraction
+from hplab.plan.formulas import bubble_formula, bubble_fraction
 
 PIPELINE_COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "recv": "#BBBBBB"}
 TIMELINE_COLORS = {
@@ -36,7 +36,7 @@ def under_the_link(run_or_metrics) -> str:
 def message_seconds(run_or_metrics) -> float:
     """One pipeline message's time on the run's emulated link, α + n/β, with n the bytes of one
     send (the ledger's, rank 0); 0 without a link."""
-    from hplab.link import parse
+    from hplab.runtime.link import parse
 
     metrics = getattr(run_or_metrics, "metrics", run_or_metrics)
     if not (text := link_of(metrics)):
@@ -132,7 +132,7 @@ def _replayed_trace(pipeline: dict) -> tuple[dict, dict, dict]:
     """Each action of the run's schedule (in order, its trace event) with its measured seconds;
     when each message was sent; each message a rank waited for, with that wait's start and end."""
     from hplab.course.timeline import WAITED_S
-    from hplab.schedule import build_schedule, input_message, message_key
+    from hplab.parallel.schedule import build_schedule, input_message, message_key
 
     p, own, sent, waits = pipeline, {}, {}, {}
     for plan, events in zip(
@@ -177,7 +177,7 @@ def plot_simulated_pipeline(
 ):
     """The ideal timeline of a schedule (pp.simulate of its action lists; each message arrives
     `latency` after its send), with the simulated bubble and the formula in the title."""
-    from hplab.pp import build_schedule, simulate
+    from hplab.parallel.pp import build_schedule, simulate
 
     plans = build_schedule(schedule, pp, microbatches, virtual_stages)
     sim = simulate(plans, f, b, w, latency=latency)
@@ -249,7 +249,7 @@ def replayed_bubbles(
     `each_action`, every action's and every awaited message's own (`measured_actions`).
     `latency`: every message's time instead (an emulated link's: `message_seconds`), counted
     from the later of its send and the posting of its receive, as the link counts it."""
-    from hplab.pp import build_schedule, simulate
+    from hplab.parallel.pp import build_schedule, simulate
 
     p = _pipeline(run_or_metrics)
     costs, own = simulated_costs(p, per_chunk=True), measured_actions(p) if each_action else {}
@@ -268,7 +268,7 @@ def idle_shares(run_or_metrics) -> list[float]:
     """Each rank's share of the step between its actions (`idle_between_actions`): what the
     replays leave out."""
     from hplab.course.timeline import idle_between_actions
-    from hplab.schedule import COMPUTE
+    from hplab.parallel.schedule import COMPUTE
 
     trace = _pipeline(run_or_metrics)["trace"]
     end = max(e["end_s"] for events in trace for e in events if e["kind"] in COMPUTE)

@@ -21,7 +21,7 @@ from hplab.course.timeline_plots import (  # noqa: F401 (viz.<name>, as the labs
     simulated_costs,
     under_the_link,
 )
-from hplab.formulas import bubble_fraction, bus_factor, model_state_bytes
+from hplab.plan.formulas import bubble_fraction, bus_factor, model_state_bytes
 
 MiB, GiB = 2**20, 2**30
 KIND_LABELS = {
@@ -152,8 +152,8 @@ def plot_throughput(
 def plot_collective_times(result, ops: list[str] | None = None, ax=None):
     """Time per call against message size (log-log) of each op in a `lab.Collectives`: the
     measured points, and dashed the α-β fit — or, under an emulated link, the link's own
-    α + factor·S/β with its α and β (`hplab.link`), which the title names."""
-    from hplab.link import parse
+    α + factor·S/β with its α and β (`hplab.runtime.link`), which the title names."""
+    from hplab.runtime.link import parse
 
     ax = figure.axes(ax, (7.2, 4.6))
     link = parse(result.link) if result.link else None
@@ -250,7 +250,7 @@ def _rank_cell(ax, x: float, y: float, d: int, t: int, p: int, dp: int, tp: int,
     """One rank's square at (x, y): its global rank and its (dp, tp, pp) coordinates."""
     from matplotlib.patches import Rectangle
 
-    from hplab.dist import global_rank
+    from hplab.parallel.mesh import global_rank
 
     ax.add_patch(Rectangle((x - 0.4, y - 0.4), 0.8, 0.8, lw=0, facecolor=colour, alpha=0.6))
     ax.text(
@@ -308,9 +308,9 @@ def _rank_grid_legend(ax, colour, tp_line: dict, dp_line: dict) -> None:
 
 
 def plot_rank_grid(dp: int, tp: int, pp: int, ax=None):
-    """Which global rank holds which (dp, tp, pp) coordinate (`hplab.dist`'s Megatron order: tp,
-    dp, pp): a panel per pipeline stage, a row per dp rank (a tp group), a column per tp rank.
-    An impossible layout raises hplab.config.LayoutError."""
+    """Which global rank holds which (dp, tp, pp) coordinate (`hplab.parallel.mesh`'s Megatron
+    order: tp, dp, pp): a panel per pipeline stage, a row per dp rank (a tp group), a column per tp
+    rank. An impossible layout raises hplab.config.LayoutError."""
     import matplotlib.pyplot as plt
 
     from hplab.config import Layout, check_sizes_and_choices

@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hplab.config import ModelConfig
-from hplab.moe import MoE
+from hplab.parallel.moe import MoE
 from hplab.presets import HPLAB_PRESETS
 
 #: hplab's GPT-2 is described by the one model description the planner reads too.
 GPTConfig = ModelConfig
 
-#: tiny, gpt2, gpt2-medium: sizes from `hplab.formulas.HPLAB_PRESETS`, shared with the planner.
+#: tiny, gpt2, gpt2-medium: sizes from `hplab.plan.formulas.HPLAB_PRESETS`, shared with the planner.
 PRESETS: dict[str, GPTConfig] = {
     name: GPTConfig(**size, name=name) for name, size in HPLAB_PRESETS.items()
 }
@@ -202,7 +202,7 @@ class Decoder(nn.Module):
 
     def _recompute_contexts(self):
         """Around a block's forward, and around each later run of it in backward: `recomputing`
-        is True during those, so observers (hplab.observe) count each forward once."""
+        is True during those, so observers (hplab.observe.observers) count each forward once."""
         return contextlib.nullcontext(), Recomputing(self)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
@@ -216,7 +216,7 @@ class Decoder(nn.Module):
     @staticmethod
     def aux_loss(blocks) -> torch.Tensor | float:
         """The auxiliary losses of these blocks' last forward (a mixture of experts' balance and
-        z-loss, `hplab.moe`), summed; 0 for dense blocks."""
+        z-loss, `hplab.parallel.moe`), summed; 0 for dense blocks."""
         return sum(b.mlp.aux_loss for b in blocks if isinstance(b.mlp, MoE))
 
 

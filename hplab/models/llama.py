@@ -31,10 +31,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab import tp
 from hplab.config import ModelConfig
 from hplab.models.gpt import Decoder, attention_core
-from hplab.moe import MoE
+from hplab.parallel import tp
+from hplab.parallel.moe import MoE
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
         self.self_attn = LlamaAttention(config, rotary)
         self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
-        self.mlp = (  # Mixtral's: each expert a SwiGLU MLP (hplab.moe's router and balance)
+        self.mlp = (  # Mixtral's: each expert a SwiGLU MLP (moe.py's router and balance)
             MoE(c.n_embd, c.n_experts, c.moe_top_k, lambda: LlamaMLP(c), c.moe_capacity_factor,
                 c.moe_aux_coef, balance=c.moe_balance)
             if c.n_experts
@@ -206,7 +206,7 @@ class LlamaLM(Decoder):
         return self.lm_head(self.model.norm(x))
 
 
-# --- tensor parallel: where to cut (compose passes it to hplab.tp.parallelize) ---------------
+# --- tensor parallel: where to cut (compose passes it to tp.parallelize) ------------------------
 def kv_heads(attention, comm, sequence_parallel=False):
     """k_proj and v_proj cut into whole K/V heads. With fewer K/V heads than ranks, each is held
     alike by the consecutive ranks whose query heads read it (`Split.replicas`): rank r keeps
@@ -229,7 +229,7 @@ def vocab_head(linear, comm, sequence_parallel=False):
     return tp.ColumnParallelLinear(linear, comm, sequence_parallel)
 
 
-TP_PLAN = {  # for hplab.tp.parallelize, by LlamaForCausalLM's names: whole query and K/V heads
+TP_PLAN = {  # for tp.parallelize, by LlamaForCausalLM's names: whole query and K/V heads
     "model.embed_tokens": tp.VocabParallelEmbedding,
     "lm_head": vocab_head,
     "model.layers.*.self_attn.q_proj": tp.ColumnParallelLinear,

@@ -1,7 +1,7 @@
 """The planner: how much memory a layout needs on each GPU, how long a step takes, and why.
 
 What hplab measures in its runs (memory by kind, time, bytes sent) this package predicts with
-the papers' formulas (`hplab.formulas`), so a learner can put the two side by side, then ask
+the papers' formulas (`hplab.plan.formulas`), so a learner can put the two side by side, then ask
 the formulas about clusters no laptop has:
 
     python -m hplab.plan --model gpt2 --dp 8 --zero 1 --precision bf16 --gpu a100-80g
@@ -15,9 +15,9 @@ activations (per layer per microbatch of s/cp tokens × layers on a stage × mic
 schedule keeps in flight). Step time = compute of the busiest stage (FLOPs ÷ achievable FLOP/s,
 plus memory-bound element-wise work) + tensor-, context- and expert-parallel traffic +
 pipeline bubble and sends + the exposed data-parallel and ZeRO traffic. Collectives follow the
-α-β model of ring algorithms; ranks are numbered as in `hplab.dist` (tensor parallel innermost,
-then context, data (expert parallel within it), pipeline), which decides which groups stay
-inside a node's fast links. Every efficiency assumption is a field of `Efficiency`, never
+α-β model of ring algorithms; ranks are numbered as in `hplab.parallel.mesh` (tensor parallel
+innermost, then context, data (expert parallel within it), pipeline), which decides which groups
+stay inside a node's fast links. Every efficiency assumption is a field of `Efficiency`, never
 a hidden constant. No torch here: the package loads fast on machines without a GPU.
 
 The model is `config.ModelConfig`, the one description hplab's models are built from; the
@@ -28,7 +28,7 @@ hplab composes today, so the planner also prices layouts hplab refuses). Read in
     memory.py     parameters per stage, activations, memory per GPU (`Memory`)
     time.py       compute, tp/cp/ep traffic, pipeline, data parallel, offload (`StepTime`)
     estimate.py   `plan`: one layout, as one flat dict (the JSON)
-    search.py     every layout of N GPUs, ranked, and why the winner wins
+    search_layouts.py  every layout of N GPUs, ranked, and why the winner wins
     cli.py        `python -m hplab.plan`
 
 Sources: [ZeRO] Rajbhandari et al., SC 2020 (memory Sec. 3, 5; communication Sec. 7).
@@ -43,43 +43,63 @@ Lepikhin et al. 2021 (GShard), Fedus et al. 2022 (Switch Transformers).
 
 from __future__ import annotations
 
-# The model, the layout and the formulas live in hplab.config and hplab.formulas;
+import importlib
+
+# The names of the planner, each imported from its module on first use: `hplab.plan.formulas`
+# (which `hplab.config` imports) loads without the planner, and `import hplab.plan` stays cheap.
+# The model, the layout and the formulas live in hplab.config and hplab.plan.formulas;
 # `plan.Layout`, `plan.model_state_bytes` & co. are the same objects.
-from hplab.config import RECOMPUTE, Layout, LayoutError, ModelConfig
-from hplab.formulas import (
-    CP_STYLES,
-    PRECISION_BYTES,
-    SCHEDULES,
-    activation_bytes_per_layer,
-    bubble_formula,
-    bubble_ratio,
-    collective_time_s,
-    flops_per_step,
-    gpt_num_params,
-    in_flight_microbatches,
-    model_state_bytes,
-    moe_all_to_all_bytes,
-    ring_attention_bytes,
-    ulysses_bytes,
-)
-from hplab.plan.cli import build_parser, format_plan, format_search, main
-from hplab.plan.estimate import PlanError, check_layout, plan
-from hplab.plan.memory import activation_memory, params_per_stage
-from hplab.plan.presets import (
-    GB,
-    GIB,
-    GPT3_PRESETS,
-    GPU,
-    GPU_PRESETS,
-    MEGATRON_2021_PRESETS,
-    Cluster,
-    Efficiency,
-    default_batch_size,
-    model_presets,
-)
-from hplab.plan.search import candidate_layouts, explain, search
-from hplab.plan.time import group_link
-from hplab.presets import HPLAB_PRESETS
+_HOME = {
+    "Layout": "hplab.config",
+    "LayoutError": "hplab.config",
+    "ModelConfig": "hplab.config",
+    "RECOMPUTE": "hplab.config",
+    "build_parser": "hplab.plan.cli",
+    "format_plan": "hplab.plan.cli",
+    "format_search": "hplab.plan.cli",
+    "main": "hplab.plan.cli",
+    "PlanError": "hplab.plan.estimate",
+    "check_layout": "hplab.plan.estimate",
+    "plan": "hplab.plan.estimate",
+    "CP_STYLES": "hplab.plan.formulas",
+    "PRECISION_BYTES": "hplab.plan.formulas",
+    "SCHEDULES": "hplab.plan.formulas",
+    "activation_bytes_per_layer": "hplab.plan.formulas",
+    "bubble_formula": "hplab.plan.formulas",
+    "bubble_ratio": "hplab.plan.formulas",
+    "collective_time_s": "hplab.plan.formulas",
+    "flops_per_step": "hplab.plan.formulas",
+    "gpt_num_params": "hplab.plan.formulas",
+    "in_flight_microbatches": "hplab.plan.formulas",
+    "model_state_bytes": "hplab.plan.formulas",
+    "moe_all_to_all_bytes": "hplab.plan.formulas",
+    "ring_attention_bytes": "hplab.plan.formulas",
+    "ulysses_bytes": "hplab.plan.formulas",
+    "activation_memory": "hplab.plan.memory",
+    "params_per_stage": "hplab.plan.memory",
+    "Cluster": "hplab.plan.presets",
+    "Efficiency": "hplab.plan.presets",
+    "GB": "hplab.plan.presets",
+    "GIB": "hplab.plan.presets",
+    "GPT3_PRESETS": "hplab.plan.presets",
+    "GPU": "hplab.plan.presets",
+    "GPU_PRESETS": "hplab.plan.presets",
+    "MEGATRON_2021_PRESETS": "hplab.plan.presets",
+    "default_batch_size": "hplab.plan.presets",
+    "model_presets": "hplab.plan.presets",
+    "candidate_layouts": "hplab.plan.search_layouts",
+    "explain": "hplab.plan.search_layouts",
+    "search": "hplab.plan.search_layouts",
+    "group_link": "hplab.plan.time",
+    "HPLAB_PRESETS": "hplab.presets",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'hplab.plan' has no attribute {name!r}")
+
 
 __all__ = [
     "CP_STYLES",

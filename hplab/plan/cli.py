@@ -10,8 +10,8 @@ from dataclasses import fields, replace
 
 from hplab.config import Layout, LayoutError, ModelConfig
 from hplab.flags import add_flags
-from hplab.formulas import model_state_bytes
 from hplab.plan.estimate import PlanError, plan
+from hplab.plan.formulas import model_state_bytes
 from hplab.plan.presets import (
     GB,
     GPU_PRESETS,
@@ -21,7 +21,7 @@ from hplab.plan.presets import (
     model_presets,
 )
 from hplab.plan.reliability import LLAMA3_GPU_MTBF_H, checkpoint_plan, format_checkpoint_plan
-from hplab.plan.search import TIME_PARTS, search
+from hplab.plan.search_layouts import TIME_PARTS, search
 
 MODEL_FIELDS = {f.name for f in fields(ModelConfig)}
 MAX_SEARCH_GPUS = 2**20

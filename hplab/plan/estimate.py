@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hplab.config import Layout, LayoutError, ModelConfig, validate
-from hplab.formulas import flops_per_step
+from hplab.plan.formulas import flops_per_step
 from hplab.plan.memory import activation_memory, memory_per_gpu, params_per_stage
 from hplab.plan.presets import DEFAULT_BATCH_SIZE, GPU_PRESETS, Cluster, Efficiency
 from hplab.plan.time import step_time

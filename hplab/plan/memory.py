@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from hplab.config import Layout, ModelConfig
-from hplab.formulas import (
+from hplab.plan.formulas import (
     PRECISION_BYTES,
     RMS_NORM_BYTES,
     activation_bytes_per_layer,

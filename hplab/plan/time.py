@@ -1,8 +1,8 @@
 """Time per step: compute of the busiest stage, then each process group's traffic, in the α-β
 model of ring algorithms [Ring] on the links `group_link` finds for it, and the pipeline's
 bubble. Each part is one small function returning a small dataclass; `step_time` adds them up.
-Ranks are numbered as in `hplab.dist` (tensor parallel innermost, then context, data (expert
-parallel within it), pipeline), so a group's stride says whether it stays inside a node.
+Ranks are numbered as in `hplab.parallel.mesh` (tensor parallel innermost, then context, data
+(expert parallel within it), pipeline), so a group's stride says whether it stays inside a node.
 Sources: see `hplab.plan`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hplab.config import Layout, ModelConfig
-from hplab.formulas import (
+from hplab.plan.formulas import (
     PRECISION_BYTES,
     bubble_formula,
     collective_time_s,

@@ -27,9 +27,9 @@ with every rank sending first, every send waits. Post each step's send and recei
     for pending in comm.send_and_recv([("send", chunk, right), ("recv", buffer, left)]):
         pending.wait()
 
-`comm` is a `hplab.comm.Communicator`: `comm.size`, `comm.rank`, `comm.send_and_recv(ops)`
-(and `comm.send(tensor, dst, async_op)`, `comm.recv(tensor, src, async_op)`); peers are ranks
-within the group.
+`comm` is a `hplab.parallel.collectives.Communicator`: `comm.size`, `comm.rank`,
+`comm.send_and_recv(ops)` (and `comm.send(tensor, dst, async_op)`, `comm.recv(tensor, src,
+async_op)`); peers are ranks within the group.
 """
 
 import torch

@@ -21,13 +21,13 @@ It checks (with bucket_bytes = infinity, 0 and a size in between):
     arrives, when backward returns and after wait(), against the rule below: bucket j starts
     from the gradient hook that completes it (once buckets 0 ... j-1 have started), so it
     overlaps with the rest of backward; each gradient is sent exactly once;
-  * that backward goes on while they run: the check runs under an emulated link (hplab.link;
+  * that backward goes on while they run: the check runs under an emulated link (hplab.runtime.link;
     every all-reduce takes at least 1 ms there, as on a network), and a hook that waits for
     an all-reduce — however it waits — stops backward until the link has carried it.
 
-The bucket rule (the same as hplab/ddp.py): walk the parameters in *reverse* order (backward
-produces the last layers' gradients first); start a new bucket when adding the next parameter
-would make the current one larger than `bucket_bytes`; a parameter larger than that gets a
+The bucket rule (the same as hplab/parallel/ddp.py): walk the parameters in *reverse* order
+(backward produces the last layers' gradients first); start a new bucket when adding the next
+parameter would make the current one larger than `bucket_bytes`; a parameter larger than that gets a
 bucket of its own. So bucket_bytes = 0 means one bucket per parameter, infinity one bucket.
 
 Tools:

@@ -22,7 +22,7 @@ so Adam's state is 8 bytes × shard_numel instead of 8 bytes × all parameters.
 What `step` must achieve: afterwards every rank's parameters are what one AdamW step on the
 whole global batch gives, while this rank's optimizer only ever sees its shard (the global
 batch's loss is the mean over the ranks' halves). The ranks talk only through `comm`, an
-hplab Communicator (hplab/comm.py: its collectives, as torch.distributed's, on tensors).
+hplab Communicator (hplab/parallel/collectives.py: collectives, as torch.distributed's, on tensors).
 
 How it is checked, after each of 3 steps: every parameter against the single-process AdamW
 (fp32, 1e-5 relative); `self.master.grad` against this rank's shard of the global-batch

@@ -16,7 +16,7 @@ def model_state_bytes_per_gpu(psi: float, dp: int, zero: int, precision: str) ->
         precision "bf16" or "fp16":  params 2, grads 2, Adam's two moments 8, fp32 master 4
     Which kinds a stage shards is lab 03's first table.
 
-    Checked against the planner (`hplab.formulas.model_state_bytes`) for every stage, fp32
+    Checked against the planner (`hplab.plan.formulas.model_state_bytes`) for every stage, fp32
     and bf16, Ψ of 335,232, 1.5 B and 175 B, and dp of 1, 3, 8 and 64, to 1e-9 relative."""
     raise NotImplementedError("model_state_bytes_per_gpu")
 
@@ -26,6 +26,6 @@ def bubble_fraction(pp: int, microbatches: int) -> float:
     microbatches of equal cost: the share of the step a stage sits idle, the curve
     `hplab.viz.plot_bubble_fraction` draws ([PTD-P] Sec. 2.2). pp = 1: no pipeline, no bubble.
 
-    Checked against `hplab.formulas.bubble_fraction` for pp of 1, 2, 4 and 8 and 1, 4, 8 and 32
+    Checked against `hplab.plan.formulas.bubble_fraction` for pp of 1, 2, 4 and 8 and 1, 4, 8 and 32
     microbatches, to 1e-9 relative."""
     raise NotImplementedError("bubble_fraction")

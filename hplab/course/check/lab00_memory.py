@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from hplab.course.check.report import Report
-from hplab.memory import MemoryLedger, model_state_tensors
 from hplab.models.gpt import build_model, config_from_preset
+from hplab.observe.memory import MemoryLedger, model_state_tensors
 
 
 def check_memory(module, report: Report) -> None:

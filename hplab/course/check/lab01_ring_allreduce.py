@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hplab import formulas
 from hplab.course.check.report import Report, collectives, differs, first
-from hplab.dist import Mesh
+from hplab.parallel.mesh import Mesh
+from hplab.plan import formulas
 
 CASES = [((1000,), "float32"), ((7, 13), "float32"), ((3,), "float32"), ((64, 64), "float32")]
 CASES += [((10,), "float64")]

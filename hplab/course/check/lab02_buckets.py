@@ -1,9 +1,9 @@
 """Lab 02: a bucketed gradient all-reduce with hooks (2 processes), against one process's
-gradients, where hplab.ddp starts its all-reduces, and whether backward went on while they ran.
+gradients, where hplab.DDP starts its all-reduces, and whether backward went on while they ran.
 
-The check runs under an emulated link (CHECK_LINK, hplab.link): every all-reduce takes at least
-α there, as on a network, so an all-reduce that overlaps backward and one that a hook waits for
-look different in time. The learner's code gets the world communicator through `WatchedComm`,
+The check runs under an emulated link (CHECK_LINK, hplab.runtime.link): every all-reduce takes at
+least α there, as on a network, so an all-reduce that overlaps backward and one that a hook waits
+for look different in time. The learner's code gets the world communicator through `WatchedComm`,
 which notes a blocking call or a wait() made while backward runs.
 """
 
@@ -16,20 +16,20 @@ import time
 import torch
 import torch.distributed as dist
 
-from hplab import link
-from hplab.comm import bucket_params
 from hplab.course.check.reference import backward_in_sandbox, gpt_reference
 from hplab.course.check.report import Report, first_wrong
-from hplab.dist import Mesh
 from hplab.models.gpt import build_model
+from hplab.parallel.collectives import bucket_params
+from hplab.parallel.mesh import Mesh
+from hplab.runtime import link
 
 CHECK_LINK = "100MB/s,1ms"  # each all-reduce: 1 ms + its bytes at 100 MB/s
 
 
 def launch_problem(started: list, params: list, arrived: list, bucket_bytes: float) -> str | None:
     """Where the (all-reduces, bytes) started — as each gradient arrived, when backward returned,
-    after wait() — first differ from hplab.ddp's: bucket j (parameters in reverse) starts in the
-    hook of its last gradient, once buckets 0 ... j-1 have started."""
+    after wait() — first differ from hplab.parallel.ddp's: bucket j (parameters in reverse) starts
+    in the hook of its last gradient, once buckets 0 ... j-1 have started."""
     ready = {id(p): k + 1 for k, p in enumerate(arrived)}  # hooks run once p's has
     buckets = bucket_params(params, bucket_bytes / 2**20)
     at = list(itertools.accumulate((max(ready[id(p)] for p in b) for b in buckets), max))
@@ -45,7 +45,7 @@ def launch_problem(started: list, params: list, arrived: list, bucket_bytes: flo
                 else ("when backward returned", "after wait()")[k - len(params)]
             )
             return (
-                f"{when}, {mine[0]} all-reduce(s) of {mine[1]:,} B had started, hplab.ddp's "
+                f"{when}, {mine[0]} all-reduce(s) of {mine[1]:,} B had started, hplab.DDP's "
                 f"{want[0]} of {want[1]:,} B — it takes the parameters in reverse (backward's"
                 " order) and starts each bucket from the hook that completes it"
             )

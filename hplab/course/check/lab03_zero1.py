@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from hplab.course.check.reference import backward_in_sandbox, gpt_reference
 from hplab.course.check.report import Report, collectives, differs, first, first_wrong
-from hplab.dist import Mesh
 from hplab.models.gpt import build_model
+from hplab.parallel.mesh import Mesh
 
 ZERO1_OPS = ("reduce_scatter", "all_gather")
 

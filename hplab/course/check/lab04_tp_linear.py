@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hplab.course.check.report import Report, collectives, differs, first_wrong
-from hplab.dist import Mesh
+from hplab.parallel.mesh import Mesh
 
 SHAPES = [(2, 8, 16), (3, 5, 24)]  # (b, s, h); the MLP is h → 4h → h
 

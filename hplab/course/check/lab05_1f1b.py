@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hplab import schedule
 from hplab.course.check.report import Report, first
+from hplab.parallel import schedule
 
 
 def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
@@ -54,8 +54,8 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
 
 
 def check_one_f_one_b(module, report: Report) -> None:
-    """The orders, run by `hplab.schedule.simulate` with their sends and receives, against 1F1B
-    over (p, m): the work once, no deadlock, step 2(m+p-1), min(p-r, m) held, 1F1B's order."""
+    """The orders, run by `hplab.parallel.schedule.simulate` with their sends and receives, against
+    1F1B over (p, m): the work once, no deadlock, step 2(m+p-1), min(p-r, m) held, 1F1B's order."""
     for name, ps in (("p=2", (2,)), ("p=3, 4", (3, 4)), ("p=8", (8,))):
         report.check(
             name,

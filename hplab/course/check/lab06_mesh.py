@@ -6,7 +6,7 @@ import itertools
 import math
 
 from hplab.course.check.report import Report, first
-from hplab.dist import coordinates, group_ranks
+from hplab.parallel.mesh import coordinates, group_ranks
 
 MESH_LAYOUTS = [(dp, tp, pp) for dp in (1, 2, 3, 4) for tp in (1, 2, 4, 8) for pp in (1, 2, 3, 4)]
 MESH_RANKS = [(rank, lay) for lay in MESH_LAYOUTS for rank in range(math.prod(lay))]
@@ -35,7 +35,7 @@ def _mesh_hint(mine: list) -> str:
 
 
 def check_mesh(module, report: Report) -> None:
-    """The learner's coordinates and groups against `hplab.dist` (which builds the real
+    """The learner's coordinates and groups against `hplab.parallel.mesh` (which builds the real
     process groups) for every rank of 64 layouts, dp ≤ 4, tp ≤ 8, pp ≤ 4."""
 
     def group_problem(layout: tuple, family: str) -> str | None:
@@ -45,7 +45,7 @@ def check_mesh(module, report: Report) -> None:
             got = [list(g) for g in mine[family]]
         except (TypeError, KeyError, IndexError):
             return f"{where}: groups()[{family!r}] should be lists of ranks; got {mine!r:.60}"
-        for rank in range(math.prod(layout)):  # in exactly one group: the one hplab.dist makes
+        for rank in range(math.prod(layout)):  # in exactly one group: the one mesh.py makes
             holding, expected = [g for g in got if rank in g], next(g for g in want if rank in g)
             if holding != [expected]:
                 shared = " and ".join(f for f in FAMILIES if f != family)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from hplab import formulas
 from hplab.course.check.report import Report
+from hplab.plan import formulas
 
 #: Each kind of model state: what the lab calls it, and the ZeRO stage that starts sharding it.
 KINDS = {
@@ -39,7 +39,7 @@ def which_kind(mine: float, psi: float, dp: int, zero: int, precision: str) -> s
 
 
 def check_planning(module, report: Report) -> None:
-    """The learner's ZeRO memory and bubble fraction against the planner's `hplab.formulas`."""
+    """The learner's ZeRO memory and bubble fraction against the planner's `hplab.plan.formulas`."""
 
     def memory_problem(psi, dp, zero, precision):
         mine = module.model_state_bytes_per_gpu(psi, dp, zero, precision)

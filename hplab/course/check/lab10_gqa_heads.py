@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab import tp
 from hplab.course.check.report import Report, differs
 from hplab.models import llama
+from hplab.parallel import tp
 
 LAYOUTS = [  # (tp, n_head, n_kv_head) that hplab accepts: tp | n_head, tp and n_kv divide
     (t, h, kv)  # one another

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
-from hplab.dist import Mesh
 from hplab.models.gpt import build_model, config_from_preset
+from hplab.parallel.mesh import Mesh
 
 
 def gpt_reference(mesh: Mesh, steps: int, lr: float = 0.0) -> SimpleNamespace:

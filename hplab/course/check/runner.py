@@ -29,8 +29,8 @@ from hplab.course.check.lab10_gqa_heads import check_gqa_heads
 from hplab.course.check.lab11_goodput import check_goodput
 from hplab.course.check.report import CheckTimeout, Report, Result
 from hplab.course.check.sandbox import Sandbox
-from hplab.dist import Mesh
-from hplab.launch import run_distributed
+from hplab.parallel.mesh import Mesh
+from hplab.runtime.launch import run_distributed
 
 EXERCISES_DIR, SOLUTIONS_DIR = (
     Path(__file__).resolve().parents[3] / "labs" / folder for folder in ("exercises", "solutions")

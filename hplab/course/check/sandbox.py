@@ -30,8 +30,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from hplab.comm import CommTimeout
-from hplab.launch import FORKSERVER_PRELOAD
+from hplab.parallel.collectives import CommTimeout
+from hplab.runtime.launch import FORKSERVER_PRELOAD
 
 
 class LearnerError(Exception):

@@ -4,7 +4,7 @@ A pipeline cuts the model's layers into p **stages**, one per rank, and the batc
 **microbatches**. A **schedule** is the order in which each rank runs the forward (F) and the
 backward (B) of each microbatch on each of its model chunks. Here every schedule is data — for
 each rank a list of actions — that can be printed, simulated with given costs, checked for
-deadlocks, drawn, and run for real by `hplab.pp.PipelineExecutor`:
+deadlocks, drawn, and run for real by `hplab.parallel.pp.PipelineExecutor`:
 
     GPipe        all F, then all B.                 bubble (p-1)/(m+p-1) of the step,
                                                     every rank holds m microbatches' activations
@@ -21,8 +21,8 @@ deadlocks, drawn, and run for real by `hplab.pp.PipelineExecutor`:
 The **bubble** is the idle time while the pipeline fills and drains (`formulas.bubble_formula`).
 This file: 1. each schedule's per-rank compute order, and the sends and receives it needs; 2. a
 simulator: the ideal timeline with given F, B, W costs, and the proof that no rank waits
-forever. (The same idle share measured from a real run's timestamps: `hplab.observe`.) Standard
-library and hplab.config only.
+forever. (The same idle share measured from a real run's timestamps: `hplab.observe.observers`.)
+Standard library and hplab.config only.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ Collectives per transformer block, every payload b·s·h (b sequences of s token
     + sequence parallel  2 all-gather, 2 reduce-scatter 4 all-gather, 2 reduce-scatter
 
 Every collective goes through the group's `Communicator` (`mesh.tp`), so the ledger counts it.
-This file knows nothing of data parallel; `hplab.compose` composes the two."""
+This file knows nothing of data parallel; `hplab.parallel.compose` composes the two."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab.comm import Communicator, communicator
 from hplab.config import check_tensor_parallel
+from hplab.parallel.collectives import Communicator, communicator
 
 
 class TensorParallelError(ValueError):
@@ -412,7 +412,6 @@ def with_experts(plan: dict, blocks: str) -> dict:
     } | {f"{blocks}.*.mlp": experts_see_every_token}
 
 
-MOE_GPT_PLAN = with_experts(GPT_PLAN, "transformer.h")
 HF_GPT2_PLAN = {  # Hugging Face GPT2LMHeadModel, handed s/T ids under sequence parallel
     "": needs_sdpa,
     "transformer.wte": functools.partial(VocabParallelEmbedding, given_slice=True),

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hplab.dist import (
+from hplab.runtime.group import (
     DEFAULT_TIMEOUT_S,
     PRELOAD,
     free_port,

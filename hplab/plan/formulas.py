@@ -427,9 +427,10 @@ def zero3_link_seconds(
     unit_bytes: list[float], n: int, bandwidth: float, latency: float = 0.0, prefetch="both"
 ) -> dict:
     """Per step of ZeRO-3 (`fully_shard`: a unit per block, then the root) on a link of β bytes/s
-    and α s per transfer, each transfer t(S) = α + (n−1)/n·S/β (hplab.link: α + bus bytes/β).
-    `unit_bytes`: the bytes each unit gathers, the root's first, then the blocks' in forward order.
-    Each unit is gathered for forward, again for backward, and its gradients reduce-scattered:
+    and α s per transfer, each transfer t(S) = α + (n−1)/n·S/β (hplab.runtime.link: α + bus
+    bytes/β). `unit_bytes`: the bytes each unit gathers, the root's first, then the blocks' in
+    forward order. Each unit is gathered for forward, again for backward, and its gradients
+    reduce-scattered:
 
         total    = Σ_u 3·t(S_u)
         exposed  = what the rank waits out, if each block computes at least as long as the

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from hplab import link
-from hplab.formulas import bus_factor  # the factors above, in one home
+from hplab.plan.formulas import bus_factor  # the factors above, in one home
+from hplab.runtime import link
 
 #: What gloo and NCCL say when a peer has gone ("connectFullMesh failed" while the group forms;
 #: NCCL: once its communicator was aborted).
@@ -129,7 +129,7 @@ class CommLedger:
 class Pending:
     """The handle of an asynchronous collective: call `wait()` before using its result.
     `share`: its part of a work it shares with others (a batch NCCL ran as one). `wire`: the
-    bytes it puts on an emulated link (`hplab.link`), which `wait()` then waits out."""
+    bytes it puts on an emulated link (`hplab.runtime.link`), which `wait()` then waits out."""
 
     def __init__(self, work, comm: Communicator, op: str, share=1.0, wire=None, ticket=None):
         self.work, self.comm, self.op, self.share = work, comm, op, share

@@ -8,7 +8,7 @@ training step, and keeps what it saw per step.
 
     Recorder          --trace: a Chrome trace per rank of two steps (torch.profiler)
     MemoryWatch       bytes per rank by kind: activations saved by each forward, model states
-                      after each optimizer step (hplab.memory's MemoryLedger)
+                      after each optimizer step (hplab.observe.memory's MemoryLedger)
     PipelineTrace     --pp: when each F, B, W, send and wait for a message ran, the last step's
                       measured bubble, the microbatches in flight
     RoutingStats      mixture of experts: the token-slots each expert took, per layer and step
@@ -28,12 +28,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hplab import cp, fsdp, link, moe
-from hplab.clock import clock_for
-from hplab.ddp import DDP
-from hplab.memory import KINDS, MemoryLedger, model_state_tensors, optimizer_state_tensors
-from hplab.optim import WrappedOptimizer, stepped_groups
-from hplab.schedule import COMPUTE
+from hplab.observe.memory import KINDS, MemoryLedger, model_state_tensors
+from hplab.parallel import cp, fsdp, moe
+from hplab.parallel.ddp import DDP
+from hplab.parallel.optim import WrappedOptimizer, optimizer_state_tensors, stepped_groups
+from hplab.parallel.schedule import COMPUTE
+from hplab.runtime import link
+from hplab.runtime.clock import clock_for
 
 
 class Recorder:
@@ -89,8 +90,8 @@ def clock_anchor() -> float:
 
 
 def add_link_transfers(path: Path, transfers: list, anchor_us: float) -> None:
-    """Write the emulated link's transfers (what, start, end; hplab.link) into the Chrome trace
-    at `path`, as events `link:<op>` on a row of their own, placed by the clock anchor."""
+    """Write the emulated link's transfers (what, start, end; hplab.runtime.link) into the Chrome
+    trace at `path`, as events `link:<op>` on a row of their own, placed by the clock anchor."""
     trace = json.loads(path.read_text())
     marks = [e for e in trace["traceEvents"] if e.get("name", "").startswith("hplab clock")]
     offset = marks[0]["ts"] - anchor_us if marks else 0.0

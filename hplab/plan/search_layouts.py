@@ -6,8 +6,8 @@ from __future__ import annotations
 import itertools
 
 from hplab.config import RECOMPUTE, Layout, LayoutError, ModelConfig, validate
-from hplab.formulas import model_state_bytes
 from hplab.plan.estimate import PlanError, plan
+from hplab.plan.formulas import model_state_bytes
 from hplab.plan.presets import GB, GPU_PRESETS, Cluster, Efficiency, default_batch_size
 
 

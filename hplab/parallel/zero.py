@@ -14,7 +14,7 @@ and gets the rest from its peers only when needed. Per rank, for Ψ parameters:
 (pure fp32: params 4, grads 4, K = 8 and no separate master copy.) Stages 1 and 2 change only
 what the *optimizer* holds, so here they are an optimizer: `ZeroOptimizer`, used like PyTorch's
 `torch.distributed.optim.ZeroRedundancyOptimizer`. Stage 3 must also change what the *model*
-holds between layers; it lives in `hplab/fsdp.py` as `fully_shard`, like PyTorch's FSDP2.
+holds between layers; it lives in `hplab/parallel/fsdp.py` as `fully_shard`, like PyTorch's FSDP2.
 
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
     for x, y in data:                      # each rank its own slice of the global batch
@@ -70,10 +70,9 @@ import math
 import torch
 import torch.nn as nn
 
-from hplab.comm import Communicator, bucket_params, communicator, copy_markers
-from hplab.memory import optimizer_state_tensors
-from hplab.optim import WrappedOptimizer
-from hplab.sync import claim_gradient_sync
+from hplab.parallel.collectives import Communicator, bucket_params, communicator, copy_markers
+from hplab.parallel.optim import WrappedOptimizer, optimizer_state_tensors
+from hplab.parallel.sync import claim_gradient_sync
 
 UNSAVED = ("params", "shard_over")  # a state_dict's groups hold no communicator
 DDP_OK = {1: ("hplab.DDP",), 2: ()}  # ZeRO-1 reduces at step(), after DDP's average: right

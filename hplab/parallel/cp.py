@@ -43,8 +43,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from hplab.comm import AllToAll, Communicator, communicator
 from hplab.config import check_context_parallel
+from hplab.parallel.collectives import AllToAll, Communicator, communicator
 
 # --- 1. The split: which tokens each rank holds -------------------------------------------
 

@@ -24,16 +24,17 @@ import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from hplab import cp, fsdp, moe, pp, tp
-from hplab.comm import Communicator
 from hplab.config import Layout, OptimConfig, validate
-from hplab.ddp import DDP
-from hplab.dist import Mesh, new_group
-from hplab.formulas import learning_rate
 from hplab.models import llama
-from hplab.optim import WrappedOptimizer, stepped_groups
-from hplab.precision import MasterWeightOptimizer, MixedPrecision
-from hplab.zero import ZeroOptimizer
+from hplab.parallel import cp, fsdp, moe, pp, tp
+from hplab.parallel.collectives import Communicator
+from hplab.parallel.ddp import DDP
+from hplab.parallel.mesh import Mesh
+from hplab.parallel.optim import WrappedOptimizer, stepped_groups
+from hplab.parallel.precision import MasterWeightOptimizer, MixedPrecision
+from hplab.parallel.zero import ZeroOptimizer
+from hplab.plan.formulas import learning_rate
+from hplab.runtime.group import new_group
 
 ADAMW = dict(betas=(0.9, 0.95), foreach=False)  # foreach=False: the same update on shards
 
@@ -59,7 +60,7 @@ class Parallel:
     tied_comm: object = None
     kv_comm: object = None  # the ranks sharing this rank's K/V heads (fewer heads than tp ranks)
     # called as fn(self) after each optimizer step (taken or skipped), before zero_grad: what
-    # observers measure then (hplab.observe)
+    # observers measure then (hplab.observe.observers)
     on_step_end: list = field(default_factory=list)
 
 

@@ -23,7 +23,7 @@ divides by S again in fp32. Too large an S overflows to inf: the step is skipped
 after a run of good steps S doubles (a *dynamic* scaler). bf16 has fp32's 8 exponent bits.
 
 `MixedPrecision` holds the choice and the scaler; `MasterWeightOptimizer` steps fp32 copies for
-a strategy that keeps whole parameters (data parallel); ZeRO shards its masters (`hplab.zero`).
+a strategy that keeps whole parameters (data parallel); ZeRO shards its masters (zero.py).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
-from hplab.comm import copy_markers
-from hplab.optim import WrappedOptimizer
+from hplab.parallel.collectives import copy_markers
+from hplab.parallel.optim import WrappedOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

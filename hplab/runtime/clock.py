@@ -10,8 +10,8 @@ there, and `elapsed_time` reads the gap once the later one has happened.
     start = clock.mark(); ...work...; end = clock.mark()
     clock.seconds(start, end)          # after the work, at a point that may wait for the GPU
 
-Observers (`hplab.observe`) and the course's measurements take a clock, so that tests can hand
-them a scripted one. (The ledger's time of a collective on NCCL is NCCL's own measurement: see
+Observers (`hplab.observe.observers`) and the course's measurements take a clock, so that tests can
+hand them a scripted one. (The ledger's time of a collective on NCCL is NCCL's own measurement: see
 `comm.Communicator.work_seconds`.)
 """
 

@@ -2,7 +2,7 @@
 
 ZeRO stage 3 (Rajbhandari et al., 2020), PyTorch's FSDP, keeps 1/N of the parameters, the
 gradients and the optimizer state on each of the N ranks, (2 + 2 + K)·Ψ/N bytes instead of
-DDP's (2 + 2 + K)·Ψ (the table in `hplab/zero.py`), and borrows the rest from the peers for
+DDP's (2 + 2 + K)·Ψ (the table in `hplab/parallel/zero.py`), and borrows the rest from the peers for
 the moment it is needed. Forward all-gathers each layer's parameters just before it runs and
 frees them after; backward gathers them again; the gradients are reduce-scattered (each rank
 receives the average of its own 1/N): 3·(N−1)/N·Ψ elements per rank per step, 1.5× DDP's
@@ -56,8 +56,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from hplab.comm import communicator, copy_markers
-from hplab.sync import claim_gradient_sync
+from hplab.parallel.collectives import communicator, copy_markers
+from hplab.parallel.sync import claim_gradient_sync
 
 
 class _Param:
@@ -340,8 +340,9 @@ def finish_gradient_sync(module: nn.Module) -> None:
 
 
 def memory_tensors(module: nn.Module) -> dict[str, list[torch.Tensor]]:
-    """What `module` holds on this rank, for `hplab.memory`: shards, buffers, full-size parameters
-    gathered now (0 bytes between uses), the shards' gradients ("optim" is the caller's)."""
+    """What `module` holds on this rank, for observe/memory.py: shards, buffers, full-size
+    parameters gathered now (0 bytes between uses), the shards' gradients
+    ("optim" is the caller's)."""
     params = list(module.parameters())
     gathered = [
         e.buffer

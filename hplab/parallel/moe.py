@@ -49,8 +49,8 @@ import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from hplab.comm import AllToAll
 from hplab.config import check_balance, check_experts, check_top_k
+from hplab.parallel.collectives import AllToAll
 
 
 class MoE(nn.Module):

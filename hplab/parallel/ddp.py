@@ -46,8 +46,8 @@ zeros; like PyTorch's DDP, every rank must use the same parameters in a step. A 
 
 **One wrapper averages a gradient.** DDP's hooks and ZeRO-2's (or fully_shard's) would both
 reduce the same gradient in the same backward, the second reading a half-reduced or already
-averaged one: `hplab.sync` refuses the second wrapper when it is built, in one line. DDP with
-ZeRO-1 is correct (ZeRO-1 reduces at `step()`, after DDP has averaged), only wasteful.
+averaged one: `hplab.parallel.sync` refuses the second wrapper when it is built, in one line. DDP
+with ZeRO-1 is correct (ZeRO-1 reduces at `step()`, after DDP has averaged), only wasteful.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ import torch
 import torch.nn as nn
 from torch._utils import _unflatten_dense_tensors
 
-from hplab.comm import bucket_params, communicator
-from hplab.sync import claim_gradient_sync
+from hplab.parallel.collectives import bucket_params, communicator
+from hplab.parallel.sync import claim_gradient_sync
 
 
 class Bucket:
@@ -80,11 +80,6 @@ def move_grad_in(p: nn.Parameter, view: torch.Tensor) -> None:
     elif p.grad is not view:
         view.copy_(p.grad)
         p.grad = view
-
-
-def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:
-    """`bucket_params` as gradient `Bucket`s, sized in bytes."""
-    return [Bucket(group) for group in bucket_params(params, bucket_bytes / 2**20)]
 
 
 class DDP(nn.Module):

@@ -11,16 +11,16 @@ messages of one activation cross the wire.
 Done naively, only one rank works at a time. So the batch is cut into `m` **microbatches**:
 while rank 1 works on microbatch 0, rank 0 already runs microbatch 1; the idle time left at
 the start and end of a step is the **bubble**. The schedules (GPipe, 1F1B, interleaved, ZB-H1)
-are plain data, built and simulated in `hplab/schedule.py`, whose names this file re-exports
-(`pp.build_schedule`, `pp.simulate`, ...). Each microbatch's loss is divided by m, so the
+are plain data, built and simulated in `hplab/parallel/schedule.py`, whose names this file
+re-exports (`pp.build_schedule`, `pp.simulate`, ...). Each microbatch's loss is divided by m, so the
 accumulated gradients are those of the mean loss over the whole batch.
 
 This file reads in three parts: 1. **stages**, the GPT split by layers (the tied embedding /
 LM-head copies kept equal by summing their gradients, as Megatron-LM); 2. **split backward**
 (ZB-H1): B the stage input's gradient, W the weight gradients later, for any layer; 3. the
 **executor**, which runs this rank's action list with point-to-point messages (observers, such
-as `hplab.observe`'s trace, watch each action from outside). Data parallel, the tied-embedding
-sum (`compose.finalize_grads`) and the optimizer step are the caller's.
+as `hplab.observe.observers`'s trace, watch each action from outside). Data parallel, the
+tied-embedding sum (`compose.finalize_grads`) and the optimizer step are the caller's.
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge
 
-from hplab.comm import Communicator
 from hplab.config import check_pipeline_depth
-from hplab.dist import new_group
-from hplab.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_formula: labs)
 from hplab.models.gpt import cross_entropy as loss_fn  # noqa: F401 (for torch's pipelining)
-from hplab.schedule import (  # pp.build_schedule, pp.simulate, ...: the labs' names
+from hplab.parallel.collectives import Communicator
+from hplab.parallel.schedule import (  # pp.build_schedule, pp.simulate, ...: the labs' names
     COMPUTE,  # noqa: F401
     Action,  # noqa: F401
     DeadlockError,  # noqa: F401
@@ -50,6 +48,8 @@ from hplab.schedule import (  # pp.build_schedule, pp.simulate, ...: the labs' n
     schedule_text,  # noqa: F401
     simulate,  # noqa: F401
 )
+from hplab.plan.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_formula: labs)
+from hplab.runtime.group import new_group
 
 # --- 1. Stages ------------------------------------------------------------------------------------
 
@@ -293,7 +293,7 @@ class PipelineExecutor:
     Sends are asynchronous (isend), awaited at the end of the step; a receive is posted (irecv)
     where the list says and awaited by the computation that needs it. With W actions each
     backward is split (the first stage's input is token ids: its B is empty, its W the whole
-    backward). `observers` (see hplab.observe) watch from outside: each is called as
+    backward). `observers` (see hplab.observe.observers) watch from outside: each is called as
     `observer(kind, action, stage)` and returns a context manager wrapped around the whole
     step ("run"), each wait for a message ("recv"), computation (F, B, W) and "send". Under
     sequence parallel (`sequence_shards` = tp) a stage's activations hold this tensor-parallel

@@ -12,7 +12,7 @@ Training memory has five kinds; every parallel strategy moves some of them off a
 bucket, a ZeRO shard of a flat parameter, the tied embedding and LM head) count once, at the size
 really allocated; a storage freed to zero bytes (ZeRO-3 between layers) counts zero. Activations
 are what autograd saves for backward inside `track_activations()`, parameters excluded; Adam's
-0-dim `step` is not counted. No formulas here: the labs set `hplab.formulas` beside these.
+0-dim `step` is not counted. No formulas here: the labs set `hplab.plan.formulas` beside these.
 
 Offload (`--offload`) keeps the optimizer's side in host memory: `offloaded_bytes` says, of each
 kind, how many bytes are there (the storages a strategy lists as `offloaded`; a subset).
@@ -31,6 +31,8 @@ from collections.abc import Iterable
 
 import torch
 
+from hplab.parallel.optim import optimizer_state_tensors
+
 KINDS = ("params", "grads", "optim", "master")
 
 
@@ -47,12 +49,6 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set | None = Non
     new = {key for key in keys - seen if key[2] != 0}  # not freed, not already counted
     seen |= new
     return sum(key[3] for key in new)
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """The per-parameter state tensors of a torch optimizer (exp_avg, exp_avg_sq, ...)."""
-    states = optimizer.state.values() if optimizer is not None else ()
-    return [v for state in states for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
 
 
 def model_state_tensors(model: torch.nn.Module, optimizer=None) -> dict[str, list]:

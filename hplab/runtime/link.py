@@ -16,7 +16,7 @@ when the last rank launched it (on a GPU: when the host queued it). A rank's tra
 its link one after the other (`Queue`), a group's in the order they were launched (as a
 communication stream runs them), and a `wait()` sleeps the time out, using no core, as a network
 card moves bytes without the CPU. Off by default, and then nothing is paid: `Pending`
-(hplab.comm) makes a `Transfer` only when this process has a link.
+(hplab.parallel.collectives) makes a `Transfer` only when this process has a link.
 """
 
 from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Observing a run from outside: the observers train.py attaches (`observers`: timings, traces,
+the pipeline's timeline), where a rank's memory goes (`memory`, from the tensors it holds), and
+the metrics file every notebook, test and benchmark reads (`metrics`)."""
