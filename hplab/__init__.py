@@ -1,7 +1,7 @@
 """hplab: the ways large language models are trained on many devices, built from scratch.
 
 The building blocks are used the way PyTorch's own are, in an ordinary training loop (README,
-"The strategies"): `hplab.DDP`, `hplab.ZeroOptimizer`, `hplab.fully_shard` (ZeRO-3, like FSDP2),
+docs/strategies.md): `hplab.DDP`, `hplab.ZeroOptimizer`, `hplab.fully_shard` (ZeRO-3, like FSDP2),
 `hplab.tp`, `hplab.pp`, `hplab.cp`, `hplab.moe`; `hplab.parallelize(model, mesh, layout)` (a
 `hplab.Layout`, checked by `hplab.validate`) and `hplab.finalize_grads` compose them for a whole
 layout. Names are imported on first use, so `import hplab` stays cheap (torch loads when

@@ -1,10 +1,10 @@
 """What hplab's strategies do not compose (yet), each with the sentence that says why.
 
 Each entry is (refused(layout, model), the Layout fields behind it, the reason). `validate`
-(hplab/config.py) raises a LayoutError with the reason of the first that applies; README's table
-"What does not compose yet, and why" lists them word for word (tests/test_house.py), and the
-composition matrix (tests/test_composition.py) checks that every pair of features it does not
-run is two choices of one setting or one of these.
+(hplab/config.py) raises a LayoutError with the reason of the first that applies; the table
+"What does not compose yet, and why" in docs/command-line.md lists them word for word
+(tests/test_house.py), and the composition matrix (tests/test_composition.py) checks that every
+pair of features it does not run is two choices of one setting or one of these.
 """
 
 REFUSALS = [

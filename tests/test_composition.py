@@ -3,13 +3,13 @@
 The features (`FEATURES`): dp, ZeRO-1, ZeRO-2, ZeRO-3, tp, sp, the three pipeline schedules
 (1F1B, interleaved, ZB-H1), context parallel's ring and Ulysses, ep, full and selective
 recompute, bf16, fp16 and offload. Of their 136 pairs, 9 are two choices of one setting (two
-ZeRO stages, two schedules, ...) and 7 are refused with a reason (`hplab.refusals`, README's
-table): `test_every_pair_is_in_a_layout_or_refused_for_a_reason` checks both lists against
-`LAYOUTS`, which hold every other pair at least once — in an fp32 layout, where the check is
-exact, unless the pair has a precision in it. The first three are the frontier layouts of lab
-06 (Llama-3, DeepSeek-V3 and Megatron-Mixtral style, 8 ranks each), the fourth the planner's
-GPT-3 winner in miniature; the rest were picked greedily (most pairs not yet held per rank)
-from the layouts `config.validate` accepts.
+ZeRO stages, two schedules, ...) and 7 are refused with a reason (`hplab.refusals`,
+docs/command-line.md): `test_every_pair_is_in_a_layout_or_refused_for_a_reason` checks both
+lists against `LAYOUTS`, which hold every other pair at least once — in an fp32 layout, where
+the check is exact, unless the pair has a precision in it. The first three are the frontier
+layouts of lab 06 (Llama-3, DeepSeek-V3 and Megatron-Mixtral style, 8 ranks each), the fourth
+the planner's GPT-3 winner in miniature; the rest were picked greedily (most pairs not yet held
+per rank) from the layouts `config.validate` accepts.
 
 Each layout trains 3 AdamW steps (clipped, decayed, 2 microbatches) and is compared with one
 process on the same global batch: fp32 losses and the whole model to 1e-5 relative; bf16 and
@@ -62,7 +62,7 @@ LAYOUTS = {
     "tp2 cp2 ring pp2 1f1b zero1 sp": dict(tp=2, cp=2, pp=2, zero=1, sequence_parallel=True),
     "dp4 pp2 zb-h1 ep2 zero1": dict(dp=4, pp=2, schedule="zb-h1", ep=2, zero=1),
     "dp2 tp2 pp2 1f1b ep2 zero1 sp": dict(dp=2, tp=2, pp=2, ep=2, zero=1, sequence_parallel=True),
-    # the planner's GPT-3 175B winner on 1024 GPUs, scaled down (README, lab 07)
+    # the planner's GPT-3 175B winner on 1024 GPUs, scaled down (docs/strategies.md, lab 07)
     "dp2 tp2 pp2 zb-h1 zero1 sp recompute selective": dict(
         dp=2, tp=2, pp=2, schedule="zb-h1", zero=1, sequence_parallel=True, recompute="selective"
     ),
@@ -264,7 +264,7 @@ SMALLEST = {  # the least each feature needs, to build a layout with any two of 
 def test_every_pair_is_in_a_layout_or_refused_for_a_reason():
     """Each pair of features is two choices of one setting (9 pairs), or held by a layout of
     LAYOUTS that `validate` accepts (in fp32 unless the pair names a precision), or refused
-    with one of README's reasons (7: ZeRO-3 with each schedule and with experts, ZeRO-2 with
+    with one of hplab.refusals' reasons (7: ZeRO-3 with each schedule and with experts, ZeRO-2 with
     ZB-H1, selective recompute with each context-parallel style) — nothing else."""
     from hplab.config import LayoutError, validate
     from hplab.refusals import REFUSALS

@@ -130,12 +130,13 @@ def test_data_flows_one_way():
         assert not bad, f"{path.relative_to(REPO)} imports {bad}"
 
 
-def test_readme_lists_every_refusal_with_its_reason():
-    """README's table of what does not compose yet is hplab.refusals.REFUSALS, word for word."""
+def test_command_line_page_lists_every_refusal_with_its_reason():
+    """docs/command-line.md's table of what does not compose yet is hplab.refusals.REFUSALS,
+    word for word."""
     from hplab.refusals import REFUSALS
 
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    rows = [line for line in readme.splitlines() if line.startswith("| `--")]
+    page = (REPO / "docs" / "command-line.md").read_text(encoding="utf-8")
+    rows = [line for line in page.splitlines() if line.startswith("| `--")]
     for _, fields, why in REFUSALS:
         flags = ", ".join(f"`--{name.replace('_', '-')}`" for name in fields)
-        assert f"| {flags} | {why} |" in rows, f"README lacks the refusal: {why}"
+        assert f"| {flags} | {why} |" in rows, f"docs/command-line.md lacks the refusal: {why}"

@@ -1,6 +1,6 @@
 """The labs are as short as README promises: each lab's prose (its markdown cells) stays at or
 under 1,000 words, so a lab is the idea, the runs, the plots and the exercise; details live in
-docstrings, README or the appendix. Words are counted as whitespace-separated tokens, code
+docstrings, docs/ or the appendix. Words are counted as whitespace-separated tokens, code
 spans and formulas included (what a reader has to read).
 """
 

@@ -1,6 +1,6 @@
 """The metrics file (`--metrics PATH`): what a run measured, for notebooks, tests and benchmarks.
 
-Version 1, written by rank 0 (README, "The metrics file"): `config` (every flag), `world_size`,
+Version 1, written by rank 0 (docs/metrics.md): `config` (every flag), `world_size`,
 `backend`, `device`, `model`, `steps` (`[{step, loss, time_s, tokens, lr}]`), `eval`,
 `tokens_per_s`, and per rank `memory`, `comm`, `comm_by_group`, `mesh`, with `experts`,
 `pipeline` and `context_parallel` where the run has them. Keys are only ever added.
