@@ -514,3 +514,35 @@ def test_a_search_over_2_to_the_40_gpus_is_one_line(capsys):
         P.main(["--search", "--gpus", str(2**40), "--model", "gpt2"])
     assert exit.value.code == 2
     assert "--search ranks layouts of up to 1,048,576 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "wanted"),
+    [
+        ("--eff-dp-overlap", "5", "must be from 0 to 1, got 5"),
+        ("--eff-dp-overlap", "nan", "must be from 0 to 1, got nan"),
+        ("--eff-gemm", "50", "must be above 0 and at most 1, got 50"),
+        ("--eff-gemm", "0", "must be above 0 and at most 1, got 0"),
+        ("--eff-usable-memory", "7", "must be above 0 and at most 1, got 7"),
+        ("--eff-comm", "inf", "must be above 0 and at most 1, got inf"),
+        ("--eff-cpu-adam-params-per-s", "-1", "must be a finite number above 0, got -1"),
+        ("--eff-elementwise-passes", "inf", "must be a finite number from 0, got inf"),
+        ("--eff-gemm", "x", "must be a number, got 'x'"),
+    ],
+)
+def test_an_impossible_efficiency_is_one_line(flag, value, wanted, capsys):
+    """An efficiency outside what hardware can do (an MFU of 304%, negative communication time,
+    601 GB usable on an 80 GB card) is refused, naming the flag and the typed value."""
+    from hplab.plan.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--model", "gpt2", "--dp", "8", flag, value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"hplab.plan: error: argument {flag}: {wanted}"
+
+
+def test_efficiency_refuses_an_impossible_assumption_in_python_too():
+    with pytest.raises(ValueError, match=r"Efficiency.gemm \(--eff-gemm\) must be above 0"):
+        P.Efficiency(gemm=50)
+    assert P.Efficiency(dp_overlap=0.0, tp_overlap=1.0).tp_overlap == 1.0  # the bounds hold

@@ -18,6 +18,7 @@ from hplab.plan.presets import (
     Cluster,
     Efficiency,
     default_batch_size,
+    efficiency_problem,
     model_presets,
 )
 from hplab.plan.reliability import LLAMA3_GPU_MTBF_H, checkpoint_plan, format_checkpoint_plan
@@ -170,6 +171,21 @@ def _model_flags() -> dict:
     }
 
 
+def _efficiency(name: str):
+    """An argparse type: a number within the range `Efficiency`'s field `name` allows."""
+
+    def parse(text: str):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if problem := efficiency_problem(name, value):
+            raise argparse.ArgumentTypeError(problem)  # (argparse names the flag)
+        return value
+
+    return parse
+
+
 def _planner_flags() -> dict[str, dict]:
     """The cluster, the efficiency assumptions (`Efficiency`'s fields) and the output."""
     n, real, on = dict(type=_positive(int)), dict(type=_positive(float)), dict(action="store_true")
@@ -182,10 +198,8 @@ def _planner_flags() -> dict[str, dict]:
             "--inter-bw": dict(real, help="GB/s per GPU between nodes (default its NIC)"),
         },
         "efficiency assumptions": {
-            "--eff-" + f.name.replace("_", "-"): dict(  # overlaps may be 0
-                type=_positive(float) if f.default else float,
-                default=f.default,
-                dest="eff_" + f.name,
+            "--eff-" + f.name.replace("_", "-"): dict(
+                type=_efficiency(f.name), default=f.default, dest="eff_" + f.name
             )
             for f in fields(Efficiency)
         },

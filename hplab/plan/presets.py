@@ -4,6 +4,7 @@ datasheet the software reaches (`Efficiency`). Sources: see `hplab.plan`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hplab.config import ModelConfig
@@ -148,3 +149,40 @@ class Efficiency:
     cp_overlap: float = 0.0  # same for the ring's sends (posted before each block's compute)
     usable_memory: float = 0.9  # of HBM (the rest: CUDA context, fragmentation, buffers)
     cpu_adam_params_per_s: float = 1e9  # optimizer updates per second on the host (--offload)
+
+    def __post_init__(self):
+        for name, value in vars(self).items():
+            if problem := efficiency_problem(name, value):
+                flag = "--eff-" + name.replace("_", "-")
+                raise ValueError(f"Efficiency.{name} ({flag}) {problem}")
+
+
+# What each assumption can physically be: (lowest, highest, whether the lowest is allowed). A
+# fraction of the datasheet is above 0 and at most 1 (an MFU of 304% is no plan); a share of
+# traffic hidden is from 0 (none) to 1 (all); a count of passes or of updates per second is a
+# positive, finite number.
+EFFICIENCY_RANGES = {
+    "gemm": (0.0, 1.0, False),
+    "elementwise_passes": (0.0, math.inf, True),
+    "comm": (0.0, 1.0, False),
+    "dp_overlap": (0.0, 1.0, True),
+    "tp_overlap": (0.0, 1.0, True),
+    "cp_overlap": (0.0, 1.0, True),
+    "usable_memory": (0.0, 1.0, False),
+    "cpu_adam_params_per_s": (0.0, math.inf, False),
+}
+
+
+def efficiency_problem(name: str, value: float) -> str | None:
+    """What is wrong with `value` for the assumption `name` ("must be ..., got ..."), or None."""
+    low, high, low_allowed = EFFICIENCY_RANGES[name]
+    above_low = value >= low if low_allowed else value > low
+    if above_low and value <= high and math.isfinite(value):  # (NaN fails every comparison)
+        return None
+    if not math.isfinite(high):
+        wanted = f"a finite number {'from' if low_allowed else 'above'} {low:g}"
+    elif low_allowed:
+        wanted = f"from {low:g} to {high:g}"
+    else:
+        wanted = f"above {low:g} and at most {high:g}"
+    return f"must be {wanted}, got {value:g}"
