@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 from dataclasses import asdict, fields
@@ -137,6 +138,18 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def regular_file(path: Path) -> Path:
+    """`path` if it is a regular file (a link to one counts); a FIFO, a device such as
+    /dev/zero or a folder is a CheckpointError: reading one would block or never end."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return path  # (missing: the read that follows says so, as it always did)
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path} is not a regular file: a checkpoint holds only files")
+    return path
+
+
 def newest(directory: str | Path) -> Path | None:
     """The checkpoint in `directory`, or else the previous one, that a save killed between its
     two renames left aside; None when there is none (a save writes trainer_state.json last)."""
@@ -158,20 +171,26 @@ def load(directory: str | Path) -> dict:
     _refuse(
         directory,
         "is incomplete:",
-        [f"{name} is missing" for name in CHECKPOINT_FILES if not (directory / name).is_file()],
+        [
+            f"{name} is {'not a regular file' if (directory / name).exists() else 'missing'}"
+            for name in CHECKPOINT_FILES
+            if not (directory / name).is_file()
+        ],
     )
     try:
-        trainer_state = json.loads((directory / "trainer_state.json").read_text())
+        trainer_state = json.loads(regular_file(directory / "trainer_state.json").read_text())
         changed = [
             name
             for name, digest in trainer_state.get("checksums", {}).items()
-            if sha256(directory / name) != digest
+            if sha256(checked_name(directory, name)) != digest
         ]
         optimizer: dict[str, dict[str, torch.Tensor]] = {}
-        for key, t in load_file(directory / "optimizer.safetensors").items():
+        for key, t in load_file(regular_file(directory / "optimizer.safetensors")).items():
             name, state_key = key.split("::")
             optimizer.setdefault(name, {})[state_key] = t
-        rng = load_file(directory / "rng.safetensors")
+        rng = load_file(regular_file(directory / "rng.safetensors"))
+    except CheckpointError:
+        raise
     except (ValueError, TypeError, KeyError, AttributeError, OSError, SafetensorError) as err:
         raise CheckpointError(f"{directory} is damaged and cannot be read ({err})") from None
     _refuse(
@@ -189,6 +208,17 @@ def load(directory: str | Path) -> dict:
     }
 
 
+def checked_name(directory: Path, name: str) -> Path:
+    """The file a checksum in trainer_state.json names: one of the folder's own files (a name
+    such as ../x or /etc/passwd would make --resume read any file on the machine)."""
+    if not isinstance(name, str) or name not in CHECKPOINT_FILES:
+        raise CheckpointError(
+            f"{directory}/trainer_state.json has a checksum for {name!r}, which is not a file "
+            f"of a checkpoint ({', '.join(CHECKPOINT_FILES)})"
+        )
+    return regular_file(directory / name)
+
+
 def _refuse(directory: Path, problem: str, names: list[str], advice: str = "") -> None:
     if names:
         raise CheckpointError(
@@ -203,7 +233,9 @@ def load_pretrained(directory: str | Path) -> dict:
     against config.json."""
     directory = Path(directory)
     try:
-        config = config_from_hf(json.loads((directory / "config.json").read_text()))
+        config = config_from_hf(json.loads(regular_file(directory / "config.json").read_text()))
+    except CheckpointError:
+        raise
     except OSError as err:
         raise CheckpointError(
             f"{directory}/config.json: {err.strerror}: expected a Hugging Face "
@@ -215,11 +247,13 @@ def load_pretrained(directory: str | Path) -> dict:
     index = directory / "model.safetensors.index.json"  # a sharded model's list of its files
     try:
         files = (
-            {*json.loads(index.read_text())["weight_map"].values()}
-            if index.is_file()
+            {*json.loads(regular_file(index).read_text())["weight_map"].values()}
+            if index.exists()
             else ["model.safetensors"]
         )
-        hf_state = {name: t for f in files for name, t in load_file(directory / f).items()}
+        hf_state = {name: t for f in files for name, t in load_file(shard(directory, f)).items()}
+    except CheckpointError:
+        raise
     except (ValueError, TypeError, KeyError, OSError, SafetensorError) as err:
         raise CheckpointError(
             f"{directory} holds no readable model.safetensors ({err}); a "
@@ -239,6 +273,16 @@ def load_pretrained(directory: str | Path) -> dict:
     bad = [name for name, t in model.items() if not torch.isfinite(t).all()]
     _refuse(directory, "holds non-finite weights (NaN or inf) in", bad)
     return {"config": config, "model": {name: model[name].float() for name in shapes}}
+
+
+def shard(directory: Path, name) -> Path:
+    """A file a sharded model's index names: a safetensors file inside `directory`."""
+    if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
+        raise CheckpointError(
+            f"{directory}/model.safetensors.index.json names {name!r}: expected the name of a "
+            ".safetensors file in the same folder"
+        )
+    return regular_file(directory / name)
 
 
 def restore_rng(rng: dict[str, torch.Tensor]) -> None:

@@ -18,6 +18,7 @@ import fcntl
 import functools
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,17 +131,56 @@ def resume_point(args) -> None:
     if args.resume == "auto" and not args.save:
         raise ValueError("--resume auto resumes from --save's newest checkpoint: give --save DIR")
     if args.resume == "auto" or (faults.attempt() > 0 and args.save):
-        if folder := checkpoint.newest(args.save):
+        folder = checkpoint.newest(args.save)
+        state = saved_state(folder) if folder else None
+        if state is not None and (differences := other_run(state.get("config"), args)):
+            if args.resume == "auto":
+                raise ValueError(
+                    f"--resume auto: {args.save} holds the checkpoint of another run "
+                    f"({'; '.join(differences)}): resume it with --resume {args.save}, or "
+                    "--save into another folder (nothing was changed)"
+                )
+            folder = None  # a restart of a run that had not saved yet: it starts afresh again
+        if folder:
             args.resume, args.init_from = args.save, None
-            # (a damaged trainer_state.json: `resumable` says so, in one line)
-            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-                step = json.loads((folder / "trainer_state.json").read_text())["step"]
-                if step == args.steps:
-                    raise RunComplete(
-                        f"{args.save} already holds all {step} steps: nothing is left to train"
-                    )
+            if state is not None and state.get("step") == args.steps:
+                raise RunComplete(
+                    f"{args.save} already holds all {args.steps} steps: nothing is left to train"
+                )
         elif args.resume == "auto":
             args.resume = None
+
+
+def saved_state(folder: Path) -> dict | None:
+    """A checkpoint's trainer_state.json, or None if it cannot be read (`resumable` then says
+    what is wrong with it, in one line)."""
+    with contextlib.suppress(OSError, ValueError):
+        state = json.loads(checkpoint.regular_file(folder / "trainer_state.json").read_text())
+        return state if isinstance(state, dict) else None
+    return None
+
+
+# The flags that decide which model a run trains, besides its layout (which a checkpoint
+# reshards into any other): two runs that agree on them train the same model, step by step.
+RUN_IDENTITY = (
+    "seed", "data", "batch_size", "lr", "weight_decay", "grad_clip",
+    "model", "n_layer", "n_embd", "n_head", "n_kv_head", "seq_len",
+    "moe_experts", "moe_top_k", "moe_capacity_factor", "moe_aux_coef", "moe_balance",
+)  # fmt: skip
+
+
+def other_run(saved_flags, args) -> list[str]:
+    """How the run that saved a checkpoint (its flags, in trainer_state.json) differs from this
+    one, flag by flag ("--seed 1, this run 0"); empty when it is this run, which a restart or
+    --resume auto may go on with. Never another run's: their losses would be spliced into one
+    history, and its weights trained on as if they were this run's."""
+    if not isinstance(saved_flags, dict):
+        return ["its flags are not recorded"]
+    return [
+        f"--{name.replace('_', '-')} {saved_flags[name]}, this run {getattr(args, name)}"
+        for name in RUN_IDENTITY
+        if name in saved_flags and saved_flags[name] != getattr(args, name)
+    ]
 
 
 def keep_microbatch_size(args) -> None:
@@ -302,10 +342,11 @@ def claim_save_folder(path: Path) -> None:
     """One run at a time writes a --save folder: the launcher (train.py --nproc), or else rank
     0, holds a lock beside it (.NAME.lock, flock) for the job's life; a second run is refused
     in one line (two saving there would delete each other's half-written saves)."""
-    if supervised() or int(os.environ.get("RANK", 0)) != 0 or path in CLAIMED:
+    real = Path(os.path.realpath(path))  # one lock however the folder is named (a link too)
+    if supervised() or int(os.environ.get("RANK", 0)) != 0 or real in CLAIMED:
         return  # (the launcher holds it for its ranks, and through every restart)
-    path.absolute().parent.mkdir(parents=True, exist_ok=True)
-    lock = open(path.absolute().parent / f".{path.name}.lock", "a")  # noqa: SIM115 (held)
+    real.parent.mkdir(parents=True, exist_ok=True)
+    lock = open_lock_file(lock_path(real))
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -314,14 +355,37 @@ def claim_save_folder(path: Path) -> None:
             f"--save {path} is being written by another run: wait until it ends, or choose "
             "another folder (nothing was changed)"
         ) from None
-    CLAIMED[path] = lock
+    CLAIMED[real] = lock
+
+
+def lock_path(folder: Path) -> Path:
+    return folder.parent / f".{folder.name}.lock"
+
+
+def open_lock_file(path: Path):
+    """The lock file, opened without waiting: a FIFO or a device put where it goes would block
+    the open (a FIFO waits for a reader) or take the lock's writes; either is refused."""
+    not_a_file = ValueError(
+        f"--save: {path}, where its lock file goes, is not a regular file: remove it"
+    )
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise not_a_file
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_NOFOLLOW
+    try:  # (without waiting, should one appear meanwhile)
+        descriptor = os.open(path, flags, 0o644)
+    except OSError as err:
+        raise ValueError(f"--save: cannot create its lock file {path} ({err.strerror})") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise not_a_file
+    return os.fdopen(descriptor, "a")
 
 
 def release_save_folders() -> None:
     """Let go of the --save folders this process claimed (their lock files go too)."""
     while CLAIMED:
         path, lock = CLAIMED.popitem()
-        Path(lock.name).unlink(missing_ok=True)
+        lock_path(path).unlink(missing_ok=True)
         lock.close()
 
 

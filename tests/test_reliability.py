@@ -691,3 +691,127 @@ def test_every_bad_flag_through_torchrun_says_its_line():
             result.stderr[-2000:],
         )
         assert no_hplab_traceback(result.stderr), (flags, result.stderr[-2000:])
+
+
+# --- a checkpoint folder belongs to one run (issue: correctness first) -------------------------
+
+
+def test_a_save_folder_named_through_a_link_shares_its_lock(tmp_path, capsys, monkeypatch):
+    """The lock is keyed on the folder's real path: a second run naming the same folder through
+    a symbolic link is refused too (it would delete the first one's save as it is written)."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+         str(tmp_path / ".real.lock")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--save", str(link))
+        assert code == 2 and "is being written by another run" in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert list(real.iterdir()) == []
+
+
+def test_a_fifo_where_the_lock_goes_is_one_line(tmp_path, capsys, monkeypatch):
+    os.mkfifo(tmp_path / ".ckpt.lock")  # (opening it to write would wait for a reader forever)
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--save", str(tmp_path / "ckpt"))
+    assert code == 2 and err.count("\n") == 1 and "is not a regular file" in err, err
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("name", ["/dev/zero", "../secret.txt", "fifo"])
+def test_checksum_names_are_files_of_the_checkpoint(
+    saved_checkpoint, name, tmp_path, capsys, monkeypatch
+):
+    """trainer_state.json's checksums name the checkpoint's own files: /dev/zero made --resume
+    read for ever, and any path would let it read any file on the machine."""
+    import json
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(saved_checkpoint, copy)
+    (tmp_path / "secret.txt").write_text("not yours")
+    os.mkfifo(copy / "fifo")
+    state = json.loads((copy / "trainer_state.json").read_text())
+    state["checksums"][name] = "0" * 64
+    (copy / "trainer_state.json").write_text(json.dumps(state))
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--steps", "4", "--resume", str(copy))
+    assert code == 2 and err.count("\n") == 1 and "which is not a file of a checkpoint" in err, err
+
+
+def test_a_checkpoint_file_that_is_a_fifo_is_one_line(
+    saved_checkpoint, tmp_path, capsys, monkeypatch
+):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(saved_checkpoint, copy)
+    (copy / "rng.safetensors").unlink()
+    os.mkfifo(copy / "rng.safetensors")
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--steps", "4", "--resume", str(copy))
+    assert code == 2 and err.count("\n") == 1 and "rng.safetensors is not a regular file" in err
+
+
+@pytest.mark.parametrize(
+    ("shard", "says"),
+    [("fifo.safetensors", "fifo.safetensors is not a regular file"),
+     ("../model.safetensors", "expected the name of a .safetensors file in the same folder")],
+)  # fmt: skip
+def test_a_shard_index_names_files_of_its_folder(
+    saved_checkpoint, shard, says, tmp_path, capsys, monkeypatch
+):
+    """A sharded model's index names its shards: a FIFO among them blocked --init-from, and a
+    path outside the folder would read anyone's file."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(saved_checkpoint, hf)
+    names = list(load_file(hf / "model.safetensors"))
+    for extra in ("trainer_state.json", "optimizer.safetensors", "rng.safetensors"):
+        (hf / extra).unlink()  # (a Hugging Face folder, as save_pretrained writes one)
+    os.mkfifo(hf / "fifo.safetensors")
+    index = {"weight_map": dict.fromkeys(names, shard)}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--init-from", str(hf))
+    assert code == 2 and err.count("\n") == 1 and says in err, err
+
+
+def test_resume_auto_never_takes_another_runs_checkpoint(
+    saved_checkpoint, tmp_path, capsys, monkeypatch
+):
+    """A run with its own seed whose --save holds an older run's checkpoint does not go on from
+    it (the two runs' losses would read as one history): --resume auto says so in one line."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(saved_checkpoint, copy)
+    before = fingerprint(copy)
+    flags = ["--nproc", "2", "--steps", "4", "--save", str(copy), "--resume", "auto"]
+    code, err = run_main(capsys, monkeypatch, *flags, "--seed", "7", "--lr", "2e-3")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "holds the checkpoint of another run (--seed 0, this run 7; --lr" in err, err
+    assert f"resume it with --resume {copy}" in err
+    assert fingerprint(copy) == before
+
+
+def test_a_restart_goes_on_only_from_its_own_runs_checkpoint(saved_checkpoint, monkeypatch):
+    """A restart (attempt 1) resumes from --save only if this run wrote the checkpoint there;
+    a new run killed before its own first save starts afresh again, as its first attempt did."""
+    from hplab.cli import parse_args
+    from hplab.preflight import resume_point
+
+    monkeypatch.setenv("HPLAB_ATTEMPT", "1")
+    for seed, resumes in (("0", str(saved_checkpoint)), ("7", None)):
+        args = parse_args(["--steps", "4", "--save", str(saved_checkpoint), "--seed", seed])
+        resume_point(args)
+        assert args.resume == resumes, seed
