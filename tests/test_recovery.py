@@ -103,6 +103,21 @@ def test_a_killed_a_frozen_and_a_saving_rank_cost_only_the_steps_since_the_check
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # torn: gone
 
 
+def test_a_lone_frozen_rank_is_seen_by_its_heartbeat_and_restarted(tmp_path, uninterrupted):
+    """One process frozen at step 5 has no peer whose collective would time out: its launcher
+    sees its heartbeat stop (HPLAB_TIMEOUT_S, here 5 s), restarts it from the checkpoint of
+    step 3, and the curve is unchanged."""
+    save = str(tmp_path / "ckpt")
+    flags = ["--save", save, "--save-every", "3", "--max-restarts", "1"]
+    code, lines, metrics = train(tmp_path, "frozen", *flags, fault="5:0:hang", timeout_s=5, nproc=1)
+    assert code == 0, lines
+    assert lines == [
+        "hplab: restart 1 of 1: process 0 stopped responding at step 5: no sign of life for "
+        "5 s (HPLAB_TIMEOUT_S sets how long); resuming from step 3"
+    ]
+    assert curve(metrics) == pytest.approx(uninterrupted, rel=1e-5, abs=0)
+
+
 def _killed_rank(argv: list[str]) -> int:
     """A rank of `launch` (forked): rank 1 is killed at step 1; rank 0 then finds its peer
     gone, as gloo would tell it, and says so in the status folder."""

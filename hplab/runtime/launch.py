@@ -15,6 +15,7 @@ MASTER_ADDR, MASTER_PORT), watches them, and stops them all when one fails or on
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -117,14 +118,32 @@ def _attempt(nproc, argv, run_rank, script, attempt: int, status: str, history) 
                 run_forked_rank(env, argv, run_rank)
             workers.pids.append(pid)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        workers.watch()
+        # a rank alone has no peer to time out waiting for it: its silence is the sign; with
+        # peers, they say it first (the second timeout is for a job whose ranks all froze)
+        silence_s = DEFAULT_TIMEOUT_S * (1 if nproc == 1 else 2)
+        frozen = workers.watch(Path(status), silence_s)
     except KeyboardInterrupt:
         workers.stop_all()
         print(f"hplab: interrupted: stopped all {nproc} processes", file=sys.stderr)
         return "interrupted", 130, None, False
     codes = {rank: workers.poll(pid) for rank, pid in enumerate(workers.pids)}  # None: running
     workers.stop_all()
+    if frozen is not None:  # (no peer timed out: it was alone, or they all froze)
+        return silent(frozen, Path(status), nproc, silence_s)
     return what_failed(codes, Path(status))
+
+
+def silent(rank: int, status: Path, nproc: int, seconds: float) -> tuple:
+    """`what_failed`'s answer for a rank that stopped showing signs of life (`heartbeat`)."""
+    steps, _ = read_status(status, nproc)
+    where = f" at step {steps[rank]}" if rank in steps else " before its first step"
+    return (
+        f"process {rank} stopped responding{where}: no sign of life for {seconds:g} s "
+        "(HPLAB_TIMEOUT_S sets how long)",
+        1,
+        steps.get(rank),
+        rank in steps,
+    )
 
 
 def what_failed(codes: dict[int, int | None], status: Path) -> tuple | None:
@@ -182,13 +201,26 @@ def supervised() -> bool:
 
 
 def note_step(step: int) -> None:
-    """Tell the launcher that this rank starts step `step` (a fixed-width write in place)."""
+    """Tell the launcher that this rank starts step `step` (a fixed-width write in place); the
+    first call also starts the rank's heartbeat."""
     if not supervised():
         return
     if not _STEP_FILE:
         path = Path(os.environ[STATUS_DIR]) / f"rank{os.environ.get('RANK', 0)}.step"
         _STEP_FILE.append(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        threading.Thread(target=heartbeat, args=(path.with_suffix(".alive"),), daemon=True).start()
     os.pwrite(_STEP_FILE[0], f"{step:>20}\n".encode(), 0)
+
+
+def heartbeat(path: Path, every_s: float = 1.0) -> None:
+    """Touch `path` every second while this process lives and runs. A frozen rank (stopped, or
+    stuck with no thread scheduled) stops touching it: a rank alone has no peer whose
+    collective would time out, so its launcher watches this instead (`Workers.watch`)."""
+    path.touch()
+    while True:
+        time.sleep(every_s)
+        with contextlib.suppress(OSError):  # (the launcher removed the folder: it is ending)
+            os.utime(path)
 
 
 def note_error(message: str) -> None:
@@ -229,14 +261,31 @@ class Workers:
     def running(self) -> bool:
         return any(self.poll(pid) is None for pid in self.pids)
 
-    def watch(self) -> None:
+    def watch(self, status: Path, silence_s: float) -> int | None:
         """Wait until all end or one fails; then give the others 3 s to end too (cut off from
-        it, they fail on their own and say why), and return."""
+        it, they fail on their own and say why), and return None. A rank whose heartbeat in
+        `status` is older than `silence_s` (the collective timeout) is frozen: its rank is
+        returned at once (with peers, they would have timed out waiting for it by then)."""
         while not any(self.poll(pid) for pid in self.pids) and self.running():
+            if (frozen := self.silent_rank(status, silence_s)) is not None:
+                return frozen
             time.sleep(0.1)
         deadline = time.monotonic() + 3
         while any(self.codes.values()) and self.running() and time.monotonic() < deadline:
             time.sleep(0.1)
+        return None
+
+    def silent_rank(self, status: Path, silence_s: float) -> int | None:
+        """The first running rank whose heartbeat has not been seen for `silence_s`."""
+        now = time.time()
+        for rank, pid in enumerate(self.pids):
+            try:
+                last = (status / f"rank{rank}.alive").stat().st_mtime
+            except OSError:  # (not started yet, or no heartbeat: nothing to judge)
+                continue
+            if now - last > silence_s and self.poll(pid) is None:
+                return rank
+        return None
 
     def stop_all(self) -> None:
         """SIGTERM then SIGCONT (a stopped process ends on waking, saying nothing) to every rank
