@@ -80,6 +80,11 @@ def command(argv: list[str] | None) -> int:
                 "--max-restarts is train.py --nproc's: under torchrun give torchrun "
                 "--max-restarts N (a restarted train.py resumes from --save by itself)"
             )
+        if args.max_restarts and not args.nproc and not under_torchrun:
+            raise ValueError(
+                f"--max-restarts {args.max_restarts} restarts the job's processes, which takes a "
+                "launcher: add --nproc N (1 for one process)"
+            )
         if args.nproc and not under_torchrun:
             preflight(args, args.nproc)  # (each rank checks again: the same flags, quickly)
             return launch(args.nproc, argv, main, __file__, args.max_restarts, restart(argv))

@@ -433,6 +433,18 @@ def test_bad_flags_fail_before_launch_with_one_line(flags, says, capsys, monkeyp
     assert code == 2 and err.count("\n") == 1 and says in err, err
 
 
+def test_max_restarts_without_a_launcher_is_one_line(tmp_path, capsys, monkeypatch):
+    """Without --nproc (or torchrun) no launcher watches the process, so --max-restarts was
+    ignored in silence: it is refused before training, saying what to add."""
+    save = str(tmp_path / "ckpt")
+    code, err = run_main(capsys, monkeypatch, "--max-restarts", "1", "--save", save)
+    assert code == 2 and err.count("\n") == 1, err
+    assert (
+        "--max-restarts 1 restarts the job's processes, which takes a launcher: add --nproc" in err
+    )
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_config_values_meet_the_same_checks(tmp_path, capsys, monkeypatch):
     recipe = tmp_path / "r.toml"
     for text, says in (
