@@ -69,13 +69,7 @@ def preflight(args, world_size: int) -> Run:
             "machines, whose network is real: drop --link (and HPLAB_LINK)"
         )
     settle_lr_schedule(args)
-    for fault in faults.planned():  # (a malformed HPLAB_FAULT: ValueError, one line)
-        struck_already = fault.attempt is not None and fault.attempt < faults.attempt()
-        if fault.rank >= world_size and not struck_already:  # (an elastic job shrinks)
-            raise ValueError(
-                f"HPLAB_FAULT asks rank {fault.rank} to fail, but the job has {world_size} "
-                f"process{'es' * (world_size > 1)} (ranks 0 to {world_size - 1})"
-            )
+    check_faults(args, world_size)
     saved, model = model_of(args)
     layout = layout_of(args)
     validate(layout, model, world_size)
@@ -85,6 +79,38 @@ def preflight(args, world_size: int) -> Run:
     check_machine(args, model, layout, world_size)
     dataset, validation = token_files(args, model)
     return Run(model, layout, optim_of(args), dataset, validation, saved)
+
+
+def check_faults(args, world_size: int) -> None:
+    """Every fault HPLAB_FAULT plans must be able to strike (ValueError, one line, if not; a
+    malformed HPLAB_FAULT too): one that never could is a test or a lesson that proves nothing.
+    Those of earlier attempts have struck already (and an elastic job may have shrunk since)."""
+    for fault in faults.planned():
+        if fault.attempt is not None and fault.attempt < faults.attempt():
+            continue
+        asks = f"HPLAB_FAULT asks rank {fault.rank} to fail at step {fault.step}"
+        if fault.rank >= world_size:
+            raise ValueError(
+                f"HPLAB_FAULT asks rank {fault.rank} to fail, but the job has {world_size} "
+                f"process{'es' * (world_size > 1)} (ranks 0 to {world_size - 1})"
+            )
+        if fault.step >= args.steps + (fault.kind == "kill-in-save"):  # (saves count steps done)
+            raise ValueError(f"{asks}, but the run has --steps {args.steps}: it never gets there")
+        restarts = args.max_restarts or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+        if fault.attempt is not None and fault.attempt > restarts:
+            raise ValueError(
+                f"{asks} in attempt {fault.attempt}, but --max-restarts {restarts} ends the job "
+                f"after attempt {restarts}"
+            )
+        saved_then = args.save and (
+            fault.step == args.steps or (args.save_every and fault.step % args.save_every == 0)
+        )
+        saved_then = saved_then and fault.step > 0  # (the first checkpoint holds one step)
+        if fault.kind == "kill-in-save" and not saved_then:
+            raise ValueError(
+                f"{asks}'s checkpoint, but no checkpoint is written after step {fault.step}: "
+                "give --save DIR and a --save-every K that divides it"
+            )
 
 
 def check_switches(args) -> None:

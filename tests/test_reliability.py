@@ -445,6 +445,27 @@ def test_max_restarts_without_a_launcher_is_one_line(tmp_path, capsys, monkeypat
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize(
+    ("fault", "flags", "says"),
+    [
+        ("9:0:kill", [], "fail at step 9, but the run has --steps 4: it never gets there"),
+        ("2:1:kill@1", [], "in attempt 1, but --max-restarts 0 ends the job after attempt 0"),
+        ("2:0:kill-in-save", [], "no checkpoint is written after step 2: give --save DIR"),
+        ("3:0:kill-in-save", ["--save-every", "2"], "no checkpoint is written after step 3"),
+    ],
+)
+def test_a_fault_that_can_never_strike_is_one_line(
+    fault, flags, says, tmp_path, capsys, monkeypatch
+):
+    """HPLAB_FAULT planning a failure the run never reaches was accepted in silence: a lesson
+    or a test about recovery would then prove nothing."""
+    monkeypatch.setenv("HPLAB_FAULT", fault)
+    if "--save-every" in flags:
+        flags = [*flags, "--save", str(tmp_path / "ckpt")]
+    code, err = run_main(capsys, monkeypatch, "--nproc", "2", "--steps", "4", *flags)
+    assert code == 2 and err.count("\n") == 1 and says in err, err
+
+
 def test_config_values_meet_the_same_checks(tmp_path, capsys, monkeypatch):
     recipe = tmp_path / "r.toml"
     for text, says in (
