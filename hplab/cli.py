@@ -16,9 +16,11 @@ from hplab.flags import COUNT, NONNEGATIVE, SEED, OneLineParser, add_flags, at_l
 from hplab.plan.formulas import LR_DECAYS
 
 on = dict(action="store_true")
+DEFAULT_MODEL = "tiny"  # --model's, when neither it nor --init-from names one
 MODEL_FLAGS = {
-    "--model": dict(
-        default="tiny", help="preset: tiny, gpt2, gpt2-medium (GPT-2); llama-tiny, llama-125m"
+    "--model": dict(  # (None until preflight: typed beside --init-from, it must agree with it)
+        help=f"preset: tiny, gpt2, gpt2-medium (GPT-2); llama-tiny, llama-125m (default "
+        f"{DEFAULT_MODEL})"
     ),
     "--n-layer": dict(type=COUNT),
     "--n-embd": dict(type=COUNT),

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from hplab import checkpoint
-from hplab.cli import build_parser, layout_of, optim_of
+from hplab.cli import DEFAULT_MODEL, layout_of, optim_of
 from hplab.config import Layout, LayoutError, ModelConfig, OptimConfig, validate
 from hplab.data import TokenDataset
 from hplab.models.gpt import config_from_preset
@@ -202,10 +202,12 @@ def other_run(saved_flags, args) -> list[str]:
     history, and its weights trained on as if they were this run's."""
     if not isinstance(saved_flags, dict):
         return ["its flags are not recorded"]
+    this_run = {name: getattr(args, name) for name in RUN_IDENTITY}
+    this_run["model"] = this_run["model"] or DEFAULT_MODEL  # (preflight settles it later)
     return [
-        f"--{name.replace('_', '-')} {saved_flags[name]}, this run {getattr(args, name)}"
+        f"--{name.replace('_', '-')} {saved_flags[name]}, this run {this_run[name]}"
         for name in RUN_IDENTITY
-        if name in saved_flags and saved_flags[name] != getattr(args, name)
+        if name in saved_flags and saved_flags[name] != this_run[name]
     ]
 
 
@@ -254,8 +256,9 @@ def model_of(args) -> tuple[dict | None, ModelConfig]:
     """(--init-from's weights or None, the model): a preset with the size flags, or the
     config.json of --init-from, which the flags may only agree with."""
     saved = checkpoint.load_pretrained(args.init_from) if args.init_from else None
-    preset = build_parser().get_default("model")
-    name = saved["config"] if saved and args.model == preset else args.model
+    typed = args.model is not None  # (--model typed beside --init-from: they must agree)
+    args.model = args.model or DEFAULT_MODEL  # (as the metrics file and checkpoints record it)
+    name = saved["config"] if saved and not typed else args.model
     model = config_from_preset(
         name, args.n_layer, args.n_embd, args.n_head, args.seq_len, args.n_kv_head
     )

@@ -255,6 +255,7 @@ def folder(tmp_path, hf_dir, change: str):
             "different model (n_layer: saved 2, asked 4): leave those flags out",
         ),
         ("", ["--model", "gpt2"], "different model (vocab_size: saved 2048, asked 50257; "),
+        ("", ["--model", "tiny"], "different model (n_positions: saved 16, asked 64; "),
         ("", ["--moe-experts", "4"], "different model (n_experts: saved 0, asked 4)"),
         ("", ["--resume", "x"], "--init-from starts a new run, --resume continues one"),
     ],
