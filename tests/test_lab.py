@@ -72,6 +72,25 @@ def test_a_failing_job_raises_its_one_line_error():
     assert message.startswith("hplab: error: layout dp=3") and "\n" not in message
 
 
+@pytest.mark.parametrize("nproc", ["2", 0, -1, 1.5, True])
+def test_a_bad_number_of_processes_is_one_line_before_any_job(nproc):
+    with pytest.raises(ValueError, match="nproc must be a whole number of processes") as err:
+        lab.train(nproc=nproc, steps=1, progress=False)
+    assert "\n" not in str(err.value)
+
+
+def test_metrics_go_where_asked_and_a_finished_run_says_so(tmp_path):
+    """`metrics=PATH` keeps the metrics file (it wrote nothing there); running a finished
+    `save=..., resume="auto"` cell again says in one line that nothing is left to train."""
+    common = dict(nproc=1, steps=2, progress=False, save=str(tmp_path / "ckpt"), resume="auto")
+    run = lab.train(metrics=str(tmp_path / "m.json"), **common)
+    assert json.loads((tmp_path / "m.json").read_text())["steps"] == run.metrics["steps"]
+    with pytest.raises(lab.LaunchError) as err:
+        lab.train(**common)
+    assert "already holds all 2 steps: nothing is left to train" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 # What a notebook runs (no main module file: jobs are forked from the preloaded forkserver).
 IN_A_NOTEBOOK = """
 import json, multiprocessing.forkserver as server, time

@@ -201,10 +201,13 @@ def launch_json(
     progress: bool,
     timeout_s: float,
     env: dict | None = None,
+    out: str | Path | None = None,
 ) -> tuple[dict, float, str]:
-    """Launch `script` with `out_flag PATH` added; return (the JSON it wrote, seconds, output)."""
+    """Launch `script` with `out_flag PATH` added (PATH: `out`, else a temporary file); return
+    (the JSON it wrote, seconds, output). A job that ends well without writing it (a run its
+    checkpoint already holds whole, say) is a LaunchError with the job's own line."""
     with tempfile.TemporaryDirectory(prefix="hplab-") as tmp:
-        path = Path(tmp) / "out.json"
+        path = Path(out) if out is not None else Path(tmp) / "out.json"
         output, seconds = launch(
             nproc,
             script,
@@ -214,4 +217,10 @@ def launch_json(
             timeout_s,
             env,
         )
+        if not path.is_file():
+            said = [line for line in output.splitlines() if line.startswith("hplab:")]
+            raise LaunchError(
+                f"{label} wrote no results"
+                + (f": {said[-1].removeprefix('hplab: ')}" if said else "")
+            )
         return json.loads(path.read_text()), seconds, output

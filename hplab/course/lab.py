@@ -98,7 +98,10 @@ def train(
     """Run `python hplab/train.py --nproc nproc` with `flags` (python names:
     `bucket_mb=1` is `--bucket-mb 1`, `recompute=True` is `--recompute`) and return its Run.
     `trace=True` (or a folder) adds `--trace` (a new temporary folder): see `Run.timeline()`.
-    `fault="9:1:kill"` injects failures (HPLAB_FAULT, `hplab.runtime.faults`)."""
+    `fault="9:1:kill"` injects failures (HPLAB_FAULT, `hplab.runtime.faults`); `metrics=PATH`
+    keeps the metrics file there too."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a whole number of processes, at least 1; got {nproc!r}")
     shown = as_flags(
         {
             k: v
@@ -119,6 +122,7 @@ def train(
             progress,
             timeout_s,
             {"HPLAB_FAULT": fault or ""},
+            flags.get("metrics"),
         ),
         trace_dir=trace,
     )
