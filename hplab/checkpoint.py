@@ -263,6 +263,12 @@ def load_pretrained(directory: str | Path) -> dict:
     with torch.device("meta"):  # the model's names and shapes, without its memory
         shapes = {name: t.shape for name, t in build_model(config).state_dict().items()}
     _refuse(directory, "lacks tensors of its model:", [n for n in shapes if n not in model])
+    _refuse(  # (dropping them would train another model than the folder holds)
+        directory,
+        "holds tensors its config.json's model has no place for:",
+        [n for n in model if n not in shapes],
+        ": its config.json describes another model than its weights",
+    )
     _refuse(
         directory,
         "holds tensors of other shapes than its config.json says:",

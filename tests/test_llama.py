@@ -87,6 +87,25 @@ def test_presets_count_their_parameters():
     assert 120e6 < PRESETS["llama-125m"].num_params() < 130e6
 
 
+def test_weights_the_config_has_no_place_for_are_refused(tmp_path):
+    """Qwen2's q, k and v biases under a config.json that says llama were dropped in silence
+    (the run then trained another model than the folder's): now one line naming them."""
+    import json
+
+    config = VARIANTS["Qwen2 (q, k, v biases), one K/V head"]
+    state = {n: p.detach() for n, p in build_model(config).named_parameters()}
+    checkpoint.save(tmp_path / "run", config, state, {}, {"step": 0})
+    hf_config = json.loads((tmp_path / "run" / "config.json").read_text())
+    del hf_config["hplab"]
+    hf_config["model_type"] = "llama"
+    (tmp_path / "run" / "config.json").write_text(json.dumps(hf_config))
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.load_pretrained(tmp_path / "run")
+    assert "model has no place for: model.layers.0.self_attn." in str(err.value)
+    assert "model.layers.0.self_attn.q_proj.bias" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_saved_checkpoint_opens_in_transformers_and_init_from_reads_theirs(name, tmp_path):
     config = VARIANTS[name]
