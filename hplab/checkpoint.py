@@ -299,8 +299,14 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
 
 
 def check_compatible(saved, wanted, advice="resume with the same --model and size flags"):
-    """A run resumes only into the model it saved (the layout may change, the model not)."""
-    a, b = ({f.name: getattr(c, f.name) for f in fields(c) if f.compare} for c in (saved, wanted))
+    """A run resumes only into the model it saved (the layout may change, the model not). A
+    Llama's sequence length is not part of its weights (RoPE has no position table): it may
+    differ, so that --seq-len can shorten a folder whose max_position_embeddings is 131072."""
+    free = {"n_positions"} if saved.arch == "llama" else set()
+    a, b = (
+        {f.name: getattr(c, f.name) for f in fields(c) if f.compare and f.name not in free}
+        for c in (saved, wanted)
+    )
     if a != b:
         diffs = "; ".join(f"{k}: saved {a[k]}, asked {b[k]}" for k in a if a[k] != b[k])
         raise CheckpointError(f"the checkpoint holds a different model ({diffs}): {advice}")

@@ -87,6 +87,28 @@ def test_presets_count_their_parameters():
     assert 120e6 < PRESETS["llama-125m"].num_params() < 130e6
 
 
+def test_a_long_context_llama_folder_trains_at_a_shorter_seq_len(tmp_path):
+    """A Llama folder with max_position_embeddings 131072 needs --seq-len to fit (the memory
+    check says so), and --seq-len is then taken: RoPE has no position table to disagree with
+    (it was refused again, "leave those flags out")."""
+    import json
+
+    from hplab.cli import parse_args
+    from hplab.preflight import preflight
+
+    state = {n: p.detach() for n, p in build_model(TINY).named_parameters()}
+    checkpoint.save(tmp_path / "run", TINY, state, {}, {"step": 0})
+    hf_config = json.loads((tmp_path / "run" / "config.json").read_text())
+    del hf_config["hplab"]
+    hf_config["max_position_embeddings"] = 131072
+    (tmp_path / "run" / "config.json").write_text(json.dumps(hf_config))
+    (tmp_path / "run" / "trainer_state.json").unlink()
+    with pytest.raises(ValueError, match="--seq-len"):
+        preflight(parse_args(["--init-from", str(tmp_path / "run")]), 1)
+    job = preflight(parse_args(["--init-from", str(tmp_path / "run"), "--seq-len", "64"]), 1)
+    assert job.model.n_positions == 64 and job.model.n_layer == TINY.n_layer
+
+
 def test_weights_the_config_has_no_place_for_are_refused(tmp_path):
     """Qwen2's q, k and v biases under a config.json that says llama were dropped in silence
     (the run then trained another model than the folder's): now one line naming them."""
