@@ -1,6 +1,7 @@
 """python -m hplab.sample: greedy decoding is argmax decoding, top-k sampling is seeded and draws
 only from the k best tokens with softmax(logits / T), bad input is one line."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -140,6 +141,14 @@ def test_bad_input_is_one_line(saved, tmp_path, capsys):
     shutil.copy(saved / "config.json", config_only)
     assert "no readable model.safetensors" in one_error_line(
         capsys, ["--checkpoint", str(config_only)] + good[2:]
+    )
+    mismatched = shutil.copytree(saved, tmp_path / "mismatched")  # gpt2's 50257 ids for 2048
+    config = json.loads((mismatched / "config.json").read_text())
+    config["hplab"]["config"]["tokenizer"] = "gpt2"
+    (mismatched / "config.json").write_text(json.dumps(config))
+    (mismatched / "trainer_state.json").unlink()  # (its checksums would catch the edit first)
+    assert "has tokenizer 'gpt2' for a vocabulary of 2048 ids" in one_error_line(
+        capsys, ["--checkpoint", str(mismatched)] + good[2:]
     )
     for name in ("model.safetensors", "trainer_state.json"):
         damaged = shutil.copytree(saved, tmp_path / f"damaged_{name}")
