@@ -101,7 +101,7 @@ def _worker():
     attributes (none: the records live in placement.py)."""
     from hplab.models.gpt import PRESETS, build_model, config_from_preset
     from hplab.models.llama import TP_PLAN
-    from hplab.parallel import tp
+    from hplab.parallel import placement, tp
     from hplab.parallel.compose import mark_no_decay
 
     out = {}
@@ -115,8 +115,11 @@ def _worker():
         hplab.fully_shard(block)
     out["fsdp"] = _rows(gpt)
     linear = nn.Linear(4, 3)
-    hplab.ZeroOptimizer(linear.parameters(), torch.optim.SGD, stage=2, lr=0.1)
+    zero = hplab.ZeroOptimizer(linear.parameters(), torch.optim.SGD, stage=2, lr=0.1)
     out["zero"] = _rows(linear)
+    master = zero.buckets[0].master  # one bucket: weight and bias, 15 numbers padded to 16
+    record = placement.of(master)
+    out["zero_master"] = (str(record.dp), record.sharded_over, record.global_shape, master.shape)
     params = [*llama.parameters(), *gpt.parameters(), *linear.parameters()]
     out["attributes"] = sorted({a for p in params for a in vars(p)})
     return out
@@ -153,6 +156,7 @@ def test_fully_sharded_and_zero_tables(results):
     weight = results[0]["zero"]["weight"]
     assert weight[:5] == ["(3, 4)", "(3, 4)", "R", "R", "R"]
     assert weight[5] == "ZeRO Flat(1/2) over dp, synced by hplab.ZeroOptimizer(stage=2)"
+    assert results[1]["zero_master"] == ("Flat(1/2)", "dp", (16,), (8,))
 
 
 def test_no_attribute_is_set_on_a_parameter(results):

@@ -110,8 +110,9 @@ class FlatBucket:
         shard = placement.FlatShard(comm.name, comm.size)
         for p in params:  # the params stay whole; their optimizer state lives in flat shards
             placement.update(p, zero=shard)
-        # the master: disjoint over comm, so a global norm counts it on every rank of comm
-        placement.derive(params[0], self.master, dp=shard, sharded_over=comm.name, zero=None)
+        # the master: disjoint over comm (a global norm counts it on every rank), of the bucket
+        whole = dict(dp=shard, sharded_over=comm.name, zero=None, global_shape=(self.padded,))
+        placement.derive(params[0], self.master, **whole)
         self.grad_shard: torch.Tensor | None = None
         self.ready: set = set()  # stage 2: params whose gradient arrived since the last send
         self.reducing: list = []  # (input, output, Pending) of in-flight reduce-scatters
