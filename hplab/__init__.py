@@ -4,10 +4,10 @@ The building blocks are used the way PyTorch's own are, in an ordinary training 
 docs/strategies.md): `hplab.DDP`, `hplab.ZeroOptimizer`, `hplab.fully_shard` (ZeRO-3, like FSDP2),
 `hplab.tp`, `hplab.pp`, `hplab.cp`, `hplab.moe`; `hplab.parallelize(model, mesh, layout)` (a
 `hplab.Layout`, checked by `hplab.validate`) and `hplab.finalize_grads` compose them for a whole
-layout. Names are imported on first use, so `import hplab` stays cheap (torch loads when
-needed). The course's tools live in `hplab.course` (the library never imports it); `hplab.lab`,
-`hplab.viz`, `hplab.timeline` and `hplab.collectives_bench` are names for its modules, as
-learners have always typed them.
+layout; `print(hplab.placement(model))` shows where each parameter lives. Names are imported
+on first use, so `import hplab` stays cheap (torch loads when needed). The course's tools live
+in `hplab.course` (the library never imports it); `hplab.lab`, `hplab.viz`, `hplab.timeline`
+and `hplab.collectives_bench` are names for its modules, as learners have always typed them.
 """
 
 import importlib
@@ -20,6 +20,7 @@ _PUBLIC = {
         "hplab.parallel.zero": ["ZeroOptimizer"],
         "hplab.parallel.fsdp": ["fully_shard", "full_parameters"],
         "hplab.parallel.mesh": ["Mesh"],
+        "hplab.observe.placement_table": ["placement"],
         "hplab.runtime.group": ["init_distributed"],
         "hplab.parallel.compose": [
             "finish_gradient_sync",

@@ -46,7 +46,7 @@ from hplab.models.hf import (
     to_hf_state_dict,
 )
 from hplab.parallel import collectives as comm
-from hplab.parallel import fsdp, moe, tp
+from hplab.parallel import fsdp, moe, placement, tp
 from hplab.parallel.precision import MasterWeightOptimizer
 from hplab.parallel.zero import ZeroOptimizer
 from hplab.runtime import faults
@@ -322,9 +322,10 @@ def check_compatible(saved, wanted, advice="resume with the same --model and siz
 def _tensor_parallel(p, t: torch.Tensor, mesh, glue: bool) -> torch.Tensor:
     """On the CPU: `t` with its tensor-parallel slices glued (a collective over tp), or this
     rank's slice cut from the full `t`; `t` itself where `p` is not split."""
-    if getattr(p, "tp_split", None) is None or t.dim() == 0:
+    split = placement.of(p).split  # (None: whole over tp)
+    if split is None or t.dim() == 0:
         return t.detach().cpu().clone()
-    return (tp.unshard if glue else tp.shard)(t.to(mesh.device), p.tp_split, mesh.tp).cpu()
+    return (tp.unshard if glue else tp.shard)(t.to(mesh.device), split, mesh.tp).cpu()
 
 
 def _stepped(optimizer, p):

@@ -20,6 +20,7 @@ PUBLIC = [
     "parallelize",
     "finalize_grads",
     "Mesh",
+    "placement",
     "init_distributed",
     "tp",
     "pp",

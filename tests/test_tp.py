@@ -67,12 +67,15 @@ def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimi
 
 
 def sum_partial_grads(model, comm) -> None:
-    """What the composition does after backward under sequence parallel: parameters marked
-    `sequence_parallel_partial` hold partial sums; add them over the tp group (one message)."""
+    """What the composition does after backward under sequence parallel: parameters whose
+    placement records a Partial gradient over tp hold partial sums; add them over the tp group
+    (one message)."""
+    from hplab.parallel import placement
+
     grads = [
         p.grad
         for p in model.parameters()
-        if getattr(p, "sequence_parallel_partial", False) and p.grad is not None
+        if "tp" in placement.of(p).partial_grad_over and p.grad is not None
     ]
     flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat)
@@ -84,10 +87,10 @@ def sum_partial_grads(model, comm) -> None:
 @torch.no_grad()
 def full_grads(model, comm) -> dict:
     """Every parameter's full gradient, by name (tp pieces glued back)."""
-    from hplab.parallel import tp
+    from hplab.parallel import placement, tp
 
     return {
-        name: tp.unshard(p.grad, p.tp_split, comm) if tp.is_split(p) else p.grad.clone()
+        name: tp.unshard(p.grad, placement.of(p).split, comm) if tp.is_split(p) else p.grad.clone()
         for name, p in model.named_parameters()
         if p.grad is not None
     }
@@ -96,10 +99,10 @@ def full_grads(model, comm) -> dict:
 @torch.no_grad()
 def full_state_dict(model, comm) -> dict:
     """The single-device state dict (same names, full shapes), rebuilt on every rank."""
-    from hplab.parallel import tp
+    from hplab.parallel import placement, tp
 
     return {
-        name: tp.unshard(p, p.tp_split, comm) if tp.is_split(p) else p.detach().clone()
+        name: tp.unshard(p, placement.of(p).split, comm) if tp.is_split(p) else p.detach().clone()
         for name, p in model.named_parameters(remove_duplicate=False)
     }
 
@@ -107,12 +110,11 @@ def full_state_dict(model, comm) -> dict:
 @torch.no_grad()
 def load_full_state_dict(model, state_dict: dict, comm) -> None:
     """A single-device checkpoint into a tensor-parallel model: each rank keeps its pieces."""
-    from hplab.parallel import tp
+    from hplab.parallel import placement, tp
 
     for name, p in model.named_parameters():
-        p.copy_(
-            tp.shard(state_dict[name], p.tp_split, comm) if tp.is_split(p) else state_dict[name]
-        )
+        split = placement.of(p).split
+        p.copy_(tp.shard(state_dict[name], split, comm) if tp.is_split(p) else state_dict[name])
 
 
 def gather_vocab(logits, comm, vocab_size: int):
@@ -705,7 +707,7 @@ def test_plans_cut_every_layer(model_plan, sequence_parallel):
     table (replicated by design), the head stays tied, and under sequence parallel every
     whole parameter is marked as a partial sum."""
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel import tp
+    from hplab.parallel import placement, tp
 
     model, plan = (
         (build_model(GPTConfig(**CONFIG)), tp.GPT_PLAN)
@@ -726,7 +728,8 @@ def test_plans_cut_every_layer(model_plan, sequence_parallel):
     assert unsplit == ["transformer.wpe.weight"], unsplit
     assert model.lm_head.weight is model.transformer.wte.weight
     for n, p in params.items():
-        assert p.sequence_parallel_partial == (sequence_parallel and not tp.is_split(p)), n
+        partial = "tp" in placement.of(p).partial_grad_over
+        assert partial == (sequence_parallel and not tp.is_split(p)), n
     assert model.transformer.wte.weight.shape[0] == -(-CONFIG["vocab_size"] // 2)
 
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hplab.observe.memory import MemoryLedger
+from hplab.parallel import placement
 from hplab.parallel.collectives import CommLedger, Communicator
 from hplab.parallel.zero import ZeroError, ZeroOptimizer
 from hplab.runtime.launch import run_distributed
@@ -285,7 +286,7 @@ def _toy_checks(out):
     )
     out["inner_keys"] = sorted(opt.inner.param_groups[0])
     out["sharded_over_dp"] = all(
-        getattr(t, "sharded_over", "") == "dp" for t in opt.inner.param_groups[0]["params"]
+        placement.of(t).sharded_over == "dp" for t in opt.inner.param_groups[0]["params"]
     )
 
 

@@ -1,3 +1,4 @@
 """Observing a run from outside: the observers train.py attaches (`observers`: timings, traces,
 the pipeline's timeline), where a rank's memory goes (`memory`, from the tensors it holds), and
-the metrics file every notebook, test and benchmark reads (`metrics`)."""
+the metrics file every notebook, test and benchmark reads (`metrics`), and where each parameter
+lives (`placement_table`: `print(hplab.placement(model))`)."""

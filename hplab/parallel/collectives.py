@@ -411,14 +411,6 @@ class AllToAll(torch.autograd.Function):
         return AllToAll.apply(grad, ctx.comm, send_rows, recv_rows), None, None, None
 
 
-def copy_markers(source: torch.Tensor, target: torch.Tensor) -> None:
-    """Give `target` — a tensor standing for `source`, such as its shard or fp32 master — the
-    markers other parts read on `source` (`tp_*`, `hplab_*`, `sequence_parallel_partial`)."""
-    for name, value in vars(source).items():
-        if name.startswith(("tp_", "hplab_", "sequence_parallel")):
-            setattr(target, name, value)
-
-
 def bucket_params(params: list[torch.Tensor], bucket_mb: float) -> list[list[torch.Tensor]]:
     """DDP's and ZeRO's messages: buckets of at most `bucket_mb` MiB (a larger parameter alone; 0:
     one each; `math.inf`: one), one dtype and device each, in reverse definition order (roughly

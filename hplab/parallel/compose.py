@@ -26,7 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hplab.config import Layout, OptimConfig, validate
 from hplab.models import llama
-from hplab.parallel import cp, fsdp, moe, pp, tp
+from hplab.parallel import cp, fsdp, moe, placement, pp, tp
 from hplab.parallel.collectives import Communicator
 from hplab.parallel.ddp import DDP
 from hplab.parallel.mesh import Mesh
@@ -65,30 +65,27 @@ class Parallel:
 
 
 def mark_no_decay(model: nn.Module) -> None:
-    """No weight decay on biases, norms, embeddings (the tied LM head too), marked by role
-    on the whole model: tp slices and pp stages keep it, `copy_markers` passes it to shards."""
+    """No weight decay on biases, norms, embeddings (the tied LM head too), recorded by role
+    on the whole model: tp slices and pp stages keep it, shards and masters derive it."""
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if name == "bias" or isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.Embedding)):
-                p.hplab_no_decay = True
+                placement.update(p, no_decay=True)
 
 
-def parameter_groups(
-    params, tied: nn.Parameter | None = None, is_first: bool = True, weight_decay: float = 0.0
-) -> list:
-    """Group parameters by where their copies live (`replicated_over`): tensor-parallel slices
-    over dp, the rest over dp and tp; the pipeline's tied embedding alone (+pp on the last);
-    and by weight decay (0 if `mark_no_decay` marked it: ZeRO's shards never mix groups)."""
+def parameter_groups(params, tied: nn.Parameter | None = None, weight_decay: float = 0.0) -> list:
+    """Group parameters by where their copies live (their placement's `copies_over`: a
+    tensor-parallel slice's over dp, the rest's over dp and tp, an expert's over edp), the
+    pipeline's tied embedding alone, and by weight decay (0 for `no_decay`): a ZeRO shard of
+    a group then holds pieces that all live alike."""
     groups: dict[tuple, list] = {}
     for p in (p for p in params if p.requires_grad):
-        families = ("edp",) if moe.is_expert(p) else ("dp",)  # experts: their replicas only
-        families += () if getattr(p, "tp_split", None) is not None else ("tp",)
-        families += ("pp",) if p is tied and not is_first else ()
-        decay = 0.0 if getattr(p, "hplab_no_decay", False) else weight_decay
-        groups.setdefault((families, p is tied, decay), []).append(p)
+        record = placement.of(p)
+        decay = 0.0 if record.no_decay else weight_decay
+        groups.setdefault((record.copies_over, p is tied, decay), []).append(p)
     return [
-        {"params": ps, "replicated_over": list(fams), "tied": is_tied, "weight_decay": decay}
-        for (fams, is_tied, decay), ps in groups.items()
+        {"params": ps, "tied": is_tied, "weight_decay": decay}
+        for (_, is_tied, decay), ps in groups.items()
     ]
 
 
@@ -157,16 +154,12 @@ def lr_factor(optim: OptimConfig, step: int) -> float:
     return learning_rate(step, o.lr, o.warmup_steps, o.lr_decay, o.decay_steps, o.min_lr) / o.lr
 
 
-def kv_replicas(p) -> int:
-    """How many tensor-parallel ranks hold the same piece of `p` (1 but for shared K/V heads)."""
-    return p.tp_split.replicas if tp.is_split(p) else 1
-
-
 def kv_replica_group(gpt, mesh: Mesh):
     """The ranks of this rank's tp group that hold its K/V heads alike, when a Llama has fewer
     K/V heads than tp ranks (`models.llama.kv_heads`), as a Communicator: their gradients are
     partial sums to add up. None when each rank holds its own."""
-    replicas, mine = max(map(kv_replicas, gpt.parameters()), default=1), None
+    replicas = max((placement.of(p).kv_replicas for p in gpt.parameters()), default=1)
+    mine = None
     for ranks in mesh.groups["tp"] if replicas > 1 else ():
         for block in (ranks[i : i + replicas] for i in range(0, len(ranks), replicas)):
             group = new_group(block)  # (every rank creates every group, in the same order)
@@ -204,14 +197,14 @@ def make_sharded_optimizer(gpt, owned, stages, mesh, layout: Layout, optim: Opti
     """AdamW over this rank's parameters, grouped by where their copies live: as ZeRO-1/2 over
     dp × cp (experts over their replicas, dp/ep × cp), over fp32 masters (mixed precision
     without ZeRO), or plain (ZeRO-3: the fp32 shards)."""
-    is_first = any(s.is_first for s in stages)
     ends = any(s.is_first or s.is_last for s in stages) and gpt.config.tie_word_embeddings
     tied = gpt.lm_head.weight if ends else None  # (the embedding's too: on both ends)
-    groups = parameter_groups(owned.parameters(), tied, is_first or not stages, optim.weight_decay)
+    groups = parameter_groups(owned.parameters(), tied, optim.weight_decay)
     settings = dict(lr=optim.lr, weight_decay=optim.weight_decay, **ADAMW)
     if layout.zero in (1, 2):
-        for group in (g for g in groups if "edp" in g["replicated_over"]):  # the experts':
-            group.update(shard_over=mesh.edp_cp, average_over=mesh.dp_cp.size)  # replicas
+        for group in groups:  # the experts' over their replicas
+            if placement.of(group["params"][0]).expert:
+                group.update(shard_over=mesh.edp_cp, average_over=mesh.dp_cp.size)
         return ZeroOptimizer(
             groups,
             torch.optim.AdamW,
@@ -260,8 +253,8 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None,
         moe.sync_gradients(list(model.parameters()), mesh.dp_cp, mesh.edp_cp)
     params, tp_comm = list(model.parameters()), mesh.tp if mesh.tp_size > 1 else None
     partial_sums = [  # (over which ranks, the parameters whose gradients are partial sums)
-        (tp_comm, [p for p in params if getattr(p, "sequence_parallel_partial", False)]),
-        (kv_comm, [p for p in params if kv_replicas(p) > 1]),
+        (comm, [p for p in params if name in placement.of(p).partial_grad_over])
+        for comm, name in ((tp_comm, "tp"), (kv_comm, "tp_kv"))
     ]
     sharded = isinstance(optimizer, ZeroOptimizer) and optimizer.stage == 2  # (grads moved)
     for comm, partial in partial_sums if not sharded else ():
@@ -283,15 +276,13 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None,
 def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
     """Scale the stepped gradients so the whole model's gradient has L2 norm ≤ max_norm; return
     the norm. Each element counts once: here unless a rank with a lower coordinate holds the
-    same numbers (`replicated_over`; ZeRO and FSDP shards are disjoint over dp or edp)."""
+    same numbers (`placement.counted_here`; ZeRO and FSDP shards are disjoint over dp or edp)."""
     counted, grads = [], []
     for group in stepped_groups(optimizer):
         for t in (t for t in group["params"] if t.grad is not None):
             grads.append(t.grad)
-            families = set(group.get("replicated_over", ("dp", "tp"))) | {"cp"}  # all: cp
-            families -= set(getattr(t, "sharded_over", "").split("_"))  # e.g. dp_cp: dp, cp
-            if all(getattr(mesh, f"{family}_rank") == 0 for family in families):
-                counted.append(t.grad.float().pow(2).sum() / kv_replicas(t))  # (once)
+            if placement.counted_here(t, mesh, group.get("tied", False)):  # (once)
+                counted.append(t.grad.float().pow(2).sum() / placement.of(t).kv_replicas)
     # each tensor's sum of squares in fp32, added up in fp64: one host sync, not one per tensor
     squares = float(torch.stack(counted).double().sum()) if counted else 0.0
     norm = mesh.world.all_reduce_scalar(squares) ** 0.5

@@ -22,9 +22,10 @@ module's registered Parameter is *replaced* by that chunk, under the same name, 
     opt = torch.optim.AdamW(model.parameters())
     loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
 
-FSDP2 makes each shard a `DTensor` (`Shard(0)` of a mesh); here it is a plain tensor with the
-few facts needed to undo the cut beside it. A tied parameter (GPT's wte = lm_head) goes to the
-outermost unit that holds it. Frozen parameters are sharded and gathered too, without grads.
+FSDP2 makes each shard a `DTensor` (`Shard(0)` of a mesh); here it is a plain tensor whose
+placement record says `Shard(0)` over the group (hplab/parallel/placement.py). A tied
+parameter (GPT's wte = lm_head) goes to the outermost unit that holds it. Frozen parameters
+are sharded and gathered too, without grads.
 
 **One unit, one message.** A unit's all-gather sends the concatenation of this rank's shards;
 every rank copies each parameter's N chunks into its full-size buffer, which a forward-pre hook
@@ -55,9 +56,13 @@ import math
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
-from hplab.parallel.collectives import communicator, copy_markers
+from hplab.parallel import placement
+from hplab.parallel.collectives import communicator
 from hplab.parallel.sync import claim_gradient_sync
+
+_MANAGED = WeakIdKeyDictionary()  # an owned shard → its _Param (how to gather it, cut it again)
 
 
 class _Param:
@@ -70,8 +75,8 @@ class _Param:
         self.rows = math.ceil(self.d0 / comm.size)
         mine = self.mine(p.detach().float())
         self.shard = nn.Parameter(mine.to(shard_device, copy=True), requires_grad=p.requires_grad)
-        copy_markers(p, self.shard)
-        self.shard.sharded_over, self.shard._fsdp = comm.name, self  # (`is_shard`)
+        placement.derive(p, self.shard, dp=placement.Shard(0), sharded_over=comm.name)
+        _MANAGED[self.shard] = self  # (`is_shard`, `gather_full`)
         self.buffer = torch.empty((comm.size * self.rows, *self.rest), dtype=dtype, device=device)
         self.full = nn.Parameter(
             self.buffer[: self.d0].view(p.shape), requires_grad=p.requires_grad
@@ -297,7 +302,7 @@ def fully_shard(
 
 def is_shard(p) -> bool:
     """Whether `p` is a parameter shard owned by a `fully_shard` unit."""
-    return getattr(p, "_fsdp", None) is not None
+    return p in _MANAGED
 
 
 @torch.no_grad()
@@ -306,7 +311,8 @@ def gather_full(shard_param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor
     (the shard itself, or optimizer state such as exp_avg). A collective: every rank calls it."""
     if tensor.dim() == 0:  # e.g. Adam's step count: the same on every rank
         return tensor.detach().cpu().clone()
-    e, comm = shard_param._fsdp, shard_param._fsdp.comm
+    e = _MANAGED[shard_param]
+    comm = e.comm
     send = tensor.detach().to(comm.device).contiguous()
     out = send.new_empty((comm.size * e.rows, *e.rest))
     comm.all_gather(out, send)
@@ -317,7 +323,7 @@ def gather_full(shard_param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor
 def local_shard(shard_param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `full` (a tensor shaped like the unsharded parameter), padded and
     placed like `shard_param`: the inverse of `gather_full`."""
-    return shard_param._fsdp.mine(full).to(shard_param.device, copy=True)
+    return _MANAGED[shard_param].mine(full).to(shard_param.device, copy=True)
 
 
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:

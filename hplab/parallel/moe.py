@@ -50,6 +50,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hplab.config import check_balance, check_experts, check_top_k
+from hplab.parallel import placement
 from hplab.parallel.collectives import AllToAll
 
 
@@ -79,7 +80,7 @@ class MoE(nn.Module):
         # a dict keyed by the expert's global number: under ep a rank keeps some, names unchanged
         self.experts = nn.ModuleDict({str(e): make_expert() for e in range(n_experts)})
         for p in self.experts.parameters():
-            p.hplab_expert = True  # replicated over the expert-data-parallel group only
+            placement.update(p, expert=True)  # replicated over the expert-data-parallel group only
         self.ep = None  # the expert-parallel Communicator (None: every expert is here)
         self.counted_over = []  # the groups f_e is summed over (none: these tokens are the batch)
 
@@ -183,7 +184,7 @@ def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> None:
 
 
 def is_expert(p: torch.Tensor) -> bool:
-    return getattr(p, "hplab_expert", False)
+    return placement.of(p).expert
 
 
 @torch.no_grad()

@@ -12,7 +12,8 @@ really steps. `WrappedOptimizer` is what the two share:
     step()               reduce_gradients(), this optimizer's hyperparameters (a scheduled lr)
                          handed to `inner`, `inner.step()`, then the new values written back
     stepped_groups       `inner`'s param groups: what the global-norm clip and the checkpoint
-                         read, with the same extra keys (`replicated_over`, `tied`) as these
+                         read, with the same extra keys (`tied`) as these (where each
+                         tensor lives is its placement record: hplab/parallel/placement.py)
 """
 
 from __future__ import annotations

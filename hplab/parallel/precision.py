@@ -33,7 +33,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
-from hplab.parallel.collectives import copy_markers
+from hplab.parallel import placement
 from hplab.parallel.optim import WrappedOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -109,7 +109,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             for p in g["params"]
         }
         for p, master in self.masters.items():
-            copy_markers(p, master)
+            placement.derive(p, master)  # a master lives where its parameter does
         masters = [
             {**g, "params": [self.masters[p] for p in g["params"]]} for g in self.param_groups
         ]

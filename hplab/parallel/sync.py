@@ -12,18 +12,21 @@ but does not claim.
 
 from __future__ import annotations
 
+from hplab.parallel import placement
+
 
 class DoubleSyncError(ValueError):
     """Two wrappers would both average the same parameters' gradients (a wrong gradient)."""
 
 
 def claim_gradient_sync(params, by: str, allowed=(), claim: bool = True) -> None:
-    """Note that `by` averages these parameters' gradients over data parallel; raise a
-    DoubleSyncError if another wrapper (not in `allowed`) already does. `claim=False` checks
-    only (ZeRO-1, which is correct after DDP but not on fully_shard's shards)."""
+    """Record that `by` averages these parameters' gradients over data parallel (their
+    placement's `synced_by`); raise a DoubleSyncError if another wrapper (not in `allowed`)
+    already does. `claim=False` checks only (ZeRO-1, which is correct after DDP but not on
+    fully_shard's shards)."""
     params = list(params)
     for p in params:
-        other = getattr(p, "_gradients_synced_by", None)
+        other = placement.of(p).synced_by
         if other and other not in allowed:
             use = (
                 "use hplab.fully_shard alone, with a plain torch optimizer on its shards"
@@ -38,4 +41,4 @@ def claim_gradient_sync(params, by: str, allowed=(), claim: bool = True) -> None
                 f"reduction in the same backward gives wrong gradients: {use}"
             )
     for p in params if claim else ():
-        p._gradients_synced_by = by
+        placement.update(p, synced_by=by)

@@ -36,7 +36,7 @@ parallel cuts those along the *sequence*: each rank keeps s/T tokens of the resi
 becomes a reduce-scatter (sum, keep my tokens), f an all-gather (everyone's tokens, before the
 column-parallel matmul): together what one all-reduce moves, with T times less activation
 memory. Parameters left whole (layer norms, row-parallel biases, position embeddings) see s/T
-tokens per rank: `parallelize` marks them `p.sequence_parallel_partial` (partial-sum grads).
+tokens per rank: `parallelize` records their gradient as Partial over tp (`placement`).
 
 Collectives per transformer block, every payload b·s·h (b sequences of s tokens, hidden h):
 
@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -59,7 +58,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hplab.config import check_tensor_parallel
+from hplab.parallel import placement
 from hplab.parallel.collectives import Communicator, communicator
+from hplab.parallel.placement import Split
 
 
 class TensorParallelError(ValueError):
@@ -194,18 +195,8 @@ class LinearWithSequenceGather(torch.autograd.Function):
 
 
 # --- 3. How a parameter is cut, and glued back -----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Split:
-    """A piece of the full tensor cut along `dim`, each of its `fused` blocks (c_attn's Q|K|V)
-    on its own; `full_size`: the size before zero padding to a multiple of T (a vocabulary);
-    `replicas`: consecutive ranks holding the same piece (fewer K/V heads than ranks)."""
-
-    dim: int
-    fused: int = 1
-    full_size: int | None = None
-    replicas: int = 1
+# A `Split` (dim, fused blocks, vocabulary padding, K/V replicas) is kept in the parameter's
+# placement record (hplab/parallel/placement.py), where the clip and the checkpoint read it.
 
 
 def shard(full: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
@@ -229,15 +220,17 @@ def unshard(local: torch.Tensor, split: Split, comm: Communicator) -> torch.Tens
     return full.narrow(split.dim, 0, split.full_size or full.shape[split.dim]).contiguous()
 
 
-is_split = lambda p: getattr(p, "tp_split", None) is not None  # noqa: E731 (a piece of a param)
+def is_split(p: torch.Tensor) -> bool:
+    """Whether `p` is a piece of a bigger parameter (its placement record has a tp Split)."""
+    return placement.of(p).split is not None
 
 
 def cut(p: nn.Parameter | None, split: Split, comm: Communicator) -> nn.Parameter | None:
     """Keep only this rank's piece of parameter `p`, in place: the Parameter object stays the
     same, so a module tied to it (the LM head holds the embedding's) holds the piece too."""
     if p is not None and not is_split(p):
+        placement.update(p, split=split, global_shape=tuple(p.shape))  # read by unshard, clip
         p.data = shard(p.data, split, comm)
-        p.tp_split = split  # read by unshard / clipping: a piece of a bigger parameter
     return p
 
 
@@ -393,12 +386,12 @@ GPT_PLAN = {  # hplab's GPT (hplab/models/gpt.py); the order matters: wte before
 
 def experts_see_every_token(moe, comm, sequence_parallel=False):
     """Under sequence parallel a mixture of experts routes all s tokens on every rank (gathered
-    first; this rank keeps its s/T of the output): its gradients are whole, `tp_every_token`."""
+    first; this rank keeps its s/T of the output): its gradients are whole (Replicate)."""
     if sequence_parallel:
         moe.register_forward_pre_hook(lambda _, a: (ReplicatedSequence.apply(a[0], comm, True),))
         moe.register_forward_hook(lambda _, a, out: ReplicatedSequence.apply(out, comm, False))
         for p in moe.parameters():
-            p.tp_every_token = True
+            placement.update(p, tp_grad=placement.Replicate())
     return moe
 
 
@@ -443,7 +436,8 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
             old = model.get_submodule(name)
             if (new := style(old, comm, sequence_parallel)) is not old:
                 model.set_submodule(name, new)
-    for p in model.parameters():  # (tp_every_token: a mixture of experts' own, see above)
-        every_token = getattr(p, "tp_every_token", False)
-        p.sequence_parallel_partial = sequence_parallel and not is_split(p) and not every_token
+    for p in model.parameters():  # whole on every rank, from s/T tokens: a partial gradient
+        unsaid = placement.of(p).tp_grad is None  # (a mixture of experts' is whole, see above)
+        if sequence_parallel and not is_split(p) and unsaid:
+            placement.update(p, tp_grad=placement.Partial())
     return model

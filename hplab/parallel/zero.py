@@ -70,7 +70,8 @@ import math
 import torch
 import torch.nn as nn
 
-from hplab.parallel.collectives import Communicator, bucket_params, communicator, copy_markers
+from hplab.parallel import placement
+from hplab.parallel.collectives import Communicator, bucket_params, communicator
 from hplab.parallel.optim import WrappedOptimizer, optimizer_state_tensors
 from hplab.parallel.sync import claim_gradient_sync
 
@@ -106,8 +107,12 @@ class FlatBucket:
                 "cpu" if offload else device, torch.float32, copy=dtype != torch.float32 or offload
             )
         )
-        copy_markers(params[0], self.master)
-        self.master.sharded_over = comm.name  # disjoint there: a global norm counts it on all
+        shard = placement.FlatShard(comm.name, comm.size)
+        for p in params:  # the params stay whole; their optimizer state lives in flat shards
+            placement.update(p, zero=shard)
+        # the master: disjoint over comm (a global norm counts it on every rank), of the bucket
+        whole = dict(dp=shard, sharded_over=comm.name, zero=None, global_shape=(self.padded,))
+        placement.derive(params[0], self.master, **whole)
         self.grad_shard: torch.Tensor | None = None
         self.ready: set = set()  # stage 2: params whose gradient arrived since the last send
         self.reducing: list = []  # (input, output, Pending) of in-flight reduce-scatters
