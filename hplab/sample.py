@@ -77,9 +77,17 @@ def load_model(directory):
         if (Path(directory) / "trainer_state.json").is_file()
         else checkpoint.load_pretrained
     )(directory)
-    model = build_model(saved["config"])
+    config = saved["config"]
+    tokenizer = load_tokenizer(config.tokenizer)
+    if len(tokenizer) > config.vocab_size:  # (its ids would index past the embedding)
+        raise ValueError(
+            f"{directory}: its config.json names the tokenizer {config.tokenizer!r} "
+            f"({len(tokenizer)} ids) for a model of {config.vocab_size}: the model was not "
+            "trained on it"
+        )
+    model = build_model(config)
     model.load_state_dict(saved["model"])
-    return model.eval(), load_tokenizer(saved["config"].tokenizer)
+    return model.eval(), tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,7 +147,7 @@ def test_bad_input_is_one_line(saved, tmp_path, capsys):
     config["hplab"]["config"]["tokenizer"] = "gpt2"
     (mismatched / "config.json").write_text(json.dumps(config))
     (mismatched / "trainer_state.json").unlink()  # (its checksums would catch the edit first)
-    assert "has tokenizer 'gpt2' for a vocabulary of 2048 ids" in one_error_line(
+    assert "names the tokenizer 'gpt2' (50257 ids) for a model of 2048" in one_error_line(
         capsys, ["--checkpoint", str(mismatched)] + good[2:]
     )
     for name in ("model.safetensors", "trainer_state.json"):

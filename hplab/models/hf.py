@@ -64,13 +64,6 @@ def checked(config: ModelConfig) -> ModelConfig:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e30:
             raise ValueError(f"has {name} {value!r}: a positive, finite number")
-    sizes = {name: size for size, name in shipped_tokenizers().items()}
-    if sizes.get(config.tokenizer) != config.vocab_size:  # (its ids would index past the table)
-        known = ", ".join(f"{name}: {size}" for name, size in sizes.items())
-        raise ValueError(
-            f"has tokenizer {config.tokenizer!r} for a vocabulary of {config.vocab_size} ids: "
-            f"a shipped tokenizer and its size go together ({known} ids)"
-        )
     return config
 
 
