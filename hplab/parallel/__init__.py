@@ -14,6 +14,7 @@ on torch.distributed. Read in this order:
     moe.py          mixture of experts and expert parallel (all-to-all dispatch)
     compose.py      the one place where they are put together, and one training step
 
-`sync.py` (one wrapper averages a gradient) and `optim.py` (optimizers that step other tensors
-than the model's) are shared by the strategies above.
+`sync.py` (one wrapper averages a gradient), `buckets.py` (gradients grouped into messages) and
+`optim.py` (optimizers that step other tensors than the model's) are shared by the strategies
+above.
 """

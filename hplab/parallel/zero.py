@@ -70,7 +70,8 @@ import math
 import torch
 import torch.nn as nn
 
-from hplab.parallel.collectives import Communicator, bucket_params, communicator, copy_markers
+from hplab.parallel.buckets import bucket_params
+from hplab.parallel.collectives import Communicator, communicator, copy_markers
 from hplab.parallel.optim import WrappedOptimizer, optimizer_state_tensors
 from hplab.parallel.sync import claim_gradient_sync
 
