@@ -45,11 +45,11 @@ from hplab.models.hf import (
     to_hf_config,
     to_hf_state_dict,
 )
-from hplab.parallel import collectives as comm
 from hplab.parallel import fsdp, moe, placement, tp
 from hplab.parallel.precision import MasterWeightOptimizer
 from hplab.parallel.zero import ZeroOptimizer
 from hplab.runtime import faults
+from hplab.runtime.errors import explained
 
 FORMAT_VERSION = 1
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # what a model's weights may be stored as
@@ -361,7 +361,7 @@ def gather_full_state(par) -> tuple[dict, dict]:
         names = [n for n, p in params if sender and (mesh.dp_rank == 0 or moe.is_expert(p))]
         mine = ({n: model_state[n] for n in names}, {n: optimizer_state[n] for n in names})
         everyone = [None] * dist.get_world_size() if mesh.rank == 0 else None
-        with comm.explained("the checkpoint's gather"):  # in memory, between our processes
+        with explained("the checkpoint's gather"):  # in memory, between our processes
             dist.gather_object(mine, everyone, dst=0)
         for model_part, optimizer_part in everyone or []:
             model_state.update(model_part)

@@ -48,11 +48,11 @@ from hplab.data import get_batch, global_batch_indices, shard_for_rank
 from hplab.models.gpt import build_model
 from hplab.observe import metrics
 from hplab.observe.observers import Observers
-from hplab.parallel.collectives import explained
 from hplab.parallel.compose import evaluate, parallelize, train_step
 from hplab.parallel.mesh import Mesh
 from hplab.preflight import RunComplete, preflight, release_save_folders
 from hplab.runtime import faults, link
+from hplab.runtime.errors import explained
 from hplab.runtime.group import init_distributed, shutdown
 from hplab.runtime.launch import launch, note_error, note_step, supervised
 

@@ -518,7 +518,7 @@ def test_a_second_wrapper_reducing_the_same_gradient_is_refused(results):
 def test_buckets_order_and_sizes():
     """DDP's buckets: the parameters in reverse (backward's order), a new bucket when the next
     parameter would overflow `bucket_mb` (here 20 bytes), a lone larger one on its own."""
-    from hplab.parallel.collectives import bucket_params
+    from hplab.parallel.buckets import bucket_params
 
     def ids(buckets):
         return [[id(p) for p in bucket] for bucket in buckets]

@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hplab.parallel import compose, cp, schedule
-from hplab.parallel.collectives import CommTimeout, Communicator, explained
-from hplab.runtime.group import choose_backend
+from hplab.parallel import collectives, compose, cp, schedule
+from hplab.parallel.collectives import Call
+from hplab.runtime import clock
+from hplab.runtime.errors import CommTimeout, explained, explained_call
+from hplab.runtime.group import RUN_LAYERS, choose_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -260,21 +262,25 @@ def test_offloaded_gradients_are_reduced_through_the_group_device():
          "no error", "lost its connection"),  # gloo, while the group forms
     ],
 )  # fmt: skip
-def test_nccl_errors_become_one_line(text, says):
-    comm = types.SimpleNamespace(name="dp", ranks=[0, 1])
+def test_nccl_errors_become_one_line(text, says, monkeypatch):
+    """A Communicator's call, through the layers a run puts around it."""
+    comm = types.SimpleNamespace(name="dp", ranks=[0, 1], device=torch.device("cpu"))
+    monkeypatch.setattr(collectives, "LAYERS", RUN_LAYERS)
 
     def fail():
         raise RuntimeError(text)
 
     with pytest.raises(CommTimeout, match=f"^all_reduce in the dp group .ranks .0, 1.. {says}"):
-        Communicator._guard(comm, "all_reduce", fail)
+        with collectives.through_layers(Call(comm, "all_reduce"), "launch"):
+            fail()
 
 
 def test_a_raw_collective_outside_a_communicator_is_explained_too():
     """Every torch.distributed collective the library calls itself, outside collectives.py's
     Communicator (a checkpoint's gather, the metrics' gather), and the group's forming, sit
     inside `explained`: a rank that loses its peer there says one line, not gloo's C++ file and
-    line."""
+    line. The Communicator's own calls are explained by the outermost of a run's layers."""
+    assert RUN_LAYERS[0] is explained_call
     text = "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
     with pytest.raises(CommTimeout, match="^the checkpoint's gather in the world group lost its"):
         with explained("the checkpoint's gather"):
@@ -336,9 +342,17 @@ def test_the_ledger_times_nccl_collectives_on_the_gpu():
     """On a GPU the host only queues a collective: the ledger takes NCCL's own time of it (CUDA
     events); on the CPU, the time the caller was blocked."""
     work = types.SimpleNamespace(_get_duration=lambda: 2.5)  # milliseconds
-    on = lambda device: types.SimpleNamespace(device=torch.device(device))  # noqa: E731
-    assert Communicator.work_seconds(on("cuda"), work, waited_s=9.0) == pytest.approx(0.0025)
-    assert Communicator.work_seconds(on("cpu"), work, waited_s=9.0) == 9.0
+
+    def ledger_seconds(device: str, waited_s: float) -> float:
+        """The ledger's time of a wait that blocked the host `waited_s`, on `device`."""
+        comm = types.SimpleNamespace(device=torch.device(device))
+        call = Call(comm, "all_reduce", work=work, stage="wait")
+        with clock.on_the_device(call):
+            pass
+        return waited_s if call.seconds is None else call.seconds
+
+    assert ledger_seconds("cuda", waited_s=9.0) == pytest.approx(0.0025)
+    assert ledger_seconds("cpu", waited_s=9.0) == 9.0
 
 
 def test_the_pipeline_trace_reads_the_devices_clock():

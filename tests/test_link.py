@@ -133,7 +133,8 @@ def _costs(mesh) -> dict:
     link.use(None)
     comm.all_reduce(x.clone())
     pending = comm.all_reduce(x.clone(), async_op=True)
-    off = {"threads": threading.active_count() - threads_before, "link": pending.link}
+    on_the_link = isinstance(pending.call.work, link.OnTheLink)
+    off = {"threads": threading.active_count() - threads_before, "on_the_link": on_the_link}
     pending.wait()
     link.use(SLOW)
     out = {
@@ -216,11 +217,34 @@ def _same_training(layouts: dict) -> dict:
     return out
 
 
+def _bare(mesh) -> dict:
+    """The collectives with no layer at all, as a Communicator in a plain script runs them."""
+    from hplab.parallel import collectives
+
+    comm = mesh.world
+    peer = 1 - mesh.rank
+    layers = collectives.LAYERS[:]
+    collectives.LAYERS[:] = []
+    try:
+        summed = torch.full((3,), mesh.rank + 1.0)
+        comm.all_reduce(summed)
+        waited = torch.ones(2)
+        comm.all_reduce(waited, async_op=True).wait()
+        got = torch.empty(2)
+        mine = torch.full((2,), float(mesh.rank))
+        for message in comm.send_and_recv([("send", mine, peer), ("recv", got, peer)]):
+            message.wait()
+    finally:
+        collectives.LAYERS[:] = layers
+    return {"sum": summed.tolist(), "async": waited.tolist(), "got": got.tolist()}
+
+
 def _worker() -> dict:
     from hplab.parallel.mesh import Mesh
 
     mesh = Mesh(2, 1, 1)
     return {
+        "bare": _bare(mesh),
         "costs": _costs(mesh),
         "queueing": _queueing(mesh),
         "training": _same_training(LAYOUTS),
@@ -254,7 +278,13 @@ def test_a_message_takes_alpha_plus_payload_over_beta_at_the_receiver(measured):
 
 def test_no_link_is_free(measured):
     for result in measured:
-        assert result["costs"]["off"] == {"threads": 0, "link": None}
+        assert result["costs"]["off"] == {"threads": 0, "on_the_link": False}
+
+
+def test_a_communicator_without_layers_runs_the_same_collectives(measured):
+    for rank, result in enumerate(measured):
+        peer = 1.0 - rank
+        assert result["bare"] == {"sum": [3.0] * 3, "async": [2.0] * 2, "got": [peer] * 2}
 
 
 def test_transfers_queue_and_run_beside_compute(measured):

@@ -174,7 +174,7 @@ def calibrated_link(no_link: dict, config, text: str) -> str:
 def describe(args, config, runs: dict, n: int) -> dict:
     """The JSON rank 0 writes (see above)."""
     from hplab.models.gpt import build_model
-    from hplab.parallel.collectives import bucket_params
+    from hplab.parallel.buckets import bucket_params
 
     params = [p for p in build_model(config, seed=0).parameters() if p.requires_grad]
     return dict(

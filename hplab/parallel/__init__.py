@@ -15,6 +15,7 @@ on torch.distributed. Read in this order:
     compose.py      the one place where they are put together, and one training step
 
 `placement.py` (where each parameter lives: one typed record each, which sync, clipping,
-checkpoints and weight decay read), `sync.py` (one wrapper averages a gradient) and `optim.py`
-(optimizers that step other tensors than the model's) are shared by the strategies above.
+checkpoints and weight decay read), `sync.py` (one wrapper averages a gradient), `buckets.py`
+(gradients grouped into messages) and `optim.py` (optimizers that step other tensors than the
+model's) are shared by the strategies above.
 """

@@ -20,8 +20,13 @@ ring algorithm (the nccl-tests convention). For n ranks and a payload of S bytes
     all_to_all      (n-1)/n · S      (S: what this rank sends; its own slice stays home)
     broadcast, send, recv   S
 
-A group of one rank has nothing to exchange: calls on it return at once, uncounted. Every
-collective is bounded by the group's timeout: a `CommTimeout` naming the operation, not a hang.
+A group of one rank has nothing to exchange: calls on it return at once, uncounted.
+
+That is all a Communicator does. What a run adds around every call is a *layer* in `LAYERS`,
+set up once by `hplab.runtime.group.init_distributed`: a timeout or a lost peer said in one line
+(`hplab.runtime.errors`), the call's range in a profiler's timeline (`hplab.observe.ranges`), the
+emulated wire (`hplab.runtime.link`), the GPU's own clock (`hplab.runtime.clock`). A
+Communicator in a plain script, without them, runs the same collectives.
 """
 
 from __future__ import annotations
@@ -30,43 +35,12 @@ import contextlib
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, astuple, dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from hplab.plan.formulas import bus_factor  # the factors above, in one home
-from hplab.runtime import link
-
-#: What gloo and NCCL say when a peer has gone ("connectFullMesh failed" while the group forms;
-#: NCCL: once its communicator was aborted).
-LOST_PEER = ("connect", "remote process exited", "network error", "communicator was aborted")
-WHY_IT_FAILED = {  # what an error's text holds → what it means
-    ("timed out", "timeout", "timing out"): "timed out: a peer probably crashed or called "
-    "collectives in a different order",
-    LOST_PEER: "lost its connection: a peer process ended",
-}
-
-
-class CommTimeout(RuntimeError):
-    """A collective that cannot complete: it timed out (a peer froze or crashed, or ranks
-    disagree on the order of collectives), or a peer process ended."""
-
-
-@contextlib.contextmanager
-def explained(op: str, group: str = "world", ranks: list[int] | None = None):
-    """Inside, a timeout or a lost peer (gloo's or NCCL's own words: a C++ file and line)
-    becomes a CommTimeout that names the operation and the group."""
-    try:
-        yield
-    except RuntimeError as err:
-        text = str(err).lower()
-        why = next((w for k, w in WHY_IT_FAILED.items() if any(s in text for s in k)), None)
-        if why:
-            where = f"{group} group (ranks {ranks})" if ranks else f"{group} group"
-            raise CommTimeout(f"{op} in the {where} {why}") from None
-        raise
 
 
 @dataclass
@@ -126,35 +100,64 @@ class CommLedger:
         }
 
 
+@dataclass(eq=False)
+class Call:
+    """One collective on its way through the layers: what they read, and what they may set."""
+
+    comm: Communicator
+    op: str  # "all_reduce", ..., "send_and_recv" (a batch of `parts`)
+    nbytes: int = 0  # its payload, as the ledger counts it
+    peer: int | None = None  # send, recv: the other end (a position in comm.ranks)
+    parts: list[Call] = field(default_factory=list)  # send_and_recv: a Call per message
+    bookkeeping: str = ""  # the kit's own call ("barrier"), by its name: not training traffic
+    stage: str = "launch"  # or "wait"
+    launch_async: bool = False  # set by a layer that needs the work's handle: a blocking call
+    # is then launched asynchronously, and waited for at once
+    work: object = None  # torch.distributed's handle of the launched call (a layer may wrap it)
+    seconds: float | None = None  # the ledger's time of this stage, where a layer knows better
+    # than the host's clock (on a GPU: the device's own time)
+
+    def elapsed(self, start: float) -> float:
+        """The ledger's time of this stage, begun at `start` (time.perf_counter)."""
+        return time.perf_counter() - start if self.seconds is None else self.seconds
+
+
+#: What a run wraps around every launch and every wait: context-manager factories
+#: `layer(call)`, outermost first (set by hplab.runtime.group; empty: the bare collectives).
+LAYERS: list = []
+
+
+@contextlib.contextmanager
+def through_layers(call: Call, stage: str):
+    """Inside every layer of `LAYERS`, for the `stage` ("launch" or "wait") of `call`."""
+    call.stage = stage
+    call.seconds = None
+    with contextlib.ExitStack() as stack:
+        for layer in LAYERS:
+            stack.enter_context(layer(call))
+        yield call
+
+
 class Pending:
     """The handle of an asynchronous collective: call `wait()` before using its result.
-    `share`: its part of a work it shares with others (a batch NCCL ran as one). `wire`: the
-    bytes it puts on an emulated link (`hplab.runtime.link`), which `wait()` then waits out."""
+    `share`: its part of a work it shares with others (a batch NCCL ran as one)."""
 
-    def __init__(self, work, comm: Communicator, op: str, share=1.0, wire=None, ticket=None):
-        self.work, self.comm, self.op, self.share = work, comm, op, share
-        on_gpu, transfer = comm.device.type == "cuda", ticket and wire is not None
-        self.link = link.Transfer(work, wire, ticket, op, on_gpu) if transfer else None
-        self.work = self.link.work if self.link else work
+    def __init__(self, call: Call | None, share: float = 1.0):
+        self.call = call
+        self.share = share
 
     def wait(self) -> None:
-        if self.work is None:
+        if self.call is None:
             return
+        call = self.call
         start = time.perf_counter()
-        self.comm._guard(self.op, self._wait_through, f"wait {self.op} {self.comm.name}")
-        seconds = self.comm.work_seconds(self.work, time.perf_counter() - start)
-        self.comm.ledger.add_time(self.op, self.comm.name, seconds * self.share)
-        self.work = None
-
-    def _wait_through(self) -> None:
-        """Wait for the work, then for the link (one range in a timeline: the rank waits)."""
-        self.work.wait()
-        if self.link:
-            self.link.wait()
+        with through_layers(call, "wait"):
+            call.work.wait()
+        call.comm.ledger.add_time(call.op, call.comm.name, call.elapsed(start) * self.share)
+        self.call = None
 
     def is_completed(self) -> bool:
-        done = self.work is None or self.work.is_completed()
-        return done and (not self.link or self.link.is_through())
+        return self.call is None or self.call.work.is_completed()
 
 
 OPEN_COMMUNICATORS: weakref.WeakSet[Communicator] = weakref.WeakSet()
@@ -183,58 +186,21 @@ class Communicator:
         """Let go of the process group (at shutdown), so that it can be freed."""
         self.group = None
 
-    def _guard(self, op: str, call, label: str = ""):
-        """Run `call` inside a profiler range named `label` (a timeline shows it); a timeout or
-        a lost peer becomes a CommTimeout naming the operation and the group."""
-        with record_function(label or f"{op} {self.name}"), explained(op, self.name, self.ranks):
-            return call()
-
-    def _stamp(self, op: str, peer: int | None) -> tuple:
-        """Note this launch on the emulated link's board: a collective's among the group, a
-        message's between its sender and its receiver."""
-        if peer is None:
-            return link.QUEUE.board.stamp(f"{self.name}{self.ranks}", self.size, self.rank)
-        src, dst = (self.rank, peer) if op == "send" else (peer, self.rank)
-        channel = f"{self.name}{self.ranks}:{src}>{dst}"
-        return link.QUEUE.board.stamp(channel, 2, int(op != "send"))
-
-    def _run(self, op: str, nbytes: int, call, async_op: bool, peer: int | None = None):
-        """Launch a collective and count it. On a GPU every call is launched asynchronously and
-        a synchronous one waited for at once: its time is then the GPU's (`work_seconds`)."""
+    def _run(self, op: str, nbytes: int, launch, async_op: bool, peer: int | None = None):
+        """Launch one collective (`launch(async_op)`, the torch.distributed call) and count it
+        in the ledger; return its Pending (`async_op`), or None once it is done."""
         if self.size == 1:
-            return Pending(None, self, op) if async_op else None
-        on_gpu, emulated = self.device.type == "cuda", link.QUEUE is not None
+            return Pending(None) if async_op else None
+        call = Call(self, op, nbytes, peer, launch_async=async_op)
         start = time.perf_counter()
-        label = f"{op} {self.name} {nbytes:,} B"  # its range in a timeline
-        ticket = None
-
-        def launch():  # the link's stamp inside the launch's range: in a trace, a transfer
-            nonlocal ticket  # never starts before the launch it belongs to
-            ticket = self._stamp(op, peer) if emulated else None
-            return call(async_op or on_gpu or emulated)
-
-        work = self._guard(op, launch, label)
-        launched = 0.0 if on_gpu else time.perf_counter() - start  # GPU: counted at the wait
-        self.ledger.record(op, self.name, nbytes, self.size, launched)
-        wire = None if op == "send" else nbytes * bus_factor(op, self.size)  # (a recv waits)
-        pending = Pending(work, self, op, wire=wire, ticket=ticket)
+        with through_layers(call, "launch"):
+            call.work = launch(call.launch_async)
+        self.ledger.record(op, self.name, nbytes, self.size, call.elapsed(start))
         if async_op:
-            return pending
-        if on_gpu or emulated:
-            pending.wait()
+            return Pending(call)
+        if call.launch_async:  # a layer wanted the handle: wait here, as the blocking call would
+            Pending(call).wait()
         return None
-
-    def work_seconds(self, work, waited_s: float) -> float:
-        """The ledger's time of a finished call. On the CPU, how long the caller was blocked
-        in it (gloo does the work then). On a GPU the host only queues work: the collective's
-        own time on the device instead, which NCCL measures with CUDA events
-        (TORCH_NCCL_ENABLE_TIMING, set by `dist.init_distributed`), else the wait's."""
-        if self.device.type != "cuda":
-            return waited_s
-        try:
-            return work._get_duration() / 1e3  # (milliseconds)
-        except (RuntimeError, AttributeError):  # timing not enabled for this group
-            return waited_s
 
     # -- the seven operations --
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -327,31 +293,27 @@ class Communicator:
         were posted: two ranks that each send to the other before receiving would wait forever.
         Posted together, they cannot (NCCL starts the batch as one group)."""
         if self.size == 1 or not ops:
-            return [Pending(None, self, kind) for kind, _, _ in ops]
+            return [Pending(None) for _ in ops]
         p2p = [
             dist.P2POp(
                 dist.isend if kind == "send" else dist.irecv, t, self.ranks[peer], self.group
             )
             for kind, t, peer in ops
         ]
+        parts = [Call(self, kind, t.nbytes, peer) for kind, t, peer in ops]
+        batch = Call(self, "send_and_recv", parts=parts)
         start = time.perf_counter()
-        label = " + ".join(f"{kind} {self.name} {t.nbytes:,} B" for kind, t, _ in ops)
-        tickets = [None] * len(ops)
-
-        def launch():  # the link's stamps inside the launch's range, as in _run
-            tickets[:] = [self._stamp(k, peer) if link.QUEUE else None for k, _, peer in ops]
-            return dist.batch_isend_irecv(p2p)
-
-        works = self._guard("send_and_recv", launch, label)
-        launched = 0.0 if self.device.type == "cuda" else time.perf_counter() - start
-        for kind, t, _ in ops:
-            self.ledger.record(kind, self.name, t.nbytes, self.size, launched / len(ops))
+        with through_layers(batch, "launch"):
+            works = dist.batch_isend_irecv(p2p)
+            if len(works) == len(parts):  # gloo: a work per message
+                for part, work in zip(parts, works, strict=True):
+                    part.work = work
+        launched = batch.elapsed(start)
+        for part in parts:
+            self.ledger.record(part.op, self.name, part.nbytes, self.size, launched / len(ops))
         if len(works) != len(ops):  # NCCL ran the batch as one work: each op waits for it
-            return [Pending(works[0], self, kind, 1 / len(ops)) for kind, _, _ in ops]
-        return [
-            Pending(work, self, kind, wire=t.nbytes if kind == "recv" else None, ticket=ticket)
-            for work, (kind, t, _), ticket in zip(works, ops, tickets, strict=True)
-        ]
+            return [Pending(Call(self, part.op, work=works[0]), 1 / len(ops)) for part in parts]
+        return [Pending(part) for part in parts]
 
     def all_to_all_single(
         self,
@@ -378,18 +340,17 @@ class Communicator:
     # -- helpers that move no payload worth counting --
     def barrier(self) -> None:
         if self.size > 1:
-            self._guard("barrier", lambda: dist.barrier(group=self.group))
+            with through_layers(Call(self, "barrier", bookkeeping="barrier"), "launch"):
+                dist.barrier(group=self.group)
 
     def all_reduce_scalar(self, value: float, op=dist.ReduceOp.SUM) -> float:
         """Reduce one Python number across the group. Not recorded: it serves the kit's own
         bookkeeping (the loss shown on the progress bar), not the algorithm being taught."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         if self.size > 1:
-            self._guard(
-                "all_reduce",
-                lambda: dist.all_reduce(t, op=op, group=self.group),
-                f"all_reduce_scalar {self.name}",
-            )
+            call = Call(self, "all_reduce", t.nbytes, bookkeeping="all_reduce_scalar")
+            with through_layers(call, "launch"):
+                dist.all_reduce(t, op=op, group=self.group)
         return float(t.item())
 
 
@@ -409,22 +370,6 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         recv_rows, send_rows = ctx.rows
         return AllToAll.apply(grad, ctx.comm, send_rows, recv_rows), None, None, None
-
-
-def bucket_params(params: list[torch.Tensor], bucket_mb: float) -> list[list[torch.Tensor]]:
-    """DDP's and ZeRO's messages: buckets of at most `bucket_mb` MiB (a larger parameter alone; 0:
-    one each; `math.inf`: one), one dtype and device each, in reverse definition order (roughly
-    the order backward produces gradients)."""
-    buckets, size, kind = [], 0, None
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if size + nbytes > bucket_mb * 2**20 or (p.dtype, p.device) != kind:
-            kind = (p.dtype, p.device)
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
 
 
 DEFAULT_LEDGER = CommLedger()  # where collectives of groups given without a Mesh are counted

@@ -58,7 +58,8 @@ import torch
 import torch.nn as nn
 from torch._utils import _unflatten_dense_tensors
 
-from hplab.parallel.collectives import bucket_params, communicator
+from hplab.parallel.buckets import bucket_params
+from hplab.parallel.collectives import communicator
 from hplab.parallel.sync import claim_gradient_sync
 
 

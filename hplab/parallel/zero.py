@@ -71,7 +71,8 @@ import torch
 import torch.nn as nn
 
 from hplab.parallel import placement
-from hplab.parallel.collectives import Communicator, bucket_params, communicator
+from hplab.parallel.buckets import bucket_params
+from hplab.parallel.collectives import Communicator, communicator
 from hplab.parallel.optim import WrappedOptimizer, optimizer_state_tensors
 from hplab.parallel.sync import claim_gradient_sync
 

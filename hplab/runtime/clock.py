@@ -11,12 +11,13 @@ there, and `elapsed_time` reads the gap once the later one has happened.
     clock.seconds(start, end)          # after the work, at a point that may wait for the GPU
 
 Observers (`hplab.observe.observers`) and the course's measurements take a clock, so that tests can
-hand them a scripted one. (The ledger's time of a collective on NCCL is NCCL's own measurement: see
-`comm.Communicator.work_seconds`.)
+hand them a scripted one. The ledger's time of a collective on NCCL is NCCL's own measurement
+(`on_the_device`, a layer of the collectives).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -49,3 +50,28 @@ class CudaClock:
 def clock_for(device: torch.device | str) -> HostClock | CudaClock:
     """The clock that times work on `device`."""
     return CudaClock() if torch.device(device).type == "cuda" else HostClock()
+
+
+def nccl_seconds(work) -> float | None:
+    """NCCL's own time of a finished collective on the GPU (CUDA events around its kernel,
+    TORCH_NCCL_ENABLE_TIMING, set by `hplab.runtime.group.init_distributed`); None where the
+    group does not time its work."""
+    try:
+        return work._get_duration() / 1e3  # (milliseconds)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def on_the_device(call):
+    """The layer (hplab.parallel.collectives.LAYERS) that times collectives on a GPU, where the
+    host only queues them: each is launched asynchronously (a blocking one then waited for at
+    once), its launch counts no time in the ledger, and its wait counts NCCL's own time of it
+    (or, untimed, the wait's). On the CPU the ledger keeps the host's clock: the time the caller
+    was blocked in the call or its wait, while gloo did the work."""
+    if call.comm.device.type != "cuda" or call.bookkeeping:
+        yield
+        return
+    call.launch_async = True
+    yield
+    call.seconds = 0.0 if call.stage == "launch" else nccl_seconds(call.work)

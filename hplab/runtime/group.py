@@ -34,8 +34,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hplab.parallel.collectives import OPEN_COMMUNICATORS, explained
-from hplab.runtime import link
+from hplab.observe import ranges
+from hplab.parallel import collectives
+from hplab.parallel.collectives import OPEN_COMMUNICATORS
+from hplab.runtime import clock, link
+from hplab.runtime.errors import explained, explained_call
 
 
 def _timeout_from_env() -> tuple[float, str | None]:
@@ -105,12 +108,19 @@ def choose_backend(
     return backend, device, note
 
 
+#: What a run wraps around every collective, outermost first: a timeout or a lost peer said in
+#: one line (around everything inside, the link's waits too); the call's range in a profiler's
+#: timeline (the link's stamp inside it); the emulated wire; the GPU's own clock.
+RUN_LAYERS = [explained_call, ranges.labelled, link.emulated, clock.on_the_device]
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
     """Join the process group described by torchrun's environment; return this rank's device
     (`choose_backend`). Without torchrun it forms a group of one. On NCCL, a `wait()` blocks
     until the work is done or the group's timeout has passed (TORCH_NCCL_BLOCKING_WAIT), so a
     frozen or lost peer ends the job with one line, as on gloo, and NCCL records each
-    collective's own time on the GPU (TORCH_NCCL_ENABLE_TIMING) for the ledger."""
+    collective's own time on the GPU (TORCH_NCCL_ENABLE_TIMING) for the ledger. Every
+    Communicator's calls then go through `RUN_LAYERS`."""
     existing = dist.get_backend() if dist.is_initialized() else None
     if TIMEOUT_PROBLEM:
         raise ValueError(TIMEOUT_PROBLEM)
@@ -127,6 +137,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         torch.cuda.set_device(device)
     global DEVICE
     DEVICE = device
+    collectives.LAYERS[:] = RUN_LAYERS
     link.use(os.environ.get("HPLAB_LINK") or None)  # an emulated link for every rank, or none
     if existing is None:
         if note and local_rank == 0:

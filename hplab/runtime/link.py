@@ -15,13 +15,15 @@ without a link; the link's time starts when that real transfer is done, which on
 when the last rank launched it (on a GPU: when the host queued it). A rank's transfers queue on
 its link one after the other (`Queue`), a group's in the order they were launched (as a
 communication stream runs them), and a `wait()` sleeps the time out, using no core, as a network
-card moves bytes without the CPU. Off by default, and then nothing is paid: `Pending`
-(hplab.parallel.collectives) makes a `Transfer` only when this process has a link.
+card moves bytes without the CPU. The link is a layer of the collectives (`emulated`, installed
+by `hplab.runtime.group.init_distributed`). Off by default, and then nothing is paid: the layer
+makes a `Transfer` only when this process has a link.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import tempfile
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from hplab.plan.formulas import bus_factor
 
 UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 PER_SECOND = {"s": 1, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
@@ -238,3 +242,63 @@ def use(link: Link | str | None) -> None:
     link = parse(link) if isinstance(link, str) else link
     job = f"{os.environ.get('MASTER_PORT', '')}-{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
     QUEUE = Queue(link, job) if link else None
+
+
+class OnTheLink:
+    """A collective's work and its transfer on this rank's link, waited for as one: the work,
+    then the link (one range in a timeline: the rank waits)."""
+
+    def __init__(self, transfer: Transfer):
+        self.transfer = transfer
+
+    def wait(self) -> None:
+        self.transfer.work.wait()
+        self.transfer.wait()
+
+    def is_completed(self) -> bool:
+        return self.transfer.work.is_completed() and self.transfer.is_through()
+
+    def _get_duration(self) -> float:
+        """The device's own time of the work (hplab.runtime.clock reads it on a GPU)."""
+        return self.transfer.work._get_duration()
+
+
+def stamp(call) -> tuple:
+    """Note `call`'s launch on the board: a collective's among its group, a message's between
+    its sender and its receiver; its ticket."""
+    comm = call.comm
+    if call.peer is None:
+        return QUEUE.board.stamp(f"{comm.name}{comm.ranks}", comm.size, comm.rank)
+    sender = comm.rank if call.op == "send" else call.peer
+    receiver = call.peer if call.op == "send" else comm.rank
+    channel = f"{comm.name}{comm.ranks}:{sender}>{receiver}"
+    return QUEUE.board.stamp(channel, 2, int(call.op != "send"))
+
+
+def wire_bytes(call) -> float | None:
+    """What `call` puts on this rank's link: a collective's bus bytes, a received message's
+    payload; None for a send (its receiver waits for it)."""
+    if call.op == "send":
+        return None
+    return call.nbytes * bus_factor(call.op, call.comm.size)
+
+
+@contextlib.contextmanager
+def emulated(call):
+    """The layer (hplab.parallel.collectives.LAYERS) that puts every launch on this rank's
+    link: stamped on the board as it launches (inside its range: in a trace a transfer never
+    starts before its launch), launched asynchronously, its work then waited for with the link
+    (`OnTheLink`). Without a link, or for the kit's own calls, it passes straight through."""
+    if QUEUE is None or call.bookkeeping or call.stage != "launch":
+        yield
+        return
+    messages = call.parts or [call]  # send_and_recv: each message of the batch
+    tickets = [stamp(message) for message in messages]
+    call.launch_async = True
+    yield
+    on_gpu = call.comm.device.type == "cuda"
+    for message, ticket in zip(messages, tickets, strict=True):
+        wire = wire_bytes(message)
+        if wire is not None and message.work is not None:  # (NCCL's batch: one work, no link)
+            transfer = Transfer(message.work, wire, ticket, message.op, on_gpu)
+            message.work = OnTheLink(transfer)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hplab.course.check.reference import backward_in_sandbox, gpt_reference
 from hplab.course.check.report import Report, first_wrong
 from hplab.models.gpt import build_model
-from hplab.parallel.collectives import bucket_params
+from hplab.parallel.buckets import bucket_params
 from hplab.parallel.mesh import Mesh
 from hplab.runtime import link
 

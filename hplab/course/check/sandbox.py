@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from hplab.parallel.collectives import CommTimeout
+from hplab.runtime.errors import CommTimeout
 from hplab.runtime.launch import FORKSERVER_PRELOAD
 
 
