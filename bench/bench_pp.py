@@ -7,7 +7,7 @@
    fastest steps (least disturbed by other processes) is reported beside it.
 2. Bubble: for each schedule (GPipe, 1F1B, interleaved v=2, ZB-H1), the measured bubble per
    rank (1 − compute time / step time, from the trace of the step) next to the simulated one
-   (pp.simulate of the same action lists with the mean F, B, W durations this run measured,
+   (plan.simulate of the same action lists with the mean F, B, W durations this run measured,
    messages free) and the formula (F = B = W).
 
     python bench/bench_pp.py            # writes bench/results/pp.json, prints a table
@@ -165,6 +165,7 @@ def _worker():
 def main() -> dict:
     from hplab.course.viz import simulated_costs
     from hplab.parallel import pp
+    from hplab.plan.simulate import simulate
     from hplab.runtime.launch import run_distributed
 
     results = run_distributed(_worker, WORLD, backend=None, timeout_s=900)  # NCCL on GPUs
@@ -188,7 +189,7 @@ def main() -> dict:
         costs = simulated_costs({"trace": trace, "virtual_stages": v})
         if schedule != "zb-h1":
             costs["w"] = 0.0  # a measured B includes the weight gradients
-        sim = pp.simulate(pp.build_schedule(schedule, WORLD, MICROBATCHES, v), **costs)
+        sim = simulate(pp.build_schedule(schedule, WORLD, MICROBATCHES, v), **costs)
         summary["bubble"][label] = {
             "measured": measured,
             "simulated_with_measured_costs": [sim.bubble_fraction(r) for r in range(WORLD)],

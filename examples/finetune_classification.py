@@ -41,6 +41,8 @@ import torch.distributed as dist  # noqa: E402
 import hplab  # noqa: E402
 from hplab.data import DATA_DIR, END_OF_TEXT, load_tokenizer, read_documents  # noqa: E402
 from hplab.models.hf import config_from_hf  # noqa: E402
+from hplab.runtime.group import current_device  # noqa: E402
+from hplab.runtime.launch import run_distributed  # noqa: E402
 
 PLAYS = {"HAMLET, PRINCE OF DENMARK": "Hamlet", "THE COMEDY OF ERRORS": "The Comedy of Errors"}
 LINES_PER_EXAMPLE, TRAIN_PER_PLAY, TEST_PER_PLAY, SEQ_LEN = 2, 400, 100, 40
@@ -112,7 +114,7 @@ def finetune(args, train: dict, test: dict, pad_id: int) -> dict:
     rank, world, device = (
         dist.get_rank(),
         dist.get_world_size(),
-        hplab.runtime.group.current_device(),
+        current_device(),
     )
     train, test = ({k: v.to(device) for k, v in data.items()} for data in (train, test))
     torch.manual_seed(args.seed)  # the new `score` layer: the same on every rank
@@ -237,7 +239,7 @@ def main(argv=None) -> int:
     tokenizer, seq_len = load_tokenizer(tokenizer_name), min(SEQ_LEN, n_positions)
     train, test = (encode(tokenizer, examples, seq_len) for examples in labelled_lines(args.seed))
     pad_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
-    launch = hplab.runtime.launch.run_distributed  # backend None: NCCL if each process has a GPU
+    launch = run_distributed  # backend None: NCCL if each process has a GPU
     result = launch(finetune, args.nproc, args, train, test, pad_id, backend=None)[0]
     print(
         f"task: are two lines from {' or '.join(PLAYS.values())}? {len(train['labels'])} "

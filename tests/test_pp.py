@@ -19,6 +19,7 @@ import torch
 from hplab.course.timeline import idle_between_actions
 from hplab.observe.observers import measured_bubble
 from hplab.parallel import pp
+from hplab.plan.simulate import DeadlockError, simulate
 from hplab.runtime.launch import run_distributed
 
 TOL = 1e-5
@@ -87,7 +88,7 @@ def test_no_schedule_deadlocks():
     for name, p, m, v in all_schedules():
         plans = pp.build_schedule(name, p, m, v)
         for costs in ((1, 1, 1), (1, 3, 0.5)):
-            sim = pp.simulate(plans, *costs, latency=0.3)
+            sim = simulate(plans, *costs, latency=0.3)
             assert sim.makespan > 0
             count += 1
     assert count > 600
@@ -100,11 +101,11 @@ def test_simulator_detects_a_deadlock():
         [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)],
         [("F", 1, 1), ("B", 1, 1), ("F", 0, 1), ("B", 0, 1)],
     ]
-    with pytest.raises(pp.DeadlockError, match="rank 0 waits at B0.*rank 1 waits at F1"):
-        pp.simulate(pp.add_communication(orders, 2, 1))
+    with pytest.raises(DeadlockError, match="rank 0 waits at B0.*rank 1 waits at F1"):
+        simulate(pp.add_communication(orders, 2, 1))
     bad = [[("F", 0, 0), ("B", 0, 0)], [("B", 0, 1), ("F", 0, 1)]]
-    with pytest.raises(pp.DeadlockError, match="before its F"):
-        pp.simulate(pp.add_communication(bad, 2, 1))
+    with pytest.raises(DeadlockError, match="before its F"):
+        simulate(pp.add_communication(bad, 2, 1))
 
 
 def test_simulated_bubble_equals_the_formula():
@@ -114,7 +115,7 @@ def test_simulated_bubble_equals_the_formula():
     for name, p, m, v in all_schedules():
         if name == "zb-h1" and m < p:
             continue
-        sim = pp.simulate(pp.build_schedule(name, p, m, v))
+        sim = simulate(pp.build_schedule(name, p, m, v))
         expected = pp.bubble_formula(name, p, m, v)["of_step"]
         for r in range(p):
             assert sim.bubble_fraction(r) == pytest.approx(expected, abs=1e-12), (name, p, m, v)
@@ -125,9 +126,9 @@ def test_simulated_bubble_equals_the_formula():
 
 def test_simulated_in_flight_microbatches():
     for p, m in ((2, 5), (4, 8), (8, 16)):
-        gpipe = pp.simulate(pp.build_schedule("gpipe", p, m))
-        f1b = pp.simulate(pp.build_schedule("1f1b", p, m))
-        zb = pp.simulate(pp.build_schedule("zb-h1", p, m))
+        gpipe = simulate(pp.build_schedule("gpipe", p, m))
+        f1b = simulate(pp.build_schedule("1f1b", p, m))
+        zb = simulate(pp.build_schedule("zb-h1", p, m))
         for r in range(p):
             assert gpipe.in_flight_max(r) == m
             assert f1b.in_flight_max(r) == min(p - r, m)
@@ -162,8 +163,8 @@ def test_replay_of_a_measured_step_uses_its_stage_costs_and_message_delay():
     assert viz.replayed_bubbles(run, each_action=True) == pytest.approx(measured)
     plans = pp.build_schedule("interleaved", 2, 4, 2)  # a list gives each of the 4 chunks' cost
     assert (
-        pp.simulate(plans, f=[0.5] * 4, b=[1] * 4, w=[0] * 4).makespan
-        == pp.simulate(plans, f=1, b=2, w=0).makespan
+        simulate(plans, f=[0.5] * 4, b=[1] * 4, w=[0] * 4).makespan
+        == simulate(plans, f=1, b=2, w=0).makespan
     )  # a number: a whole stage's, v chunks share it
 
 
@@ -172,7 +173,7 @@ def test_a_rendezvous_message_leaves_when_its_receive_is_posted():
     after F0 ends (2.5), later than its send (2): that message arrives at 3.0, not 2.5."""
     plans = pp.build_schedule("gpipe", 2, 2)
     for rendezvous, arrives in ((False, 2.5), (True, 3.0)):
-        sim = pp.simulate(plans, f=1, b=1, w=0, latency=0.5, rendezvous=rendezvous)
+        sim = simulate(plans, f=1, b=1, w=0, latency=0.5, rendezvous=rendezvous)
         starts = {str(a): start for a, start, _ in sim.timeline[1] if a.kind == "F"}
         assert starts == {"F0.1": 1.5, "F1.1": arrives}
 
@@ -263,7 +264,7 @@ def test_replaying_each_action_gives_back_a_run_whose_microbatches_differ():
         for a in plan
         if a.kind.startswith("send")
     }
-    sim = pp.simulate(plans, own=own)
+    sim = simulate(plans, own=own)
     trace = []
     for lane in sim.timeline:
         events, clock = [], 0.0

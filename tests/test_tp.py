@@ -683,12 +683,15 @@ def test_plan_naming_a_missing_module_is_an_error():
     from hplab.parallel import tp
 
     plan = {**tp.GPT_PLAN, "transformer.h.*.attn.q_proj": tp.ColumnParallelLinear}
+    model = build_model(GPTConfig(**CONFIG))
+    before = {name: p.shape for name, p in model.named_parameters()}
     with pytest.raises(
         tp.TensorParallelError,
         match=r"the plan names 'transformer\.h\.\*\.attn\.q_proj', but GPT has "
         "no module matching it",
     ):
-        tp.parallelize(build_model(GPTConfig(**CONFIG)), fake_comm(2), plan)
+        tp.parallelize(model, fake_comm(2), plan)
+    assert {name: p.shape for name, p in model.named_parameters()} == before  # nothing cut
 
 
 def _hf_gpt2():

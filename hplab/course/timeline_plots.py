@@ -104,7 +104,7 @@ def _gantt(ax, rows: list[list[tuple]], unit: str, p: dict, about: str, measured
 
 
 def simulated_costs(pipeline: dict, per_chunk: bool = False) -> dict:
-    """F, B, W costs per whole stage (seconds) for pp.simulate, from a measured trace: the mean
+    """F, B, W costs per whole stage (seconds) for `simulate`, from a measured trace: the mean
     duration of each kind over all ranks, times the chunks per rank. `per_chunk`: instead, the
     median of each model chunk (real stages differ: the last runs the LM head and the loss),
     and `latency`, the median delay of the messages a rank waited for (`measured_actions`)."""
@@ -156,7 +156,7 @@ def _replayed_trace(pipeline: dict) -> tuple[dict, dict, dict]:
 
 
 def measured_actions(pipeline: dict) -> dict:
-    """For pp.simulate's `own`: each action of the run's schedule (in order, its trace event)
+    """For `simulate`'s `own`: each action of the run's schedule (in order, its trace event)
     with its measured seconds, and each message a rank waited for (its key) with its delay, from
     its send to the end of that wait."""
     own, sent, waits = _replayed_trace(pipeline)
@@ -175,9 +175,10 @@ def plot_simulated_pipeline(
     unit: str = "time (F = 1)",
     latency: float = 0.0,
 ):
-    """The ideal timeline of a schedule (pp.simulate of its action lists; each message arrives
+    """The ideal timeline of a schedule (`simulate` of its action lists; each message arrives
     `latency` after its send), with the simulated bubble and the formula in the title."""
-    from hplab.parallel.pp import build_schedule, simulate
+    from hplab.parallel.pp import build_schedule
+    from hplab.plan.simulate import simulate
 
     plans = build_schedule(schedule, pp, microbatches, virtual_stages)
     sim = simulate(plans, f, b, w, latency=latency)
@@ -244,12 +245,13 @@ def plot_pipeline_gantt(run_or_metrics, axes=None):
 def replayed_bubbles(
     run_or_metrics, each_action: bool = False, latency: float | None = None
 ) -> list[float]:
-    """Each rank's bubble when pp.simulate replays the run's schedule with the costs it measured
+    """Each rank's bubble when `simulate` replays the run's schedule with the costs it measured
     (`simulated_costs(per_chunk=True)`: each chunk's F, B, W and the message delay), or with
     `each_action`, every action's and every awaited message's own (`measured_actions`).
     `latency`: every message's time instead (an emulated link's: `message_seconds`), counted
     from the later of its send and the posting of its receive, as the link counts it."""
-    from hplab.parallel.pp import build_schedule, simulate
+    from hplab.parallel.pp import build_schedule
+    from hplab.plan.simulate import simulate
 
     p = _pipeline(run_or_metrics)
     costs, own = simulated_costs(p, per_chunk=True), measured_actions(p) if each_action else {}

@@ -11,9 +11,10 @@ messages of one activation cross the wire.
 Done naively, only one rank works at a time. So the batch is cut into `m` **microbatches**:
 while rank 1 works on microbatch 0, rank 0 already runs microbatch 1; the idle time left at
 the start and end of a step is the **bubble**. The schedules (GPipe, 1F1B, interleaved, ZB-H1)
-are plain data, built and simulated in `hplab/parallel/schedule.py`, whose names this file
-re-exports (`pp.build_schedule`, `pp.simulate`, ...). Each microbatch's loss is divided by m, so the
-accumulated gradients are those of the mean loss over the whole batch.
+are plain data, built in `hplab/parallel/schedule.py`, whose names this file re-exports
+(`pp.build_schedule`, ...; the planner simulates them: `hplab.plan.simulate`). Each
+microbatch's loss is divided by m, so the accumulated gradients are those of the mean loss over
+the whole batch.
 
 This file reads in three parts: 1. **stages**, the GPT split by layers (the tied embedding /
 LM-head copies kept equal by summing their gradients, as Megatron-LM); 2. **split backward**
@@ -35,18 +36,15 @@ from torch.autograd.graph import GradientEdge
 from hplab.config import check_pipeline_depth
 from hplab.models.gpt import cross_entropy as loss_fn  # noqa: F401 (for torch's pipelining)
 from hplab.parallel.collectives import Communicator
-from hplab.parallel.schedule import (  # pp.build_schedule, pp.simulate, ...: the labs' names
+from hplab.parallel.schedule import (  # pp.build_schedule, ...: the labs' names
     COMPUTE,  # noqa: F401
     Action,  # noqa: F401
-    DeadlockError,  # noqa: F401
-    Simulation,  # noqa: F401
     add_communication,  # noqa: F401
     build_schedule,  # noqa: F401
     chunk_owner,  # noqa: F401
     message_key,  # noqa: F401
     one_f_one_b_order,  # noqa: F401
     schedule_text,  # noqa: F401
-    simulate,  # noqa: F401
 )
 from hplab.plan.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_formula: labs)
 from hplab.runtime.group import new_group

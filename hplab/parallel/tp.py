@@ -425,14 +425,14 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
         width = getattr(c, "n_embd", None) or c.hidden_size
         check_tensor_parallel(heads, width, comm.size, seq_len, kv_heads=kv)
     names = [name for name, _ in model.named_modules()]
+    matches = {pattern: fnmatch.filter(names, pattern) for pattern in plan}
+    if missing := [pattern for pattern, found in matches.items() if not found]:
+        raise TensorParallelError(  # (before any cut: never a model cut halfway)
+            f"the plan names {missing[0]!r}, but {type(model).__name__}"
+            f" has no module matching it (it has {names[1:4]}, ...)"
+        )
     for pattern, style in plan.items():
-        matches = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
-        if not matches:
-            raise TensorParallelError(
-                f"the plan names {pattern!r}, but {type(model).__name__}"
-                f" has no module matching it (it has {names[1:4]}, ...)"
-            )
-        for name in matches:
+        for name in matches[pattern]:
             old = model.get_submodule(name)
             if (new := style(old, comm, sequence_parallel)) is not old:
                 model.set_submodule(name, new)

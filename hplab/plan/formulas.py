@@ -41,7 +41,8 @@ def bubble_formula(
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, **costs) -> float:
     """Idle share of the step, (p−1)/(m+p−1) for GPipe and 1F1B: the bubble as the plots,
-    `pp.Simulation.bubble_fraction` and the metrics file's measured `bubble_fraction` give it."""
+    `plan.simulate.Simulation.bubble_fraction` and the metrics file's measured
+    `bubble_fraction` give it."""
     return bubble_formula(schedule, p, m, v, **costs)["of_step"]
 
 

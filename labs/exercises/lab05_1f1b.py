@@ -19,7 +19,7 @@ the backward ("B", i) of every microbatch i = 0 ... m-1. For example GPipe is
   * cool-down: when no forwards are left, it runs the remaining backwards.
 
 The checker turns your orders into full action lists (sends and receives added), runs them in
-`hplab.parallel.pp.simulate` with F = B = 1 for p = 2 ... 8 and m = 1 ... 12, and reports: missing
+`hplab.plan.simulate.simulate` with F = B = 1 for p = 2 ... 8 and m = 1 ... 12, and reports: missing
 or repeated work, a B before its F, deadlocks, the step time (makespan) against 1F1B's, the
 activations each rank holds at most (1F1B: p − r, at most m), and the first action that differs
 from the reference order.

@@ -6,6 +6,7 @@ from collections import Counter
 
 from hplab.course.check.report import Report, first
 from hplab.parallel import schedule
+from hplab.plan.simulate import DeadlockError, simulate
 
 
 def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
@@ -23,10 +24,10 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
                 + "".join(f" {k} {sorted(a[:2] for a in v)[:4]}" for k, v in wrong.items() if v)
             )
     try:
-        run = schedule.simulate(schedule.add_communication(orders, p, 1), f=1, b=1, w=0)
-    except schedule.DeadlockError as err:
+        run = simulate(schedule.add_communication(orders, p, 1), f=1, b=1, w=0)
+    except DeadlockError as err:
         return f"{where}: {err}"
-    best = schedule.simulate(schedule.add_communication(reference, p, 1), f=1, b=1, w=0)
+    best = simulate(schedule.add_communication(reference, p, 1), f=1, b=1, w=0)
     held, limit = [run.in_flight_max(r) for r in range(p)], [min(p - r, m) for r in range(p)]
     warm = [next((k for k, a in enumerate(o) if a[0] == "B"), m) for o in orders]
     counts = (
@@ -54,7 +55,7 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
 
 
 def check_one_f_one_b(module, report: Report) -> None:
-    """The orders, run by `hplab.parallel.schedule.simulate` with their sends and receives, against
+    """The orders, run by `hplab.plan.simulate.simulate` with their sends and receives, against
     1F1B over (p, m): the work once, no deadlock, step 2(m+p-1), min(p-r, m) held, 1F1B's order."""
     for name, ps in (("p=2", (2,)), ("p=3, 4", (3, 4)), ("p=8", (8,))):
         report.check(
