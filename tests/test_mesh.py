@@ -6,7 +6,8 @@ dp × cp flattened and dp unflattened into (edp, ep). For several layouts, every
 every family equals the arithmetic's: PyTorch's "fake" backend lets one process play each rank
 in turn (groups are formed, nothing is sent). Then on 4 gloo processes: every group the mesh
 creates keeps the world's timeout (a collective a peer never joins raises hplab's CommTimeout
-after it), and DDP over `mesh.device_mesh["dp"]` trains exactly as DDP over `mesh.dp`.
+after it), DDP over `mesh.device_mesh["dp"]` trains exactly as DDP over `mesh.dp`, and
+expert parallel takes its groups as DeviceMeshes too.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def test_the_mesh_takes_its_sizes_by_name():
     assert not hasattr(Mesh, "create")
 
 
-def _timeouts_and_ddp() -> dict:
-    """On 4 ranks: each group's timeout; a collective rank 1 never joins; DDP both ways."""
+def _on_four_ranks() -> dict:
+    """Each group's timeout; a collective rank 1 never joins; DDP both ways; MoE's groups."""
     import hplab
+    from hplab.parallel import moe
     from hplab.parallel.collectives import CommTimeout
     from hplab.runtime import group as runtime_group
 
@@ -121,15 +123,23 @@ def _timeouts_and_ddp() -> dict:
     out["same weights"] = all(
         torch.equal(a, b) for a, b in zip(losses["device_mesh"], losses["mesh.dp"])
     )
+
+    layer = moe.MoE(8, 4, 2, lambda: torch.nn.Linear(8, 8))
+    moe.parallelize(layer, mesh.dimensions["ep"], mesh.device_mesh["dp"])
+    out["experts"] = sorted(layer.experts)
+    out["moe ep ranks"] = layer.ep.ranks
+    out["mesh ep ranks"] = mesh.ep.ranks
     return out
 
 
-def test_groups_keep_the_worlds_timeout_and_ddp_takes_a_device_mesh():
-    results = run_distributed(_timeouts_and_ddp, 4, timeout_s=60)
+def test_groups_keep_the_worlds_timeout_and_blocks_take_a_device_mesh():
+    results = run_distributed(_on_four_ranks, 4, timeout_s=60)
     for rank, out in enumerate(results):
         assert out["world"] == timedelta(seconds=60)
         assert set(out["timeouts"]) == {"pp", "dp", "cp", "tp", "ep", "edp", "dp_cp", "edp_cp"}
         assert all(t == out["world"] for t in out["timeouts"].values()), out["timeouts"]
         assert out["same weights"], rank
         assert out["device_mesh ranks"] == out["mesh.dp ranks"] == [rank % 2, rank % 2 + 2]
+        assert out["moe ep ranks"] == out["mesh ep ranks"] == [rank % 2, rank % 2 + 2]
+        assert out["experts"] == (["0", "1"] if rank < 2 else ["2", "3"])
     assert "all_reduce in the tp group (ranks [0, 1]) timed out" in results[0]["timed out"]
