@@ -6,13 +6,16 @@ dp × cp flattened and dp unflattened into (edp, ep). For several layouts, every
 every family equals the arithmetic's: PyTorch's "fake" backend lets one process play each rank
 in turn (groups are formed, nothing is sent). Then on 4 gloo processes: every group the mesh
 creates keeps the world's timeout (a collective a peer never joins raises hplab's CommTimeout
-after it), DDP over `mesh.device_mesh["dp"]` trains exactly as DDP over `mesh.dp`, and
-expert parallel takes its groups as DeviceMeshes too.
+after it), DDP over `mesh.device_mesh["dp"]` trains exactly as DDP over `mesh.dp`, expert
+parallel takes its groups as DeviceMeshes too, and `shutdown()` frees every group the
+DeviceMeshes hold (their gloo threads end while Python is alive).
 """
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,12 +86,20 @@ def test_the_mesh_takes_its_sizes_by_name():
     assert not hasattr(Mesh, "create")
 
 
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (Linux)."""
+    names = [(t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()]
+    return [name for name in names if "gloo" in name]
+
+
 def _on_four_ranks() -> dict:
-    """Each group's timeout; a collective rank 1 never joins; DDP both ways; MoE's groups."""
+    """Each group's timeout; a collective rank 1 never joins; DDP both ways; MoE's groups;
+    the gloo threads left after shutdown."""
     import hplab
     from hplab.parallel import moe
     from hplab.parallel.collectives import CommTimeout
     from hplab.runtime import group as runtime_group
+    from hplab.runtime.group import shutdown
 
     mesh = Mesh(dp=2, cp=2, ep=2)  # groups of 1, 2 and 4 ranks, flattened and unflattened
     cpu = torch.device("cpu")
@@ -129,6 +140,9 @@ def _on_four_ranks() -> dict:
     out["experts"] = sorted(layer.experts)
     out["moe ep ranks"] = layer.ep.ranks
     out["mesh ep ranks"] = mesh.ep.ranks
+    if sys.platform == "linux":
+        shutdown()  # (while `mesh` and `short` are alive)
+        out["gloo threads after shutdown"] = gloo_threads()
     return out
 
 
@@ -142,4 +156,5 @@ def test_groups_keep_the_worlds_timeout_and_blocks_take_a_device_mesh():
         assert out["device_mesh ranks"] == out["mesh.dp ranks"] == [rank % 2, rank % 2 + 2]
         assert out["moe ep ranks"] == out["mesh ep ranks"] == [rank % 2, rank % 2 + 2]
         assert out["experts"] == (["0", "1"] if rank < 2 else ["2", "3"])
+        assert out.get("gloo threads after shutdown", []) == []
     assert "all_reduce in the tp group (ranks [0, 1]) timed out" in results[0]["timed out"]

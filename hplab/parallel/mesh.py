@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hplab.config import Layout, check_experts, check_mesh, check_sizes_and_choices
-from hplab.parallel.collectives import CommLedger, Communicator
+from hplab.parallel.collectives import OPEN_COMMUNICATORS, CommLedger, Communicator
 from hplab.runtime.group import current_device, group_options
 
 
@@ -134,6 +134,7 @@ class Mesh:
             setattr(self, family, self._communicator(self.device_mesh[family], family))
         self._expert_dimensions()
         self._replica_dimensions()
+        OPEN_COMMUNICATORS.add(self)  # (its DeviceMeshes hold process groups too: `release`)
 
     def _communicator(self, dimension: DeviceMesh, family: str) -> Communicator:
         """The Communicator over one dimension's group (this rank's), counted under `family`;
@@ -179,6 +180,13 @@ class Mesh:
             return
         edp_cp = self.expert_mesh["edp", "cp"]._flatten("edp_cp", backend_override=group_options())
         self.edp_cp = self._communicator(edp_cp, "edp_cp")
+
+    def release(self) -> None:
+        """Let go of the DeviceMeshes (at shutdown, with every Communicator): each holds its
+        process groups, whose gloo threads must be joined while Python is still alive."""
+        self.device_mesh = None
+        self.expert_mesh = None
+        self.dimensions = {}
 
     def describe(self) -> dict:
         return {
