@@ -91,10 +91,10 @@ class Mesh:
     """This rank's place in the pp × dp × cp × tp grid, and a communicator for each family:
     build it with `Mesh(dp=2, tp=2, pp=2)` (sizes by name, 1 where not given) after
     `init_distributed()`. `mesh.device_mesh` is PyTorch's DeviceMesh of that grid, and
-    `mesh.dimensions` each family's own 1-D DeviceMesh (dp_cp, ep, edp, edp_cp included);
-    `mesh.dp`, `mesh.cp`, `mesh.tp`, `mesh.pp`, `mesh.ep`, `mesh.edp`, `mesh.dp_cp`,
-    `mesh.edp_cp` and `mesh.world` are Communicators over its groups, all writing into one
-    `CommLedger`: a rank's bytes per operation and family."""
+    `mesh.dimensions` each family's own 1-D DeviceMesh (dp_cp, ep, edp and edp_cp where they
+    are groups of their own); `mesh.dp`, `mesh.cp`, `mesh.tp`, `mesh.pp`, `mesh.ep`,
+    `mesh.edp`, `mesh.dp_cp`, `mesh.edp_cp` and `mesh.world` are Communicators over its
+    groups, all writing into one `CommLedger`: a rank's bytes per operation and family."""
 
     def __init__(
         self,
