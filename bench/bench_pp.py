@@ -75,7 +75,7 @@ def hplab_engine(schedule, v):
             str(PER_MICROBATCH * MICROBATCHES),
         ]
     )
-    mesh = Mesh.create(pp=WORLD)  # on the device init_distributed chose: a GPU each, or the CPU
+    mesh = Mesh(pp=WORLD)  # on the device init_distributed chose: a GPU each, or the CPU
     model = build_model(model_config(), seed=0).to(mesh.device)
     engine = parallelize(model, mesh, layout_of(args), optim_of(args))
     # measured as train.py measures a run: the trace, then every forward's saved activations
@@ -93,7 +93,7 @@ def torch_1f1b():
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.precision import MixedPrecision
 
-    mesh = Mesh.create(pp=WORLD)
+    mesh = Mesh(pp=WORLD)
     model = build_model(model_config(), seed=0).to(mesh.device)
     (stage,) = pp.build_stages(model, mesh.pp_rank, WORLD)
     pp.free_unowned_parameters(model, [stage])

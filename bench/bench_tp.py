@@ -201,7 +201,7 @@ def worker(steps: int) -> dict:
     from hplab.parallel.mesh import Mesh
 
     torch.set_num_threads(1)
-    mesh = Mesh.create(dp=1, tp=WORLD, pp=1)
+    mesh = Mesh(tp=WORLD)
     return {
         "throughput": {k: _throughput(k, mesh.tp, steps) for k in ("mlp", "block")},
         "params": _param_bytes(mesh.tp),

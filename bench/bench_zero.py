@@ -128,7 +128,7 @@ def worker(impl: str, model_name: str, steps: int, batch: int, out: str) -> None
     from hplab.runtime.group import init_distributed, shutdown
 
     device = init_distributed()
-    mesh = Mesh.create(dp=dist.get_world_size(), device=device)
+    mesh = Mesh(dp=dist.get_world_size(), device=device)
     config = config_from_preset("tiny", **MODELS[model_name])
     ds = TokenDataset("shakespeare", seq_len=config.n_positions)
     n, rank = mesh.dp_size, mesh.dp_rank

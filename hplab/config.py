@@ -171,8 +171,6 @@ class Layout:
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
-    gpus = world_size  # (the planner's word)
-
     @property
     def micro_batch_size(self) -> int | None:
         return self.batch_size and self.batch_size // (self.dp * self.microbatches)

@@ -157,7 +157,7 @@ def run_claimed(args) -> dict | None:
     device = init_distributed(None if args.backend == "auto" else args.backend)
     link.use(args.link)  # an emulated network between the ranks, or none
     layout = job.layout
-    mesh = Mesh(layout.dp, layout.tp, layout.pp, device, cp=layout.cp, ep=layout.ep)
+    mesh = Mesh(pp=layout.pp, dp=layout.dp, cp=layout.cp, tp=layout.tp, ep=layout.ep, device=device)
     par = parallelize(build_model(job.model, args.seed).to(device), mesh, layout, job.optim)
     for block in par.gpt.blocks if args.compile else ():  # (their hooks stay eager)
         block.forward = torch.compile(block.forward)

@@ -174,7 +174,7 @@ def train(settings: dict, meshes: dict, experts: bool | None = None) -> dict:
     c = layout_of(settings)
     key = (c.dp, c.tp, c.pp, c.cp, c.ep)
     if key not in meshes:
-        meshes[key] = Mesh.create(c.dp, c.tp, c.pp, cp=c.cp, ep=c.ep)
+        meshes[key] = Mesh(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, ep=c.ep)
     mesh = meshes[key]
     model = build_model(model_of(settings, experts), 0)
     par = parallelize(model, mesh, c, OptimConfig(**TRAINING))

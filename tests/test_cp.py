@@ -119,8 +119,11 @@ def train(layout: dict) -> dict:
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.optim import stepped_groups
 
-    mesh = Mesh.create(
-        layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1), cp=layout.get("cp", 1)
+    mesh = Mesh(
+        pp=layout.get("pp", 1),
+        dp=layout.get("dp", 1),
+        cp=layout.get("cp", 1),
+        tp=layout.get("tp", 1),
     )
     par = parallelize(
         build_model(GPTConfig(**CONFIG), 0), mesh, Layout(**layout), OptimConfig(**TRAINING)

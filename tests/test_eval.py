@@ -137,9 +137,11 @@ def _in_two_processes(directory: str) -> dict:
     for name, layout in LAYOUTS.items():
         out[name] = {}
         for evaluating in (True, False):  # evaluate after every step, or only after the last
-            mesh = Mesh.create(
-                *(layout.get(k, 1) for k in ("dp", "tp", "pp")),
+            mesh = Mesh(
+                pp=layout.get("pp", 1),
+                dp=layout.get("dp", 1),
                 cp=layout.get("cp", 1),
+                tp=layout.get("tp", 1),
                 ep=layout.get("ep", 1),
             )
             model = build_model(GPTConfig(**CONFIG, **(MOE if "moe" in name else {})), 0)

@@ -171,7 +171,7 @@ def run_half_layouts(layouts: dict[str, dict]) -> dict:
 
     out = {}
     for name, layout in layouts.items():
-        mesh = Mesh.create(layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1))
+        mesh = Mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1), pp=layout.get("pp", 1))
         args = make_args(**layout)
         plain = train_half(mesh, args, inject_inf=False)
         out[name] = {"losses": plain["losses"], "params": plain["params"]}
@@ -200,7 +200,7 @@ def _world4(directory: str) -> dict:
     from hplab.parallel.mesh import Mesh
 
     results = {"half": run_half_layouts(HALF_LAYOUTS_4)}
-    _, engine = train(Mesh.create(tp=2, pp=2), make_args(tp=2, pp=2))
+    _, engine = train(Mesh(tp=2, pp=2), make_args(tp=2, pp=2))
     model_state, optimizer_state = gather_full_state(engine)
     if dist.get_rank() == 0:
         checkpoint.save(
@@ -210,7 +210,7 @@ def _world4(directory: str) -> dict:
     saved = checkpoint.load(directory)
     state = (saved["model"], saved["optimizer"])
     for name, layout in {"dp4 zero3": dict(dp=4, zero=3), "tp4": dict(tp=4)}.items():
-        mesh = Mesh.create(layout.get("dp", 1), layout.get("tp", 1), 1)
+        mesh = Mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1))
         losses, _ = train(mesh, make_args(**layout), start=STEPS, state=state)
         results[f"resumed under {name}"] = losses
     results["configs"] = _run_configs(configs_of_size(4), directory + "-configs")
@@ -222,9 +222,7 @@ def _world1(directory: str) -> list[float]:
     from hplab.parallel.mesh import Mesh
 
     saved = checkpoint.load(directory)
-    losses, _ = train(
-        Mesh.create(), make_args(), start=STEPS, state=(saved["model"], saved["optimizer"])
-    )
+    losses, _ = train(Mesh(), make_args(), start=STEPS, state=(saved["model"], saved["optimizer"]))
     return losses
 
 
@@ -275,7 +273,7 @@ def _one_process_half() -> dict:
     """Each mixed-precision layout's precision and recompute on one process (no parallelism)."""
     from hplab.parallel.mesh import Mesh
 
-    mesh = Mesh.create()
+    mesh = Mesh()
     return {
         name: train_half(
             mesh,

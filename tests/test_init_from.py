@@ -104,7 +104,7 @@ def _logits_after_loading(directory: str, flags: list[str]) -> torch.Tensor | No
     args = train.parse_args([*COMMON, *flags, "--init-from", directory])
     job = train.preflight(args, dist.get_world_size())
     config, start = job.model, job.saved
-    mesh = Mesh.create(args.dp, args.tp, args.pp)
+    mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp)
     par = parallelize(build_model(config, args.seed), mesh, job.layout, job.optim)
     checkpoint.load_full_state(par, start["model"], optimizer_state={})
     with torch.no_grad():

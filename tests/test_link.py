@@ -207,7 +207,7 @@ def _same_training(layouts: dict) -> dict:
     out = {}
     for name, layout in layouts.items():
         sizes = {k: layout.get(k, 1) for k in ("dp", "pp", "cp")}
-        mesh = Mesh(sizes["dp"], 1, sizes["pp"], cp=sizes["cp"])
+        mesh = Mesh(pp=sizes["pp"], dp=sizes["dp"], cp=sizes["cp"])
         plain = _train(mesh, layout, None)
         emulated = _train(mesh, layout, link.Link(50e6, 100e-6))
         same = plain[0] == emulated[0] and all(
@@ -242,7 +242,7 @@ def _bare(mesh) -> dict:
 def _worker() -> dict:
     from hplab.parallel.mesh import Mesh
 
-    mesh = Mesh(2, 1, 1)
+    mesh = Mesh(dp=2)
     return {
         "bare": _bare(mesh),
         "costs": _costs(mesh),

@@ -435,11 +435,11 @@ def _executor_worker():
 
     torch.set_num_threads(1)
     out = {}
-    mesh = Mesh.create(dp=2, pp=2)  # the two dp replicas run the same data: twice the check
+    mesh = Mesh(dp=2, pp=2)  # the two dp replicas run the same data: twice the check
     for layers in ("nn.Linear", "F.linear", "function", "function+recompute"):
         for schedule in ("1f1b", "zb-h1"):
             out[(schedule, layers)] = exec_run(mesh, schedule, layers)
-    mesh = Mesh.create(tp=2, pp=2)
+    mesh = Mesh(tp=2, pp=2)
     for schedule in ("1f1b", "zb-h1"):
         out[(schedule, "tp")] = exec_run(mesh, schedule, "nn.Linear", tp_plan=True)
     dist.barrier()
@@ -601,7 +601,7 @@ def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
     from hplab.parallel.compose import parallelize, train_step
     from hplab.parallel.mesh import Mesh
 
-    mesh = Mesh.create(dp=dp, pp=pp_size)
+    mesh = Mesh(dp=dp, pp=pp_size)
     args = make_args(
         "--pp",
         str(pp_size),
@@ -644,7 +644,7 @@ def run_torch_pipelining(n_layer, p, schedule, m):
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.precision import MixedPrecision
 
-    mesh = Mesh.create(pp=p)
+    mesh = Mesh(pp=p)
     model = build_model(config(n_layer), seed=0)
     (stage,) = pp.build_stages(model, mesh.pp_rank, p)
     pp.free_unowned_parameters(model, [stage])

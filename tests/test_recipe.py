@@ -201,7 +201,7 @@ def _in_two_processes(directory: str) -> dict:
 
     out = {}
     for name, layout in LAYOUTS.items():
-        mesh = Mesh.create(layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1))
+        mesh = Mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1), pp=layout.get("pp", 1))
         par = parallelize(
             build_model(GPTConfig(**CONFIG), 0),
             mesh,

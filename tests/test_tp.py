@@ -489,7 +489,7 @@ def _layout_checks(mesh, sequence_parallel: bool, recompute: bool = False) -> di
 def _checks_world2() -> dict:
     from hplab.parallel.mesh import Mesh
 
-    mesh = Mesh.create(dp=1, tp=2, pp=1)
+    mesh = Mesh(dp=1, tp=2, pp=1)
     comm = mesh.tp
     return {
         "operators": _operator_checks(comm),
@@ -508,8 +508,8 @@ def _checks_world2() -> dict:
 def _checks_world4() -> dict:
     from hplab.parallel.mesh import Mesh
 
-    mesh = Mesh.create(dp=1, tp=4, pp=1)
-    tp_by_dp = Mesh.create(dp=2, tp=2, pp=1)
+    mesh = Mesh(dp=1, tp=4, pp=1)
+    tp_by_dp = Mesh(dp=2, tp=2, pp=1)
     return {
         "operators": _operator_checks(mesh.tp),
         "cross_entropy": _cross_entropy_checks(mesh.tp),

@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     from hplab.runtime.group import init_distributed, shutdown
 
     n = int(os.environ.get("WORLD_SIZE", 1))
-    mesh = Mesh.create(dp=n, device=init_distributed())
+    mesh = Mesh(dp=n, device=init_distributed())
     if args.link:
         link.use(args.link)
     comm = mesh.world

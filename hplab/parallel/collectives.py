@@ -39,6 +39,7 @@ from dataclasses import asdict, astuple, dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from hplab.plan.formulas import bus_factor  # the factors above, in one home
 
@@ -377,10 +378,13 @@ DEFAULT_LEDGER = CommLedger()  # where collectives of groups given without a Mes
 
 def communicator(group=None, name: str = "dp") -> Communicator:
     """The `Communicator` a building block runs its collectives on, from what its caller gave:
-    an hplab Communicator (used as is, e.g. `mesh.dp`), a torch ProcessGroup, or None for the
-    whole world. The last two are recorded in `DEFAULT_LEDGER` under `name`."""
+    an hplab Communicator (used as is, e.g. `mesh.dp`), a DeviceMesh of one dimension (e.g.
+    `device_mesh["dp"]`: its group), a torch ProcessGroup, or None for the whole world. All
+    but the first are recorded in `DEFAULT_LEDGER` under `name`."""
     if isinstance(group, Communicator):
         return group
+    if isinstance(group, DeviceMesh):
+        group = group.get_group()  # (a mesh of several dimensions says to name one)
     group = dist.group.WORLD if group is None else group
     on_gpu = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

@@ -51,7 +51,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hplab.config import check_balance, check_experts, check_top_k
 from hplab.parallel import placement
-from hplab.parallel.collectives import AllToAll
+from hplab.parallel.collectives import AllToAll, communicator
 
 
 class MoE(nn.Module):
@@ -167,10 +167,14 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> None:
-    """Expert parallel over the Communicator `ep` (None or one rank: all experts here): each MoE
-    layer keeps its E/ep experts and frees the others; the balance loss counts tokens over `dp`
-    (the whole data-parallel group, of which ep is a part) and `cp` (the ranks that share each
-    sequence); a sequence-wise one over `cp` only."""
+    """Expert parallel over `ep` (None or one rank: all experts here): each MoE layer keeps its
+    E/ep experts and frees the others; the balance loss counts tokens over `dp` (the whole
+    data-parallel group, of which ep is a part) and `cp` (the ranks that share each sequence);
+    a sequence-wise one over `cp` only. Each is a Communicator, a ProcessGroup, a DeviceMesh
+    of one dimension, or None (no such group)."""
+    ep = _communicator_or_none(ep, "ep")
+    dp = _communicator_or_none(dp, "dp")
+    cp = _communicator_or_none(cp, "cp")
     for layer in moe_layers(model):
         groups = (cp,) if layer.per_sequence else (dp, cp)
         layer.counted_over = [g for g in groups if g is not None and g.size > 1]
@@ -181,6 +185,10 @@ def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> None:
         mine = range(ep.rank * local, (ep.rank + 1) * local)
         layer.experts = nn.ModuleDict({str(e): layer.experts[str(e)] for e in mine})
         layer.ep = ep
+
+
+def _communicator_or_none(group, name: str):
+    return None if group is None else communicator(group, name)
 
 
 def is_expert(p: torch.Tensor) -> bool:

@@ -61,7 +61,7 @@ def header(model: ModelConfig, lay: Layout, cluster: Cluster) -> dict:
         "n_experts": model.n_experts,
         "moe_top_k": model.moe_top_k,
         "micro_batch_size": lay.micro_batch_size,
-        "gpus": lay.gpus,
+        "gpus": lay.world_size,
         "gpu": cluster.gpu.name,
         "gpus_per_node": cluster.gpus_per_node,
     }
@@ -86,8 +86,8 @@ def throughput(
 ) -> Throughput:
     """`flops`: formulas.flops_per_step of the global batch; `step`: seconds per step."""
     peak = cluster.gpu.peak_tflops[lay.precision] * 1e12
-    tflops = flops["hardware_flops"] / (step * lay.gpus) / 1e12
-    model_tflops = flops["model_flops"] / (step * lay.gpus) / 1e12
+    tflops = flops["hardware_flops"] / (step * lay.world_size) / 1e12
+    model_tflops = flops["model_flops"] / (step * lay.world_size) / 1e12
     return Throughput(
         model_flops_per_step=flops["model_flops"],
         hardware_flops_per_step=flops["hardware_flops"],

@@ -180,6 +180,21 @@ def new_group(ranks: list[int]):
     return dist.new_group(ranks, timeout=TIMEOUT)
 
 
+def group_options():
+    """The options of a group a DeviceMesh creates (its `backend_override`): the world's
+    timeout, which it would otherwise leave at torch's default for a new group (30 min). On
+    another backend than gloo or NCCL (a test's "fake" one), torch's own defaults."""
+    backend = dist.get_backend()
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    elif backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    else:
+        return (None, None)  # (no backend named, no options)
+    options._timeout = TIMEOUT
+    return options
+
+
 def die_with_launcher() -> None:
     """A worker started by a launcher (torchrun, `train.py --nproc`) must not outlive it: ask
     Linux to kill this process when its parent dies (PR_SET_PDEATHSIG). A parent that died
