@@ -178,9 +178,10 @@ def main() -> None:
                 runs[impl].append(
                     launch(args.nproc, impl, model_name, args.steps, args.batch, bucket_mb)
                 )
-        med = lambda impl, key: statistics.median(  # noqa: E731
-            statistics.mean(r[key] for r in run) for run in runs[impl]
-        )
+
+        def med(impl, key):
+            return statistics.median(statistics.mean(r[key] for r in run) for run in runs[impl])
+
         ours_all = runs["hplab"][-1]  # the last repeat, per rank
         ours = ours_all[0]
         rows.append(

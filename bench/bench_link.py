@@ -139,7 +139,10 @@ def report(r: dict) -> None:
             f"| {s['bucket_mb']:g} | {s['buckets']} | {s['step_ms']:.1f} | "
             f"{s['exposed_ms']:.1f} | {s['tokens_per_s']:,.0f} |"
         )
-    verdict = lambda met: "met" if met else "NOT met"  # noqa: E731
+
+    def verdict(met):
+        return "met" if met else "NOT met"
+
     print(
         f"\nbest ({r['best_bucket_mb']:g} MiB) / one bucket: {r['best_over_one_bucket']:.2f}× "
         f"(target ≥ {TARGET_RATIO}: {verdict(r['ratio_target_met'])}); bound {b['formula']} = "

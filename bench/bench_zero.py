@@ -223,9 +223,10 @@ def main() -> None:
             for _ in range(args.repeats):
                 for impl in runs:  # alternate, so both see the same machine
                     runs[impl].append(launch(args.nproc, impl, model_name, args.steps, args.batch))
-            med = lambda impl, key: statistics.median(  # noqa: E731
-                statistics.mean(r[key] for r in run) for run in runs[impl]
-            )
+
+            def med(impl, key):
+                return statistics.median(statistics.mean(r[key] for r in run) for run in runs[impl])
+
             rows.append(
                 {
                     "model": model_name,

@@ -162,7 +162,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hplab-gpu-") as tmp:
         directory = Path(tmp)
         for name, flags in LAYOUTS.items():
-            run = lambda f=flags, n=name: learned(train([*steps, *f], directory, n))  # noqa: E731
+
+            def run(f=flags, n=name):
+                return learned(train([*steps, *f], directory, n))
+
             check(results, f"train {name}", run)
         check(results, "save and resume", lambda: save_and_resume(directory, steps[2:]))
         check(results, "trace read back", lambda: trace_read_back(directory, steps[2:]))

@@ -306,7 +306,10 @@ def trainer_state(saved: dict) -> tuple[dict, int]:
     its own: it holds them); else a CheckpointError naming what is wrong."""
     state = saved["trainer_state"]
     step = state.get("step") if isinstance(state, dict) else None
-    whole = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+
+    def whole(x):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
     problem = None
     if not isinstance(state, dict):
         problem = "trainer_state.json is not a JSON object {...}"

@@ -253,8 +253,13 @@ def _one_wrapper_checks(out):
     from hplab.parallel.zero import ZeroOptimizer
 
     data = toy_batches()
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731 (unused parameters stay put)
-    zero = lambda ps, stage=1: ZeroOptimizer(ps, torch.optim.SGD, stage=stage, lr=0.1)  # noqa: E731
+
+    def sgd(ps):
+        return torch.optim.SGD(ps, lr=0.1)  # (unused parameters stay put)
+
+    def zero(ps, stage=1):
+        return ZeroOptimizer(ps, torch.optim.SGD, stage=stage, lr=0.1)
+
     ref = toy()
     out["ddp_zero1_ref"] = (tutorial_loop(ref, data, toy_loss, optimizer=sgd)[0], state(ref))
     ours = DDP(toy(), bucket_mb=SMALL_MB)

@@ -137,7 +137,10 @@ def test_zero3_on_a_link_prefetch_leaves_the_first_gathers_and_last_reduce_scatt
     """A root of 4 kB and three 2 kB blocks on 2 ranks, 1 MB/s, 1 ms: each transfer takes
     α + S/2/β, 3 ms for the root, 2 ms for a block; 3 transfers per unit."""
     root, block = 3e-3, 2e-3
-    cost = lambda prefetch: F.zero3_link_seconds([4e3, 2e3, 2e3, 2e3], 2, 1e6, 1e-3, prefetch)  # noqa: E731
+
+    def cost(prefetch):
+        return F.zero3_link_seconds([4e3, 2e3, 2e3, 2e3], 2, 1e6, 1e-3, prefetch)
+
     total = 3 * (root + 3 * block)
     assert cost("none")["total_s"] == pytest.approx(total)
     assert cost("none")["exposed_s"] == pytest.approx(total) and cost("none")["hidden"] == 0

@@ -75,7 +75,10 @@ def test_greedy_is_argmax_decoding_with_a_cropped_context(models):
 def test_top_k_sampling_is_seeded_and_draws_only_from_the_top_k(models):
     ours, hf = models
     prompt, tok = " ".join(map(str, PROMPT_IDS)), IdTokenizer()
-    draw = lambda **kw: sample.generate(ours, tok, prompt, max_new_tokens=30, **kw)  # noqa: E731
+
+    def draw(**kw):
+        return sample.generate(ours, tok, prompt, max_new_tokens=30, **kw)
+
     assert draw(top_k=3, seed=1) == draw(top_k=3, seed=1)
     assert draw(top_k=3, seed=1) != draw(top_k=3, seed=2)
     assert draw(top_k=1, temperature=0.7, seed=5) == draw()  # k = 1 is greedy

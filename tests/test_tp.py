@@ -343,10 +343,12 @@ def _ledger_checks(comm, ledger, sequence_parallel: bool) -> dict:
     x, y = _batch(config.vocab_size)
     s = x.shape[1] // comm.size if sequence_parallel else x.shape[1]
     hidden = torch.randn(BATCH, s, config.n_embd, requires_grad=True)
-    read = lambda: {
-        op: [d["calls"], d["bytes"]]
-        for op, d in ledger.by_group_dict().get("tp", {}).items()  # noqa: E731
-    }
+
+    def read():
+        return {
+            op: [d["calls"], d["bytes"]] for op, d in ledger.by_group_dict().get("tp", {}).items()
+        }
+
     ledger.reset()
     out_block = model.transformer.h[0](hidden)
     block_forward = read()

@@ -95,12 +95,14 @@ def test_plot_timeline_draws_each_rank_and_its_hidden_fraction(traced):
 
 
 def test_hidden_fraction_on_hand_made_spans():
-    span = lambda kind, a, b, name="all_reduce dp 4 B #1": dict(
-        kind=kind,
-        name=name,  # noqa
-        start_s=a,
-        end_s=b,
-    )
+    def span(kind, a, b, name="all_reduce dp 4 B #1"):
+        return dict(
+            kind=kind,
+            name=name,  # noqa
+            start_s=a,
+            end_s=b,
+        )
+
     spans = [
         span("backward", 0, 10),
         span("wait", 8, 10),
@@ -162,13 +164,15 @@ def test_waits_on_hand_made_traces(tmp_path):
     launches at 6 and computes from 7 to 8 before it waits: that 1 µs of the call is hidden."""
 
     def trace(start, waited, queued, op="all_reduce"):
-        x = lambda name, a, b, cat="cpu_op": dict(
-            ph="X",
-            name=name,
-            ts=a,
-            dur=b - a,  # noqa
-            cat=cat,
-        )
+        def x(name, a, b, cat="cpu_op"):
+            return dict(
+                ph="X",
+                name=name,
+                ts=a,
+                dur=b - a,  # noqa
+                cat=cat,
+            )
+
         return dict(
             distributedInfo=dict(world_size=2),
             gloo_queued_s=queued,

@@ -46,7 +46,10 @@ def group_ranks(dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[i
     ranks that share all coordinates but one form a group along that one."""
     sizes = dict(pp=pp, dp=dp, cp=cp, tp=tp)  # outermost first
     grid = [dict(zip(sizes, c)) for c in itertools.product(*(range(n) for n in sizes.values()))]
-    rank = lambda c: global_rank(c["dp"], c["tp"], c["pp"], dp, tp, c["cp"], cp)  # noqa: E731
+
+    def rank(c):
+        return global_rank(c["dp"], c["tp"], c["pp"], dp, tp, c["cp"], cp)
+
     return {
         family: [
             [rank({**c, family: i}) for i in range(sizes[family])] for c in grid if c[family] == 0
@@ -59,7 +62,10 @@ def replicas_with_context_parallel(dp: int, tp: int, pp: int, cp: int, ep: int =
     """The ranks holding the same weights when context parallel splits sequences: a dp group
     and each of its ranks' cp group (`dp_cp`; Megatron's data-parallel group with context
     parallel, torchtitan's dp_shard_cp), and under expert parallel an expert's (`edp_cp`)."""
-    rank = lambda d, t, p, c: global_rank(d, t, p, dp, tp, c, cp)  # noqa: E731
+
+    def rank(d, t, p, c):
+        return global_rank(d, t, p, dp, tp, c, cp)
+
     grid = list(itertools.product(range(pp), range(tp)))
     groups = {"dp_cp": [[rank(d, t, p, c) for d in range(dp) for c in range(cp)] for p, t in grid]}
     if ep > 1:

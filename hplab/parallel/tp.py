@@ -398,7 +398,10 @@ def experts_see_every_token(moe, comm, sequence_parallel=False):
 def with_experts(plan: dict, blocks: str) -> dict:
     """`plan` where each `blocks.*.mlp` is a mixture of experts: every expert's MLP cut as the
     dense one, without sequence parallel inside (the layer sees every token)."""
-    each = lambda cut: lambda m, c, _: cut(m, c, False)  # noqa: E731
+
+    def each(cut):
+        return lambda m, c, _: cut(m, c, False)
+
     return {
         p.replace(".mlp.", ".mlp.experts.*."): each(cut) if ".mlp." in p else cut
         for p, cut in plan.items()

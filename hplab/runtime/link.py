@@ -176,7 +176,10 @@ class Transfer:
         self.queue.launch(self.channel, self)
         if on_gpu:
             return
-        then = lambda *_: self._done()  # noqa: E731
+
+        def then(*_):
+            return self._done()
+
         try:
             work.get_future().then(then)
         except RuntimeError:  # gloo's send and recv have no future: a thread waits for them
