@@ -124,6 +124,8 @@ def check_switches(args) -> None:
         raise ValueError("--async-save writes --save's checkpoints: give --save DIR")
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
+    if os.environ.get("HPLAB_LINK"):  # (read by every rank as it starts, even beside --link)
+        link.parse(os.environ["HPLAB_LINK"], "HPLAB_LINK")
     source = "--link" if args.link else "HPLAB_LINK"
     args.link = args.link or os.environ.get("HPLAB_LINK") or None
     if args.link:  # (LinkError: one line) in the metrics as the library spells it

@@ -8,6 +8,7 @@ messages, ring attention's hops, ZeRO-3's gathers). One 2-process launch measure
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -46,10 +47,13 @@ def test_parse_reads_units():
     [
         ("fast", "e.g. --link 20MB/s,200us"),
         ("20MB", "e.g. --link 20MB/s,200us"),
-        ("0MB/s", "must be positive"),
+        ("0MB/s", "a bandwidth of 0MB/s is outside what a link carries; give one from 1kB/s"),
         ("nanMB/s", "e.g. --link"),
-        ("1e400MB/s", "must be positive"),
-        ("20MB/s,-3us", "latency ≥ 0"),
+        ("1e400MB/s", "a bandwidth of 1e400MB/s is outside what a link carries"),
+        ("1e-320B/s", "a bandwidth of 1e-320B/s is outside what a link carries"),
+        ("20MB/s,-3us", "a latency of -3us is outside what a link takes; give one from 0 to 1s"),
+        ("20MB/s,1e9s", "a latency of 1e9s is outside what a link takes"),
+        ("20MB/s,1e300s", "a latency of 1e300s is outside what a link takes"),
         ("20MB/s,1 hour", "e.g. --link"),
     ],
 )
@@ -106,6 +110,42 @@ def test_a_groups_transfers_take_the_link_in_launch_order(monkeypatch):
     assert second.through_at == pytest.approx(10.006)  # then the second, after the first
     works[0].future.set_result(None)  # its late callback changes nothing
     assert first.through_at == pytest.approx(10.004) and queue.free_at == pytest.approx(10.006)
+
+
+def test_a_transfer_longer_than_the_collective_timeout_is_a_comm_timeout(monkeypatch):
+    """Every wait is bounded, the link's too: 10 MB on a 1 kB/s link (10,000 s) under a 2 s
+    collective timeout fails at once, in one line, instead of sleeping for hours."""
+    from datetime import timedelta
+
+    import numpy as np
+
+    from hplab.runtime import group
+    from hplab.runtime.errors import CommTimeout
+
+    monkeypatch.setattr(group, "TIMEOUT", timedelta(seconds=2))
+    monkeypatch.setattr(link, "QUEUE", link.Queue(link.Link(1e3, 0.0), job="test"))
+    work = _Work()
+    launched = np.full((2, 4), time.perf_counter())
+    transfer = link.Transfer(work, 10e6, (launched, 0), "all_reduce dp 10,000,000 B")
+    work.future.set_result(None)
+    start = time.perf_counter()
+    with pytest.raises(CommTimeout) as caught:
+        transfer.wait()
+    assert time.perf_counter() - start < 1
+    assert str(caught.value).startswith("all_reduce dp 10,000,000 B would take 1e+04 s more")
+    assert "longer than a collective may wait (2 s, HPLAB_TIMEOUT_S)" in str(caught.value)
+
+
+def test_a_runs_link_files_are_removed_at_shutdown(monkeypatch):
+    """Each channel's launch board is a file in /dev/shm; a forked rank ends without atexit,
+    and every --link run left them there: `shutdown` removes them."""
+    queue = link.Queue(link.Link(1e6, 0.0), job=f"test-{os.getpid()}")
+    monkeypatch.setattr(link, "QUEUE", queue)
+    queue.board.stamp("dp[0, 1]", 2, 0)
+    path = queue.board.path("dp[0, 1]", 2)
+    assert path.exists()
+    link.release()
+    assert not path.exists()
 
 
 # -- measured on two processes -------------------------------------------------------------
@@ -348,7 +388,12 @@ def test_a_bad_link_is_one_line_before_any_process(capsys, monkeypatch):
     monkeypatch.setenv("HPLAB_LINK", "0MB/s")
     assert main(["--nproc", "2", "--steps", "2"]) == 2
     err = capsys.readouterr().err
-    assert "HPLAB_LINK" in err and "positive" in err and err.count("\n") == 1, err
+    assert "HPLAB_LINK" in err and "outside what a link carries" in err, err
+    assert err.count("\n") == 1, err
+    # a bad HPLAB_LINK beside a good --link: every rank reads it as it starts; it is to blame
+    assert main(["--nproc", "2", "--steps", "2", "--link", "20MB/s"]) == 2
+    err = capsys.readouterr().err
+    assert "HPLAB_LINK '0MB/s'" in err and "--link '" not in err and err.count("\n") == 1, err
 
 
 def test_a_job_across_machines_refuses_the_link(monkeypatch):

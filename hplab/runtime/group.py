@@ -138,7 +138,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     global DEVICE
     DEVICE = device
     collectives.LAYERS[:] = RUN_LAYERS
-    link.use(os.environ.get("HPLAB_LINK") or None)  # an emulated link for every rank, or none
+    link.use(os.environ.get("HPLAB_LINK") or None, "HPLAB_LINK")  # for every rank, or none
     if existing is None:
         if note and local_rank == 0:
             print(f"hplab: {note}", file=sys.stderr)
@@ -236,4 +236,5 @@ def shutdown() -> None:
         dist.destroy_process_group()
     for comm in list(OPEN_COMMUNICATORS):
         comm.release()
+    link.release()  # (its board's files, shared with the other ranks: all are done with them)
     gc.collect()

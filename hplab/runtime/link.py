@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from hplab.plan.formulas import bus_factor
+from hplab.runtime.errors import CommTimeout
 
 UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 PER_SECOND = {"s": 1, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
@@ -75,9 +76,24 @@ def parse(text: str, source: str = "--link") -> Link:
             f"{source} {text!r}: give a bandwidth and, after a comma, a latency, e.g. "
             "--link 20MB/s,200us"
         ) from None
-    if not (0 < beta < float("inf") and 0 <= alpha < float("inf")):
-        raise LinkError(f"{source} {text!r}: the bandwidth must be positive, the latency ≥ 0")
+    if not BANDWIDTHS[0] <= beta <= BANDWIDTHS[1]:  # (NaN fails too)
+        raise LinkError(
+            f"{source} {text!r}: a bandwidth of {bandwidth} is outside what a link carries; "
+            "give one from 1kB/s to 100TB/s (NVLink: 900GB/s), e.g. --link 20MB/s,200us"
+        )
+    if not LATENCIES[0] <= alpha <= LATENCIES[1]:
+        raise LinkError(
+            f"{source} {text!r}: a latency of {latency} is outside what a link takes; give one "
+            "from 0 to 1s (InfiniBand: about 2us), e.g. --link 20MB/s,200us"
+        )
     return Link(beta, alpha)
+
+
+# What a link can physically be: from a slow modem's kB/s to beyond NVLink, and a latency up to
+# a second (a continent away). Outside these a value is a typo, and a link of 1e9 s would make
+# every collective sleep for ever.
+BANDWIDTHS = (1e3, 1e14)  # bytes per second
+LATENCIES = (0.0, 1.0)  # seconds
 
 
 class Queue:
@@ -132,6 +148,7 @@ class Board:
 
     def __init__(self, job: str):
         self.job, self.tables, self.launches = job, {}, Counter()
+        self.opened: set[tuple[str, int]] = set()  # (channel, members) of the files it mapped
         self.folder = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
 
     def stamp(self, channel: str, members: int, me: int) -> tuple:
@@ -150,9 +167,17 @@ class Board:
         table, slot = ticket
         return float(table[:, slot].max())
 
+    def remove_files(self) -> None:
+        """Remove this board's files (the processes that mapped them keep their maps)."""
+        for channel, members in list(self.opened):
+            self.path(channel, members).unlink(missing_ok=True)
+
+    def path(self, channel: str, members: int) -> Path:
+        return self.folder / re.sub(r"[^\w.-]", "_", f"hplab-link-{self.job}-{channel}-{members}")
+
     def _open(self, channel: str, members: int) -> np.ndarray:
-        name = re.sub(r"[^\w.-]", "_", f"hplab-link-{self.job}-{channel}-{members}")
-        path = self.folder / name
+        path = self.path(channel, members)
+        self.opened.add((channel, members))
         with open(path, "a+b") as f:  # every member opens it; the first one sizes it
             if f.seek(0, 2) < members * self.SLOTS * 8:
                 f.truncate(members * self.SLOTS * 8)
@@ -200,10 +225,17 @@ class Transfer:
             self.queue.done(self.channel)
 
     def wait(self) -> None:
-        """Call after the work's own wait."""
+        """Call after the work's own wait. Bounded like every wait: a transfer the link would
+        take longer than the collective timeout to carry is a CommTimeout, said at once."""
         if not self.on_the_link.wait(timeout=0 if self.on_gpu else 5):
             self._done()  # a GPU's, or a callback not yet run: done, as the work is
         self.on_the_link.wait()
+        if (left := self.through_at - time.perf_counter()) > collective_timeout_s():
+            raise CommTimeout(
+                f"{self.what or 'a transfer'} would take {left:.3g} s more on the emulated "
+                f"link, longer than a collective may wait ({collective_timeout_s():g} s, "
+                "HPLAB_TIMEOUT_S): give the link more bandwidth, or send less"
+            )
         sleep_until(self.through_at)
 
     def is_through(self) -> bool:
@@ -238,11 +270,11 @@ class WaitedByThread:
 QUEUE: Queue | None = None  # this process's link (None: no emulation)
 
 
-def use(link: Link | str | None) -> None:
+def use(link: Link | str | None, source: str = "--link") -> None:
     """Give this rank `link` (a Link, its text, or None for none); `train.py` calls it with
-    --link, or HPLAB_LINK when the flag is not given."""
+    --link, or HPLAB_LINK when the flag is not given (`source` names it in an error)."""
     global QUEUE
-    link = parse(link) if isinstance(link, str) else link
+    link = parse(link, source) if isinstance(link, str) else link
     job = f"{os.environ.get('MASTER_PORT', '')}-{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
     QUEUE = Queue(link, job) if link else None
 
@@ -264,6 +296,20 @@ class OnTheLink:
     def _get_duration(self) -> float:
         """The device's own time of the work (hplab.runtime.clock reads it on a GPU)."""
         return self.transfer.work._get_duration()
+
+
+def release() -> None:
+    """At shutdown, once every collective is over: remove this rank's board files (a forked
+    rank ends without running atexit, and they stayed in /dev/shm)."""
+    if QUEUE is not None:
+        QUEUE.board.remove_files()
+
+
+def collective_timeout_s() -> float:
+    """The seconds a collective may wait (HPLAB_TIMEOUT_S: `hplab.runtime.group`)."""
+    from hplab.runtime.group import TIMEOUT  # (group imports this module)
+
+    return TIMEOUT.total_seconds()
 
 
 def stamp(call) -> tuple:
