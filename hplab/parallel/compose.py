@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from hplab.config import Layout, OptimConfig, validate
 from hplab.models import llama
@@ -181,23 +182,30 @@ def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) 
     under ZeRO-1/2 (its optimizer syncs) or expert parallel (finalize_grads syncs experts over
     their own replicas)."""
     if layout.zero == 3:  # (no pipeline: owned is gpt; its parameters become fp32 shards)
-        ahead = dict(
-            forward_prefetch=layout.prefetch in ("both", "forward"),
-            backward_prefetch=layout.prefetch in ("both", "backward"),
-        )
+        policy = MixedPrecisionPolicy(param_dtype=precision.compute_dtype)
+        offload = CPUOffloadPolicy() if layout.offload else OffloadPolicy()
         for block in [*gpt.blocks, gpt]:  # the blocks first, then the root
-            fsdp.fully_shard(
-                block,
-                mesh.dp_cp,
-                param_dtype=precision.compute_dtype,
-                offload=layout.offload,
-                **ahead,
-            )
+            fsdp.fully_shard(block, mesh.dp_cp, mp_policy=policy, offload_policy=offload)
+        set_prefetch(gpt, layout.prefetch)
         return gpt
     owned.to(precision.param_dtype)  # half-precision copies; fp32 masters in the optimizer
     if layout.zero or layout.ep > 1:
         return owned
     return DDP(owned, mesh.dp_cp, layout.bucket_mb)
+
+
+def set_prefetch(gpt: nn.Module, prefetch: str) -> None:
+    """`--prefetch {both,forward,backward,none}` as FSDP2's explicit lists: in forward the root
+    (it runs first) gathers the first block, each block the next; in backward the root (its
+    head's gradient comes first) gathers the last block, each block the one before it."""
+    forward_order = [gpt, *gpt.blocks]
+    backward_order = [gpt, *reversed(gpt.blocks)]
+    for unit, after in zip(forward_order, forward_order[1:] + [None]):
+        ahead = prefetch in ("both", "forward") and after is not None
+        unit.set_modules_to_forward_prefetch([after] if ahead else [])
+    for unit, after in zip(backward_order, backward_order[1:] + [None]):
+        ahead = prefetch in ("both", "backward") and after is not None
+        unit.set_modules_to_backward_prefetch([after] if ahead else [])
 
 
 def make_sharded_optimizer(gpt, owned, stages, mesh, layout: Layout, optim: OptimConfig, precision):
@@ -300,12 +308,28 @@ def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
     return norm
 
 
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Backwards that only accumulate gradients, the sync left to a later one: DDP's `no_sync()`,
+    FSDP2's `set_requires_gradient_sync(False)` (then True again), nothing for the rest."""
+    if isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif isinstance(model, fsdp.FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
 def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     """One optimizer step on this rank's share of the global batch; returns its mean loss."""
     layout, mesh, scale = par.layout, par.mesh, par.precision.loss_scale
     m = layout.microbatches
     x, y = context_shard(par, x, y)
-    no_sync = par.model.no_sync if isinstance(par.model, DDP) else contextlib.nullcontext
     if x.shape[0] % m:
         raise ValueError(
             f"this rank's batch of {x.shape[0]} sequences does not split into "
@@ -313,13 +337,13 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
         )
     if par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
         par.pipeline.loss_scale = scale
-        with no_sync():
+        with no_sync(par.model):
             losses = par.pipeline.run(list(x.chunk(m)), list(y.chunk(m)))
         loss = mesh.pp.all_reduce_scalar(sum(losses)) / m  # only the last stage has them
     else:
         losses = []
         for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
-            with no_sync() if i < m - 1 else contextlib.nullcontext():
+            with no_sync(par.model) if i < m - 1 else contextlib.nullcontext():
                 _, microbatch_loss = par.model(xm, ym)
                 (microbatch_loss * scale / m).backward()
             losses.append(microbatch_loss.detach())
