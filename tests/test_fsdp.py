@@ -179,6 +179,7 @@ def _worker(n):
     from hplab.observe.memory import storage_bytes
     from hplab.parallel.collectives import CommLedger, Communicator
     from hplab.parallel.fsdp import (
+        FSDPModule,
         full_parameters,
         gather_full,
         is_shard,
@@ -206,6 +207,9 @@ def _worker(n):
             )
             seen["unused_grad_none"] = name != "toy" or model.blocks[1].unused.grad is None
             seen["all_shards"] = all(is_shard(p) for p in model.parameters())
+            seen["fsdp_modules"] = all(  # FSDP2's way: the class now mixes in FSDPModule
+                isinstance(m, FSDPModule) for m in [model, *blocks_of(model)]
+            )
             mem = memory_tensors(model)
             seen["param_bytes"] = storage_bytes(mem["params"])
             seen["grad_bytes"] = storage_bytes(mem["grads"])
@@ -326,6 +330,7 @@ def test_grads_are_fp32_shards_and_unused_stay_none(results, name):
         assert (
             probe["all_shards"] and probe["grads_fp32_shard_shaped"] and probe["unused_grad_none"]
         )
+        assert probe["fsdp_modules"]
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,16 @@ the layout. The pipeline split keeps this rank's layers, tensor parallel its sli
 data parallel wraps *what is left*: the ranks of one dp group hold the same slices of the same
 stage, so each slice's gradient is averaged (or reduce-scattered) with exactly its replicas.
 
+`parallelize` transforms the model only and returns it, as torch's and torchtitan's do; the
+optimizer and its learning-rate schedule are built beside it, as torchtitan's train.py builds
+them, and a `TrainState` holds the four for the step:
+
+    model = parallelize(build_model(config, seed), mesh, layout)
+    optimizer = build_optimizer(model, mesh, layout, optim)
+    scheduler = build_lr_scheduler(optimizer, optim)
+    state = TrainState(model, optimizer, scheduler, mesh, layout, optim)
+    loss = train_step(state, x, y)
+
 `train_step`, one step of any layout: forward + backward per microbatch (or the pipeline
 schedule), `finalize_grads`, fp16 unscale and overflow skip, clip, step, lr step, zero_grad.
 """
@@ -46,23 +56,35 @@ def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimi
 
 
 @dataclass
-class Parallel:
-    """One rank's share of training, as `parallelize` composed it."""
+class TrainState:
+    """One rank's training: the model `parallelize` returned, the optimizer and schedule built
+    beside it, and what `train_step` derives from them once: the whole GPT behind the wrappers,
+    the precision (fp16's loss scaler), the pipeline executor over the model's stages, and the
+    groups whose gradients `finalize_grads` sums (the tied embedding's, shared K/V heads').
+    Building it creates those groups: every rank builds one, in the same order."""
 
     model: nn.Module  # what runs forward: DDP(gpt), the fully-sharded gpt, or DDP(stages)
     optimizer: torch.optim.Optimizer
-    gpt: nn.Module  # the underlying model (single-device parameter names)
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     mesh: Mesh
     layout: Layout
-    optim: OptimConfig
-    precision: MixedPrecision
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    pipeline: pp.PipelineExecutor | None = None
-    tied_comm: object = None
-    kv_comm: object = None  # the ranks sharing this rank's K/V heads (fewer heads than tp ranks)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    gpt: nn.Module = field(init=False)  # the underlying model (single-device parameter names)
+    precision: MixedPrecision = field(init=False)
+    pipeline: pp.PipelineExecutor | None = field(init=False)
+    tied_comm: object = field(init=False)
+    kv_comm: object = field(init=False)  # the ranks sharing this rank's K/V heads (fewer heads)
     # called as fn(self) after each optimizer step (taken or skipped), before zero_grad: what
     # observers measure then (hplab.observe.observers)
     on_step_end: list = field(default_factory=list)
+
+    def __post_init__(self):
+        stages = pipeline_stages(self.model)
+        self.gpt = whole_model(self.model)
+        self.precision = MixedPrecision(self.layout.precision)
+        self.kv_comm = kv_replica_group(self.gpt, self.mesh)  # (every rank creates every group)
+        self.pipeline = build_pipeline(stages, self.mesh, self.layout) if stages else None
+        self.tied_comm = pp.tied_embedding_group(self.mesh) if stages else None
 
 
 def mark_no_decay(model: nn.Module) -> None:
@@ -93,16 +115,16 @@ def parameter_groups(
     ]
 
 
-def parallelize(
-    model: nn.Module, mesh: Mesh, layout: Layout, optim: OptimConfig | None = None
-) -> Parallel:
-    """Compose `layout` around `model` (the whole GPT, on mesh.device): the strategies in
-    torchtitan's order, then the optimizer over what this rank holds. `optim`: AdamW's settings
-    and the lr schedule (OptimConfig's defaults when None)."""
-    gpt, optim, precision = model, optim or OptimConfig(), MixedPrecision(layout.precision)
+def parallelize(model: nn.Module, mesh: Mesh, layout: Layout) -> nn.Module:
+    """Compose `layout` around `model` (the whole GPT, on mesh.device), the strategies in
+    torchtitan's order, and return what this rank runs forward: DDP(gpt), the fully-sharded
+    gpt, the gpt itself (ZeRO-1/2, experts) or, under a pipeline, this rank's stages (in an
+    nn.ModuleList, in DDP without ZeRO). It transforms the model only: the optimizer is
+    `build_optimizer`'s. Weight decay's exceptions are marked before, while the model is whole
+    (`mark_no_decay`: tensor parallel replaces the embedding)."""
+    gpt = model
+    precision = MixedPrecision(layout.precision)
     validate(layout, gpt.config, mesh.world_size)  # every rule, before any cutting
-    if optim.no_decay_bias_norm:  # by role, while the model is whole
-        mark_no_decay(gpt)
     if layout.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
         is_llama = gpt.config.arch == "llama"
         plan, blocks = (
@@ -110,46 +132,73 @@ def parallelize(
         )
         plan = tp.with_experts(plan, blocks) if gpt.config.n_experts else plan
         tp.parallelize(gpt, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)
-    kv_comm = kv_replica_group(gpt, mesh)  # (every rank creates every group)
     if layout.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
         cp.parallelize(gpt, mesh.cp, layout.cp_style, layout.cp_split)
-    stages, pipeline, tied_comm = [], None, None
+    stages = []
     if layout.pp > 1:  # the pipeline split: this rank's stages (the other layers are freed)
         stages = pp.build_stages(gpt, mesh.pp_rank, layout.pp, layout.virtual_stages)
         pp.free_unowned_parameters(gpt, stages)
-        plans = pp.build_schedule(
-            layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages
-        )
-        links = pp.message_links(mesh, plans)  # one communicator each way (NCCL's order)
-        pipeline = pp.PipelineExecutor(
-            stages,
-            plans[mesh.pp_rank],
-            mesh.pp,
-            links,
-            precision.param_dtype,
-            layout.tp if layout.sequence_parallel else 1,
-        )
-        tied_comm = pp.tied_embedding_group(mesh)
     gpt.recompute = layout.recompute  # none, selective or full: a mode the blocks read
     moe.parallelize(gpt, mesh.ep, mesh.dp, mesh.cp)  # experts: this rank's E/ep (within dp)
     owned = nn.ModuleList(stages) if stages else gpt  # what this rank holds and steps
-    wrapped = data_parallel(gpt, owned, mesh, layout, precision)
-    optimizer = make_sharded_optimizer(gpt, owned, stages, mesh, layout, optim, precision)
-    # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, optim))
-    return Parallel(
-        wrapped,
-        optimizer,
-        gpt,
-        mesh,
-        layout,
-        optim,
-        precision,
-        scheduler,
-        pipeline,
-        tied_comm,
-        kv_comm,
+    return data_parallel(gpt, owned, mesh, layout, precision)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """What this rank holds and steps: the module inside DDP, else `model` itself."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def pipeline_stages(model: nn.Module) -> list[pp.Stage]:
+    """This rank's pipeline stages in what `parallelize` returned ([] without a pipeline)."""
+    owned = unwrap(model)
+    if not isinstance(owned, nn.ModuleList):
+        return []
+    return [stage for stage in owned if isinstance(stage, pp.Stage)]
+
+
+def whole_model(model: nn.Module) -> nn.Module:
+    """The GPT behind what `parallelize` returned (its single-device parameter names)."""
+    stages = pipeline_stages(model)
+    return stages[0].gpt if stages else unwrap(model)
+
+
+def build_pipeline(stages: list[pp.Stage], mesh: Mesh, layout: Layout) -> pp.PipelineExecutor:
+    """The executor that runs this rank's stages through the schedule's action list, with one
+    communicator each way between pipeline neighbours (NCCL's order: `pp.message_links`)."""
+    plans = pp.build_schedule(
+        layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages
     )
+    return pp.PipelineExecutor(
+        stages,
+        plans[mesh.pp_rank],
+        mesh.pp,
+        pp.message_links(mesh, plans),
+        MixedPrecision(layout.precision).param_dtype,
+        layout.tp if layout.sequence_parallel else 1,
+    )
+
+
+def build_optimizer(
+    model: nn.Module, mesh: Mesh, layout: Layout, optim: OptimConfig | None = None
+) -> torch.optim.Optimizer:
+    """AdamW (fixed betas, foreach=False) over what `model` (`parallelize`'s) holds on this
+    rank, as the layout needs it: ZeRO-1/2's sharded optimizer, fp32 masters under mixed
+    precision, or plain. `optim`: its settings (OptimConfig's defaults when None)."""
+    optim = optim or OptimConfig()
+    precision = MixedPrecision(layout.precision)
+    return make_sharded_optimizer(
+        whole_model(model), unwrap(model), pipeline_stages(model), mesh, layout, optim, precision
+    )
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig | None = None
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """Step i's lr: lr · factor(i), warmup then decay (ZeRO / master-weight optimizers pass it
+    on to their inner one). `optim`: the schedule (OptimConfig's defaults when None)."""
+    factor = functools.partial(lr_factor, optim or OptimConfig())
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def lr_factor(optim: OptimConfig, step: int) -> float:
@@ -325,7 +374,7 @@ def no_sync(model: nn.Module):
         yield
 
 
-def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
+def train_step(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
     """One optimizer step on this rank's share of the global batch; returns its mean loss."""
     layout, mesh, scale = par.layout, par.mesh, par.precision.loss_scale
     m = layout.microbatches
@@ -367,14 +416,14 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     return mesh.dp.all_reduce_scalar(loss) / mesh.dp_size
 
 
-def context_shard(par: Parallel, x: torch.Tensor, y: torch.Tensor):
+def context_shard(par: TrainState, x: torch.Tensor, y: torch.Tensor):
     """This rank's tokens of its dp share [b, s] of the batch (all of them without cp)."""
     c, rank = par.layout, par.mesh.cp_rank
     return (x, y) if c.cp == 1 else tuple(cp.shard(t, rank, c.cp, c.cp_split) for t in (x, y))
 
 
 @torch.no_grad()
-def evaluate(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
+def evaluate(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
     """`train_step`'s forward only, nothing random: the global batch's mean cross-entropy (no MoE
     balance loss). Each cp, dp and microbatch share has as many tokens: averaging means is exact."""
     m, mesh = par.layout.microbatches, par.mesh
