@@ -56,7 +56,13 @@ def hplab_engine(schedule, v):
     from hplab.cli import build_parser, layout_of, optim_of
     from hplab.models.gpt import build_model
     from hplab.observe.observers import MemoryWatch, PipelineTrace
-    from hplab.parallel.compose import parallelize
+    from hplab.parallel.compose import (
+        TrainState,
+        build_lr_scheduler,
+        build_optimizer,
+        mark_no_decay,
+        parallelize,
+    )
     from hplab.parallel.mesh import Mesh
 
     args = build_parser().parse_args(
@@ -77,7 +83,14 @@ def hplab_engine(schedule, v):
     )
     mesh = Mesh(pp=WORLD)  # on the device init_distributed chose: a GPU each, or the CPU
     model = build_model(model_config(), seed=0).to(mesh.device)
-    engine = parallelize(model, mesh, layout_of(args), optim_of(args))
+    layout = layout_of(args)
+    optim = optim_of(args)
+    if optim.no_decay_bias_norm:  # by role, while the model is whole
+        mark_no_decay(model)
+    stages = parallelize(model, mesh, layout)
+    optimizer = build_optimizer(stages, mesh, layout, optim)
+    scheduler = build_lr_scheduler(optimizer, optim)
+    engine = TrainState(stages, optimizer, scheduler, mesh, layout, optim)
     # measured as train.py measures a run: the trace, then every forward's saved activations
     trace, memory = PipelineTrace(engine.pipeline), MemoryWatch(engine)
     return engine, lambda: trace.report(engine.mesh.pp, memory)

@@ -3,11 +3,14 @@
 The building blocks are used the way PyTorch's own are, in an ordinary training loop (README,
 docs/strategies.md): `hplab.DDP`, `hplab.ZeroOptimizer`, `hplab.fully_shard` (ZeRO-3, like FSDP2),
 `hplab.tp`, `hplab.pp`, `hplab.cp`, `hplab.moe`; `hplab.parallelize(model, mesh, layout)` (a
-`hplab.Layout`, checked by `hplab.validate`) and `hplab.finalize_grads` compose them for a whole
-layout; `print(hplab.placement(model))` shows where each parameter lives. Names are imported
-on first use, so `import hplab` stays cheap (torch loads when needed). The course's tools live
-in `hplab.course` (the library never imports it); `hplab.lab`, `hplab.viz`, `hplab.timeline`
-and `hplab.collectives_bench` are names for its modules, as learners have always typed them.
+`hplab.Layout`, checked by `hplab.validate`) composes them for a whole layout and returns the
+model, `hplab.build_optimizer` and `hplab.build_lr_scheduler` build what steps it beside it,
+`hplab.TrainState` holds the four for `hplab.train_step`, and `hplab.finalize_grads` does every
+sync after backward; `print(hplab.placement(model))` shows where each parameter lives. Names
+are imported on first use, so `import hplab` stays cheap (torch loads when needed). The
+course's tools live in `hplab.course` (the library never imports it); `hplab.lab`, `hplab.viz`,
+`hplab.timeline` and `hplab.collectives_bench` are names for its modules, as learners have
+always typed them.
 """
 
 import importlib
@@ -18,13 +21,17 @@ _PUBLIC = {
         "hplab.parallel.ddp": ["DDP"],
         "hplab.parallel.sync": ["DoubleSyncError"],
         "hplab.parallel.zero": ["ZeroOptimizer"],
-        "hplab.parallel.fsdp": ["fully_shard", "full_parameters"],
+        "hplab.parallel.fsdp": ["fully_shard", "full_parameters", "FSDPModule"],
         "hplab.parallel.mesh": ["Mesh"],
         "hplab.observe.placement_table": ["placement"],
         "hplab.runtime.group": ["init_distributed"],
         "hplab.parallel.compose": [
             "finish_gradient_sync",
             "parallelize",
+            "build_optimizer",
+            "build_lr_scheduler",
+            "TrainState",
+            "mark_no_decay",
             "finalize_grads",
             "train_step",
         ],

@@ -313,7 +313,8 @@ def check_compatible(saved, wanted, advice="resume with the same --model and siz
 
 
 # --- from a layout's pieces to the single-device state, and back ------------------------------
-# `par` is what hplab.parallel.compose.parallelize returned. A rank's own parameters
+# `par` is the run's hplab.parallel.compose.TrainState (the model `parallelize` returned, its
+# optimizer and schedule). A rank's own parameters
 # (requires_grad: not a pipeline rank's freed layers) are rebuilt in two steps: data-parallel
 # shards (ZeroOptimizer, fully_shard) gathered over dp, then tensor-parallel slices over tp; stages
 # meet on rank 0.

@@ -8,7 +8,8 @@ Every process runs this same file, top to bottom:
    a bad command line ends here, in one line;
 2. join the process group and find this rank's place in the dp × cp × tp × pp mesh;
 3. build the *whole* model from the seed (the same initial weights in every layout), and let
-   `parallelize` cut it into this rank's share: its stages, its slices, its shards;
+   `parallelize` cut it into this rank's share: its stages, its slices, its shards; then the
+   optimizer and its learning-rate schedule beside it (`build_training`);
 4. load a checkpoint (`--resume`, `--init-from`), resharded into this layout;
 5. train: each step takes the global batch the seed and the step choose, this rank's share of
    it, and `train_step` (forward, backward, every synchronisation, the optimizer step); rank 0
@@ -48,7 +49,15 @@ from hplab.data import get_batch, global_batch_indices, shard_for_rank
 from hplab.models.gpt import build_model
 from hplab.observe import metrics
 from hplab.observe.observers import Observers
-from hplab.parallel.compose import evaluate, parallelize, train_step
+from hplab.parallel.compose import (
+    TrainState,
+    build_lr_scheduler,
+    build_optimizer,
+    evaluate,
+    mark_no_decay,
+    parallelize,
+    train_step,
+)
 from hplab.parallel.mesh import Mesh
 from hplab.preflight import RunComplete, preflight, release_save_folders
 from hplab.runtime import faults, link
@@ -158,7 +167,7 @@ def run_claimed(args) -> dict | None:
     link.use(args.link)  # an emulated network between the ranks, or none
     layout = job.layout
     mesh = Mesh(pp=layout.pp, dp=layout.dp, cp=layout.cp, tp=layout.tp, ep=layout.ep, device=device)
-    par = parallelize(build_model(job.model, args.seed).to(device), mesh, layout, job.optim)
+    par = build_training(job, args.seed, mesh, device)
     for block in par.gpt.blocks if args.compile else ():  # (their hooks stay eager)
         block.forward = torch.compile(block.forward)
     first_step = checkpoint.restore(par, job.saved, bool(args.resume)) if job.saved else 0
@@ -174,6 +183,18 @@ def run_claimed(args) -> dict | None:
     backend = dist.get_backend()
     out = metrics.collect(args, job.model, layout, backend, device.type, steps, evals, everyone)
     return metrics.recovery(out, first_step, earlier, saves)
+
+
+def build_training(job, seed: int, mesh: Mesh, device) -> TrainState:
+    """Step 3: the whole model from the seed, cut by `parallelize` into this rank's share, the
+    optimizer and its schedule built beside it (as torchtitan's train.py builds them)."""
+    model = build_model(job.model, seed).to(device)
+    if job.optim.no_decay_bias_norm:  # by role, while the model is whole
+        mark_no_decay(model)
+    model = parallelize(model, mesh, job.layout)
+    optimizer = build_optimizer(model, mesh, job.layout, job.optim)
+    scheduler = build_lr_scheduler(optimizer, job.optim)
+    return TrainState(model, optimizer, scheduler, mesh, job.layout, job.optim)
 
 
 def train(par, job, args, steps_to_run: range, watch, earlier: list) -> tuple[list, list, list]:

@@ -15,9 +15,13 @@ PUBLIC = [
     "DDP",
     "ZeroOptimizer",
     "fully_shard",
+    "FSDPModule",
     "full_parameters",
     "finish_gradient_sync",
     "parallelize",
+    "build_optimizer",
+    "build_lr_scheduler",
+    "TrainState",
     "finalize_grads",
     "Mesh",
     "placement",
@@ -51,6 +55,10 @@ def test_public_names_are_the_building_blocks():
     assert issubclass(hplab.ZeroOptimizer, torch.optim.Optimizer)
     assert hplab.fully_shard is fsdp.fully_shard
     assert hplab.parallelize is compose.parallelize
+    assert hplab.build_optimizer is compose.build_optimizer
+    assert hplab.build_lr_scheduler is compose.build_lr_scheduler
+    assert hplab.TrainState is compose.TrainState
+    assert hplab.FSDPModule is fsdp.FSDPModule
     assert hplab.finalize_grads is compose.finalize_grads
     with pytest.raises(AttributeError):
         hplab.DataParallelEngine  # noqa: B018 — the engine classes are gone

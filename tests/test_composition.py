@@ -168,7 +168,13 @@ def train(settings: dict, meshes: dict, experts: bool | None = None) -> dict:
 
     from hplab.config import OptimConfig
     from hplab.models.gpt import build_model
-    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.compose import (
+        TrainState,
+        build_lr_scheduler,
+        build_optimizer,
+        parallelize,
+        train_step,
+    )
     from hplab.parallel.mesh import Mesh
 
     c = layout_of(settings)
@@ -176,8 +182,10 @@ def train(settings: dict, meshes: dict, experts: bool | None = None) -> dict:
     if key not in meshes:
         meshes[key] = Mesh(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, ep=c.ep)
     mesh = meshes[key]
-    model = build_model(model_of(settings, experts), 0)
-    par = parallelize(model, mesh, c, OptimConfig(**TRAINING))
+    optim = OptimConfig(**TRAINING)
+    model = parallelize(build_model(model_of(settings, experts), 0), mesh, c)
+    optimizer = build_optimizer(model, mesh, c, optim)
+    par = TrainState(model, optimizer, build_lr_scheduler(optimizer, optim), mesh, c, optim)
     share = GLOBAL_BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
     losses = [train_step(par, x[mine], y[mine]) for x, y in batches()]

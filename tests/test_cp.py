@@ -115,7 +115,13 @@ def train(layout: dict) -> dict:
     from hplab.models.gpt import GPTConfig, build_model
     from hplab.observe.observers import AttentionMeter
     from hplab.parallel import compose
-    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.compose import (
+        TrainState,
+        build_lr_scheduler,
+        build_optimizer,
+        parallelize,
+        train_step,
+    )
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.optim import stepped_groups
 
@@ -125,12 +131,13 @@ def train(layout: dict) -> dict:
         cp=layout.get("cp", 1),
         tp=layout.get("tp", 1),
     )
-    par = parallelize(
-        build_model(GPTConfig(**CONFIG), 0), mesh, Layout(**layout), OptimConfig(**TRAINING)
-    )
+    c = Layout(**layout)
+    optim = OptimConfig(**TRAINING)
+    model = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, c)
+    optimizer = build_optimizer(model, mesh, c, optim)
+    par = TrainState(model, optimizer, build_lr_scheduler(optimizer, optim), mesh, c, optim)
     share = BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
-    c = par.layout
     meter = AttentionMeter(par.gpt, mesh.cp, c.cp_style, c.cp_split) if c.cp > 1 else None
     norms, clip, losses = [], compose.clip_grad_norm_, []
     compose.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]

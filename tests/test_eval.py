@@ -130,7 +130,14 @@ def test_eighteen_batches_fit_the_split():  # the limit above is the split's rea
 def _in_two_processes(directory: str) -> dict:
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import evaluate, parallelize, train_step
+    from hplab.parallel.compose import (
+        TrainState,
+        build_lr_scheduler,
+        build_optimizer,
+        evaluate,
+        parallelize,
+        train_step,
+    )
     from hplab.parallel.mesh import Mesh
 
     out = {}
@@ -145,7 +152,12 @@ def _in_two_processes(directory: str) -> dict:
                 ep=layout.get("ep", 1),
             )
             model = build_model(GPTConfig(**CONFIG, **(MOE if "moe" in name else {})), 0)
-            par = parallelize(model, mesh, Layout(**layout), OptimConfig(lr=LR))
+            c = Layout(**layout)
+            optim = OptimConfig(lr=LR)
+            model = parallelize(model, mesh, c)
+            optimizer = build_optimizer(model, mesh, c, optim)
+            scheduler = build_lr_scheduler(optimizer, optim)
+            par = TrainState(model, optimizer, scheduler, mesh, c, optim)
             share = GLOBAL_BATCH // mesh.dp_size
             mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
             losses, val = [], []

@@ -9,12 +9,17 @@ the whole parameter vector, ||θ_a - θ_b|| / ||θ_b|| (why the whole vector: se
 the attention key bias has a mathematically zero gradient made of rounding noise, which Adam
 turns into ±lr steps whose signs depend on the summation order).
 
-fp16 (`param_dtype=torch.float16`) is compared with the matching single-process mixed
-precision run (an fp16 copy of the model computes, fp32 master weights step, loss not scaled):
-both round in fp16, in different orders (a local batch then a reduce-scatter of grads / N in
-fp16, against the whole batch), so they agree to fp16's rounding (FP16_*_TOL below, with the
-measured values), not to 1e-5. The fp16 run also equals torch's fully_shard with
-`MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float16)` to 1e-5 (in fact bitwise).
+fp16 (`mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)`) is compared with the
+matching single-process mixed precision run (an fp16 copy of the model computes, fp32 master
+weights step, loss not scaled): both round in fp16, in different orders (a local batch then a
+reduce-scatter of grads / N in fp16, against the whole batch), so they agree to fp16's rounding
+(FP16_*_TOL below, with the measured values), not to 1e-5. The fp16 run also equals torch's
+fully_shard with the same `MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float16)`
+to 1e-5 (in fact bitwise).
+
+Gradient accumulation with `set_requires_gradient_sync(False)` on every microbatch but the last
+(FSDP2's, DDP's `no_sync`) equals the one-process run and reduce-scatters once per step, not
+once per microbatch; `reshard_after_forward=False` gathers once per step, not twice.
 """
 
 import copy
@@ -118,15 +123,18 @@ def reference_run(model, batches, mixed=False):
     return losses, opt, first_grads
 
 
-def plain_loop(model, batches, rank, n, accumulate=1, set_to_none=True, probe=None):
-    """The PyTorch tutorial loop on this rank's slice; losses averaged over the ranks."""
+def plain_loop(model, batches, rank, n, accumulate=1, set_to_none=True, probe=None, no_sync=False):
+    """The PyTorch tutorial loop on this rank's slice; losses averaged over the ranks.
+    `no_sync`: gradients reduced only in the last microbatch's backward (FSDP2's way)."""
     import torch.distributed as dist
 
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     losses = []
     for step, (x, y) in enumerate(batches):
         x, y, total = mine(x, rank, n), mine(y, rank, n), 0.0
-        for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate)):
+        for i, (xs, ys) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            if no_sync:
+                model.set_requires_gradient_sync(i == accumulate - 1)
             loss = model(xs, ys)[1] / accumulate
             loss.backward()
             total += loss.detach()
@@ -140,12 +148,12 @@ def plain_loop(model, batches, rank, n, accumulate=1, set_to_none=True, probe=No
     return losses, opt
 
 
-def shard_model(model, group=None, **kwargs):
+def shard_model(model, mesh=None, **kwargs):
     from hplab.parallel.fsdp import fully_shard
 
     for block in blocks_of(model):
-        fully_shard(block, group, **kwargs)
-    return fully_shard(model, group, **kwargs)
+        fully_shard(block, mesh, **kwargs)
+    return fully_shard(model, mesh, **kwargs)
 
 
 def torch_fsdp_run(make, batches, rank, n, **kwargs):
@@ -164,12 +172,14 @@ def torch_fsdp_run(make, batches, rank, n, **kwargs):
 
 def _worker(n):
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     from hplab.models.gpt import build_model, config_from_preset
     from hplab.observe.memory import storage_bytes
     from hplab.parallel.collectives import CommLedger, Communicator
     from hplab.parallel.fsdp import (
+        FSDPModule,
         full_parameters,
         gather_full,
         is_shard,
@@ -197,6 +207,9 @@ def _worker(n):
             )
             seen["unused_grad_none"] = name != "toy" or model.blocks[1].unused.grad is None
             seen["all_shards"] = all(is_shard(p) for p in model.parameters())
+            seen["fsdp_modules"] = all(  # FSDP2's way: the class now mixes in FSDPModule
+                isinstance(m, FSDPModule) for m in [model, *blocks_of(model)]
+            )
             mem = memory_tensors(model)
             seen["param_bytes"] = storage_bytes(mem["params"])
             seen["grad_bytes"] = storage_bytes(mem["grads"])
@@ -247,15 +260,23 @@ def _worker(n):
         variants = {
             "set_to_none_false": ({}, dict(set_to_none=False)),
             "accumulate": ({}, dict(accumulate=2)),
-            "offload": (dict(offload=True), {}),
+            "accumulate_no_sync": ({}, dict(accumulate=2, no_sync=True)),
+            "keep_gathered": (dict(reshard_after_forward=False), {}),
+            "device_mesh": (dict(mesh=init_device_mesh("cpu", (n,))), {}),
+            "offload": (dict(offload_policy=CPUOffloadPolicy()), {}),
         }
         if name == "gpt":
             variants["recompute"] = ({}, {})
         for variant, (shard_kwargs, loop_kwargs) in variants.items():
             model = make()
             model.recompute = variant == "recompute"
+            ledger = CommLedger()
+            shard_kwargs = dict(mesh=Communicator(dist.group.WORLD, "dp", ledger)) | shard_kwargs
             shard_model(model, **shard_kwargs)
             out[f"{name}_{variant}_losses"], _ = plain_loop(model, batches, rank, n, **loop_kwargs)
+            out[f"{name}_{variant}_calls"] = {  # per step, over all the units
+                op: s.calls / STEPS for op, s in ledger.totals().items()
+            }
             out[f"{name}_{variant}_rel"] = rel(full_parameters(model), ref)
         out[f"{name}_offload_device"] = str(next(iter(model.parameters())).device)
 
@@ -263,7 +284,8 @@ def _worker(n):
         out[f"{name}_mixed_ref_losses"], _, mixed_grads = reference_run(
             mixed_ref := make(), batches, mixed=True
         )
-        model = shard_model(make(), param_dtype=torch.float16)
+        policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+        model = shard_model(make(), mp_policy=policy)
         out[f"{name}_fp16_losses"], _ = plain_loop(model, batches, rank, n, probe=grad_probe)
         fp16_full = full_parameters(model)
         out[f"{name}_fp16_rel"] = rel(fp16_full, dict(mixed_ref.named_parameters()))
@@ -271,7 +293,6 @@ def _worker(n):
         out[f"{name}_fp32_vs_mixed_grad_rel"] = rel(seen.pop("fp32_grads"), mixed_grads)
         seen.pop("fp16_grads")
         out[f"{name}_probe"] = seen
-        policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
         out[f"{name}_fp16_torch_losses"], torch_params = torch_fsdp_run(
             make, batches, rank, n, mp_policy=policy
         )
@@ -309,6 +330,7 @@ def test_grads_are_fp32_shards_and_unused_stay_none(results, name):
         assert (
             probe["all_shards"] and probe["grads_fp32_shard_shaped"] and probe["unused_grad_none"]
         )
+        assert probe["fsdp_modules"]
 
 
 @pytest.mark.parametrize(
@@ -318,6 +340,11 @@ def test_grads_are_fp32_shards_and_unused_stay_none(results, name):
         for name in ("gpt", "toy")
         for variant in ("set_to_none_false", "accumulate", "offload")
     ]
+    + [
+        (name, variant)
+        for name in ("gpt", "toy")
+        for variant in ("accumulate_no_sync", "keep_gathered", "device_mesh")
+    ]
     + [("gpt", "recompute")],
 )
 def test_loop_variants_equal_one_process(results, name, variant):
@@ -325,6 +352,28 @@ def test_loop_variants_equal_one_process(results, name, variant):
     for out in per_rank:
         assert close(out[f"{name}_{variant}_losses"], out[f"{name}_ref_losses"])
         assert out[f"{name}_{variant}_rel"] < TOL, out[f"{name}_{variant}_rel"]
+
+
+@pytest.mark.parametrize("name", ["gpt", "toy"])
+def test_no_gradient_sync_reduce_scatters_once_per_step(results, name):
+    """2 microbatches: each unit reduce-scatters after both backwards, or, with
+    `set_requires_gradient_sync(False)` on the first, once: after the last."""
+    _, per_rank = results
+    for out in per_rank:
+        units = out["gpt_units"] if name == "gpt" else 3
+        assert out[f"{name}_accumulate_calls"]["reduce_scatter"] == 2 * units
+        assert out[f"{name}_accumulate_no_sync_calls"]["reduce_scatter"] == units
+        assert out[f"{name}_accumulate_no_sync_calls"]["all_gather"] == 4 * units
+
+
+@pytest.mark.parametrize("name", ["gpt", "toy"])
+def test_keeping_gathered_parameters_gathers_once_per_step(results, name):
+    """`reshard_after_forward=False`: each unit's forward gather serves its backward too."""
+    _, per_rank = results
+    for out in per_rank:
+        units = out["gpt_units"] if name == "gpt" else 3
+        assert out[f"{name}_set_to_none_false_calls"]["all_gather"] == 2 * units
+        assert out[f"{name}_keep_gathered_calls"] == {"all_gather": units, "reduce_scatter": units}
 
 
 @pytest.mark.parametrize("name", ["gpt", "toy"])
@@ -380,8 +429,8 @@ def test_checkpoint_helpers_recover_one_process_adam_state(results, name):
         assert out[f"{name}_exp_avg_sq_rel"] < 1e-4, out[f"{name}_exp_avg_sq_rel"]
 
 
-# --- prefetch: the switches PyTorch's FSDP has, and the order of the gathers they give --------
-PREFETCH = {  # (forward_prefetch, backward_prefetch)
+# --- prefetch: FSDP2's explicit lists, and the order of the gathers they give -----------------
+PREFETCH = {  # (prefetch in forward, in backward): by default both, `[]` turns one off
     "both": (True, True),
     "forward": (True, False),
     "backward": (False, True),
@@ -389,56 +438,85 @@ PREFETCH = {  # (forward_prefetch, backward_prefetch)
 }
 
 
+def shard_with_prefetch(model, forward: bool, backward: bool, mesh=None):
+    """Shard as `shard_model`; a pass without prefetch gets FSDP2's empty list on every unit."""
+    shard_model(model, mesh)
+    for unit in [*blocks_of(model), model]:
+        if not forward:
+            unit.set_modules_to_forward_prefetch([])
+        if not backward:
+            unit.set_modules_to_backward_prefetch([])
+    return model
+
+
 def _prefetch_worker(n):
     """Per setting: the losses and parameters of 3 steps, and in the second step the order in
     which the gathers were launched (G), the blocks began forward (F0...) and the blocks' first
-    gradients appeared (B3...)."""
+    gradients appeared (B3...): with the default order or `[]` (`_order`), and with the explicit
+    lists train.py's `--prefetch` sets (`_flag_order`, compose.set_prefetch)."""
     import torch.distributed as dist
 
     from hplab.models.gpt import build_model, config_from_preset
-    from hplab.parallel.collectives import CommLedger, Communicator
+    from hplab.parallel.compose import set_prefetch
     from hplab.parallel.fsdp import full_parameters
 
     rank, out = dist.get_rank(), {}
     config = config_from_preset("tiny", seq_len=SEQ)
     batches, reference = data(config.vocab_size), {}
     for name, (forward, backward) in PREFETCH.items():
-        log, graded = [], set()
-        comm = Communicator(dist.group.WORLD, "dp", CommLedger())
-        gather = comm.all_gather
-        comm.all_gather = lambda *args, **kw: log.append("G") or gather(*args, **kw)
-        model = build_model(config, 0)
-        shard_model(model, comm, forward_prefetch=forward, backward_prefetch=backward)
 
-        def forward_began(block, args, i):
-            log.append(f"F{i}")
-            if not getattr(block, "watched", False):  # its full-size parameters, swapped in
-                block.watched = True
-                for p in block.parameters():
-                    p.register_post_accumulate_grad_hook(lambda p, i=i: first_grad(i))
+        def by_default(comm):
+            return shard_with_prefetch(build_model(config, 0), forward, backward, comm)
 
-        def first_grad(i):
-            if i not in graded:
-                graded.add(i)
-                log.append(f"B{i}")
+        def by_flag(comm):
+            model = shard_model(build_model(config, 0), comm)
+            set_prefetch(model, name)
+            return model
 
-        for i, block in enumerate(model.transformer.h):
-            block.register_forward_pre_hook(lambda m, a, i=i: forward_began(m, a, i))
-
-        def probe(model):  # after the first step's backward: log the second step only
-            log.clear()
-            graded.clear()
-
-        plain_loop(model, batches[:2], rank, n, probe=probe)
-        out[f"{name}_order"] = " ".join(log)
-        model = shard_model(
-            build_model(config, 0), forward_prefetch=forward, backward_prefetch=backward
-        )
+        out[f"{name}_order"] = second_step_order(by_default, batches, rank, n)
+        out[f"{name}_flag_order"] = second_step_order(by_flag, batches, rank, n)
+        model = shard_with_prefetch(build_model(config, 0), forward, backward)
         out[f"{name}_losses"], _ = plain_loop(model, batches, rank, n)
         params = full_parameters(model)
         reference = reference or params  # ("both" comes first)
         out[f"{name}_same_params"] = all(torch.equal(params[k], reference[k]) for k in reference)
     return out
+
+
+def second_step_order(shard, batches, rank, n) -> str:
+    """Two steps of the plain loop on `shard(comm)`'s model; the gathers (G), forwards (F) and
+    first gradients (B) of the second, in the order they happened."""
+    import torch.distributed as dist
+
+    from hplab.parallel.collectives import CommLedger, Communicator
+
+    log, graded = [], set()
+    comm = Communicator(dist.group.WORLD, "dp", CommLedger())
+    gather = comm.all_gather
+    comm.all_gather = lambda *args, **kw: log.append("G") or gather(*args, **kw)
+    model = shard(comm)
+
+    def forward_began(block, args, i):
+        log.append(f"F{i}")
+        if not getattr(block, "watched", False):  # its full-size parameters, swapped in
+            block.watched = True
+            for p in block.parameters():
+                p.register_post_accumulate_grad_hook(lambda p, i=i: first_grad(i))
+
+    def first_grad(i):
+        if i not in graded:
+            graded.add(i)
+            log.append(f"B{i}")
+
+    for i, block in enumerate(model.transformer.h):
+        block.register_forward_pre_hook(lambda m, a, i=i: forward_began(m, a, i))
+
+    def probe(model):  # after the first step's backward: log the second step only
+        log.clear()
+        graded.clear()
+
+    plain_loop(model, batches[:2], rank, n, probe=probe)
+    return " ".join(log)
 
 
 @pytest.fixture(scope="module")
@@ -457,7 +535,8 @@ def test_prefetch_gathers_the_next_block_while_this_one_computes(prefetched):
     """With prefetch, block i+1's gather is launched before block i computes (forward) and block
     i−1's before block i's gradients (backward); without, each block's only when it starts.
     The root (embeddings, head) is gathered first in each pass; forward prefetch starts in the
-    second step, once the first has shown the order."""
+    second step, once the first has shown the order (`_order`); train.py's `--prefetch` lists
+    (`_flag_order`) give the same second step."""
     ahead_forward = "G G G F0 G F1 G F2 F3"
     in_time_forward = "G G F0 G F1 G F2 G F3"
     ahead_backward = "G G G B3 G B2 G B1 B0"
@@ -471,3 +550,4 @@ def test_prefetch_gathers_the_next_block_while_this_one_computes(prefetched):
     for out in prefetched:
         for name, passes in expected.items():
             assert out[f"{name}_order"] == " ".join(passes), name
+            assert out[f"{name}_flag_order"] == " ".join(passes), name

@@ -58,6 +58,28 @@ def typed(args) -> tuple:
     return from_values(Layout, vars(args)), from_values(OptimConfig, vars(args))
 
 
+def train_state(mesh, args):
+    """What train.py builds for `args`: the model parallelized, its optimizer and schedule
+    beside it, the four in a TrainState."""
+    from hplab.models.gpt import GPTConfig, build_model
+    from hplab.parallel.compose import (
+        TrainState,
+        build_lr_scheduler,
+        build_optimizer,
+        mark_no_decay,
+        parallelize,
+    )
+
+    layout, optim = typed(args)
+    model = build_model(GPTConfig(**CONFIG), 0)
+    if optim.no_decay_bias_norm:  # by role, while the model is whole
+        mark_no_decay(model)
+    model = parallelize(model, mesh, layout)
+    optimizer = build_optimizer(model, mesh, layout, optim)
+    scheduler = build_lr_scheduler(optimizer, optim)
+    return TrainState(model, optimizer, scheduler, mesh, layout, optim)
+
+
 def batches(n_steps: int, start: int = 0):
     """The global batches of steps start .. start+n_steps-1, the same in every process."""
     out = []
@@ -93,10 +115,9 @@ def train(mesh, args, steps: int = STEPS, start: int = 0, state=None):
     """Build the engine for `args` on `mesh`, optionally load a full state, train `steps`
     steps on this rank's share; return the losses and the engine."""
     from hplab.checkpoint import load_full_state
-    from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.compose import train_step
 
-    engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, *typed(args))
+    engine = train_state(mesh, args)
     if state is not None:
         load_full_state(engine, *state)
     share = GLOBAL_BATCH // mesh.dp_size
@@ -128,10 +149,9 @@ def train_half(mesh, args, inject_inf: bool) -> dict:
     rank 0 also how much the full model moved at that step."""
     import math
 
-    from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.compose import train_step
 
-    engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, *typed(args))
+    engine = train_state(mesh, args)
     share = GLOBAL_BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
     losses, scales, moved = [], [], None

@@ -96,16 +96,14 @@ def _logits_after_loading(directory: str, flags: list[str]) -> torch.Tensor | No
     import torch.distributed as dist
 
     from hplab import checkpoint
-    from hplab.models.gpt import build_model
     from hplab.parallel import tp
-    from hplab.parallel.compose import parallelize
     from hplab.parallel.mesh import Mesh
 
     args = train.parse_args([*COMMON, *flags, "--init-from", directory])
     job = train.preflight(args, dist.get_world_size())
     config, start = job.model, job.saved
     mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp)
-    par = parallelize(build_model(config, args.seed), mesh, job.layout, job.optim)
+    par = train.build_training(job, args.seed, mesh, mesh.device)
     checkpoint.load_full_state(par, start["model"], optimizer_state={})
     with torch.no_grad():
         if args.pp == 1:

@@ -224,10 +224,19 @@ def _queueing(mesh) -> dict:
 def _train(mesh, layout: dict, with_link) -> tuple[list, dict]:
     from hplab.config import Layout
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.compose import (
+        TrainState,
+        build_lr_scheduler,
+        build_optimizer,
+        parallelize,
+        train_step,
+    )
 
     link.use(with_link)
-    engine = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, Layout(**layout))
+    c = Layout(**layout)
+    model = parallelize(build_model(GPTConfig(**CONFIG), 0), mesh, c)
+    optimizer = build_optimizer(model, mesh, c)
+    engine = TrainState(model, optimizer, build_lr_scheduler(optimizer), mesh, c)
     losses = []
     for step in range(2):
         tokens = torch.randint(

@@ -149,6 +149,7 @@ def _expert_parallel(ep_sizes):
     for ep_size in ep_sizes:
         ledger = CommLedger()
         comms = {}
+        process_groups = {}  # the same groups as torch's ProcessGroups
         for family, lists in (
             ("ep", [list(range(s, s + ep_size)) for s in range(0, world, ep_size)]),
             ("edp", [list(range(r, world, ep_size)) for r in range(ep_size)]),
@@ -158,10 +159,14 @@ def _expert_parallel(ep_sizes):
                 group = new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
                     comms[family] = Communicator(group, family, ledger, ranks)
+                    process_groups[family] = group
         layer = make_layer(aux_coef=0.1, z_coef=0.01)
-        moe.parallelize(layer, comms["ep"], comms["dp"])
+        returned = moe.parallelize(layer, comms["ep"], comms["dp"])
         xa = x[mine].clone().requires_grad_()
         out = layer(xa)
+        on_process_groups = moe.parallelize(
+            make_layer(aux_coef=0.1, z_coef=0.01), process_groups["ep"], process_groups["dp"]
+        )
         ((out * w[mine]).sum(-1).mean() + layer.aux_loss).backward()
         moe.sync_gradients(list(layer.parameters()), comms["dp"], comms["edp"])
         results[ep_size] = dict(
@@ -170,6 +175,8 @@ def _expert_parallel(ep_sizes):
             grads=grads(layer),
             sent=layer.routing["tokens_per_expert"].tolist(),
             a2a=ledger.as_dict()["all_to_all"],
+            returns_the_model=returned is layer,
+            same_on_process_groups=torch.equal(on_process_groups(x[mine]), out),
         )
     return results
 
@@ -258,6 +265,7 @@ def test_expert_parallel_layer_equals_one_process(runs):
         for rank, result in enumerate(r[ep] for r in per_rank):
             mine = slice(rank * 8, (rank + 1) * 8)
             torch.testing.assert_close(result["out"], out[mine].detach(), atol=1e-5, rtol=0)
+            assert result["returns_the_model"] and result["same_on_process_groups"]
             torch.testing.assert_close(
                 result["x_grad"] / world, xa.grad[mine], atol=1e-5, rtol=1e-5
             )

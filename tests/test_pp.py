@@ -598,7 +598,14 @@ def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
     from hplab.cli import layout_of, optim_of
     from hplab.models.gpt import build_model
     from hplab.observe.observers import MemoryWatch, PipelineTrace
-    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.compose import (
+        TrainState,
+        build_lr_scheduler,
+        build_optimizer,
+        mark_no_decay,
+        parallelize,
+        train_step,
+    )
     from hplab.parallel.mesh import Mesh
 
     mesh = Mesh(dp=dp, pp=pp_size)
@@ -618,7 +625,14 @@ def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
         *extra,
     )
     model = build_model(config(n_layer), seed=0)
-    engine = parallelize(model, mesh, layout_of(args), optim_of(args))
+    layout = layout_of(args)
+    optim = optim_of(args)
+    if optim.no_decay_bias_norm:  # by role, while the model is whole
+        mark_no_decay(model)
+    stages = parallelize(model, mesh, layout)
+    optimizer = build_optimizer(stages, mesh, layout, optim)
+    scheduler = build_lr_scheduler(optimizer, optim)
+    engine = TrainState(stages, optimizer, scheduler, mesh, layout, optim)
     trace, memory = PipelineTrace(engine.pipeline), MemoryWatch(engine)  # (the trace outside)
     losses = []
     for x, y in global_batches(PER_MICROBATCH * m * dp):

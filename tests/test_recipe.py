@@ -195,19 +195,28 @@ def _in_two_processes(directory: str) -> dict:
     from hplab.checkpoint import gather_full_state
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import parallelize, train_step
+    from hplab.parallel.compose import (
+        TrainState,
+        build_lr_scheduler,
+        build_optimizer,
+        mark_no_decay,
+        parallelize,
+        train_step,
+    )
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.optim import WrappedOptimizer
 
     out = {}
     for name, layout in LAYOUTS.items():
         mesh = Mesh(dp=layout.get("dp", 1), tp=layout.get("tp", 1), pp=layout.get("pp", 1))
-        par = parallelize(
-            build_model(GPTConfig(**CONFIG), 0),
-            mesh,
-            Layout(**layout, bucket_mb=0.001),
-            OptimConfig(**RECIPE, no_decay_bias_norm=True),
-        )
+        c = Layout(**layout, bucket_mb=0.001)
+        optim = OptimConfig(**RECIPE, no_decay_bias_norm=True)
+        model = build_model(GPTConfig(**CONFIG), 0)
+        mark_no_decay(model)  # biases, norms, embeddings: by role, while the model is whole
+        model = parallelize(model, mesh, c)
+        optimizer = build_optimizer(model, mesh, c, optim)
+        scheduler = build_lr_scheduler(optimizer, optim)
+        par = TrainState(model, optimizer, scheduler, mesh, c, optim)
         share = GLOBAL_BATCH // mesh.dp_size
         mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         stepped = []  # per step: (lr, weight decay) of each group the stepping optimizer has

@@ -370,7 +370,7 @@ class AttentionMeter:
 
 
 class Observers:
-    """Everything train.py measures in a run of `par` (what `parallelize` returned): attach
+    """Everything train.py measures in a run of `par` (its TrainState, compose.py): attach
     them before the first step, run each step inside `step(i)`, then `per_rank()`."""
 
     def __init__(self, par, trace_dir: str | None, steps: range):

@@ -10,6 +10,16 @@ the layout. The pipeline split keeps this rank's layers, tensor parallel its sli
 data parallel wraps *what is left*: the ranks of one dp group hold the same slices of the same
 stage, so each slice's gradient is averaged (or reduce-scattered) with exactly its replicas.
 
+`parallelize` transforms the model only and returns it, as torch's and torchtitan's do; the
+optimizer and its learning-rate schedule are built beside it, as torchtitan's train.py builds
+them, and a `TrainState` holds the four for the step:
+
+    model = parallelize(build_model(config, seed), mesh, layout)
+    optimizer = build_optimizer(model, mesh, layout, optim)
+    scheduler = build_lr_scheduler(optimizer, optim)
+    state = TrainState(model, optimizer, scheduler, mesh, layout, optim)
+    loss = train_step(state, x, y)
+
 `train_step`, one step of any layout: forward + backward per microbatch (or the pipeline
 schedule), `finalize_grads`, fp16 unscale and overflow skip, clip, step, lr step, zero_grad.
 """
@@ -23,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from hplab.config import Layout, OptimConfig, validate
 from hplab.models import llama
@@ -45,23 +56,35 @@ def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimi
 
 
 @dataclass
-class Parallel:
-    """One rank's share of training, as `parallelize` composed it."""
+class TrainState:
+    """One rank's training: the model `parallelize` returned, the optimizer and schedule built
+    beside it, and what `train_step` derives from them once: the whole GPT behind the wrappers,
+    the precision (fp16's loss scaler), the pipeline executor over the model's stages, and the
+    groups whose gradients `finalize_grads` sums (the tied embedding's, shared K/V heads').
+    Building it creates those groups: every rank builds one, in the same order."""
 
     model: nn.Module  # what runs forward: DDP(gpt), the fully-sharded gpt, or DDP(stages)
     optimizer: torch.optim.Optimizer
-    gpt: nn.Module  # the underlying model (single-device parameter names)
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     mesh: Mesh
     layout: Layout
-    optim: OptimConfig
-    precision: MixedPrecision
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    pipeline: pp.PipelineExecutor | None = None
-    tied_comm: object = None
-    kv_comm: object = None  # the ranks sharing this rank's K/V heads (fewer heads than tp ranks)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    gpt: nn.Module = field(init=False)  # the underlying model (single-device parameter names)
+    precision: MixedPrecision = field(init=False)
+    pipeline: pp.PipelineExecutor | None = field(init=False)
+    tied_comm: object = field(init=False)
+    kv_comm: object = field(init=False)  # the ranks sharing this rank's K/V heads (fewer heads)
     # called as fn(self) after each optimizer step (taken or skipped), before zero_grad: what
     # observers measure then (hplab.observe.observers)
     on_step_end: list = field(default_factory=list)
+
+    def __post_init__(self):
+        stages = pipeline_stages(self.model)
+        self.gpt = whole_model(self.model)
+        self.precision = MixedPrecision(self.layout.precision)
+        self.kv_comm = kv_replica_group(self.gpt, self.mesh)  # (every rank creates every group)
+        self.pipeline = build_pipeline(stages, self.mesh, self.layout) if stages else None
+        self.tied_comm = pp.tied_embedding_group(self.mesh) if stages else None
 
 
 def mark_no_decay(model: nn.Module) -> None:
@@ -89,16 +112,16 @@ def parameter_groups(params, tied: nn.Parameter | None = None, weight_decay: flo
     ]
 
 
-def parallelize(
-    model: nn.Module, mesh: Mesh, layout: Layout, optim: OptimConfig | None = None
-) -> Parallel:
-    """Compose `layout` around `model` (the whole GPT, on mesh.device): the strategies in
-    torchtitan's order, then the optimizer over what this rank holds. `optim`: AdamW's settings
-    and the lr schedule (OptimConfig's defaults when None)."""
-    gpt, optim, precision = model, optim or OptimConfig(), MixedPrecision(layout.precision)
+def parallelize(model: nn.Module, mesh: Mesh, layout: Layout) -> nn.Module:
+    """Compose `layout` around `model` (the whole GPT, on mesh.device), the strategies in
+    torchtitan's order, and return what this rank runs forward: DDP(gpt), the fully-sharded
+    gpt, the gpt itself (ZeRO-1/2, experts) or, under a pipeline, this rank's stages (in an
+    nn.ModuleList, in DDP without ZeRO). It transforms the model only: the optimizer is
+    `build_optimizer`'s. Weight decay's exceptions are marked before, while the model is whole
+    (`mark_no_decay`: tensor parallel replaces the embedding)."""
+    gpt = model
+    precision = MixedPrecision(layout.precision)
     validate(layout, gpt.config, mesh.world_size)  # every rule, before any cutting
-    if optim.no_decay_bias_norm:  # by role, while the model is whole
-        mark_no_decay(gpt)
     if layout.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
         is_llama = gpt.config.arch == "llama"
         plan, blocks = (
@@ -106,46 +129,73 @@ def parallelize(
         )
         plan = tp.with_experts(plan, blocks) if gpt.config.n_experts else plan
         tp.parallelize(gpt, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)
-    kv_comm = kv_replica_group(gpt, mesh)  # (every rank creates every group)
     if layout.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
         cp.parallelize(gpt, mesh.cp, layout.cp_style, layout.cp_split)
-    stages, pipeline, tied_comm = [], None, None
+    stages = []
     if layout.pp > 1:  # the pipeline split: this rank's stages (the other layers are freed)
         stages = pp.build_stages(gpt, mesh.pp_rank, layout.pp, layout.virtual_stages)
         pp.free_unowned_parameters(gpt, stages)
-        plans = pp.build_schedule(
-            layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages
-        )
-        links = pp.message_links(mesh, plans)  # one communicator each way (NCCL's order)
-        pipeline = pp.PipelineExecutor(
-            stages,
-            plans[mesh.pp_rank],
-            mesh.pp,
-            links,
-            precision.param_dtype,
-            layout.tp if layout.sequence_parallel else 1,
-        )
-        tied_comm = pp.tied_embedding_group(mesh)
     gpt.recompute = layout.recompute  # none, selective or full: a mode the blocks read
     moe.parallelize(gpt, mesh.ep, mesh.dp, mesh.cp)  # experts: this rank's E/ep (within dp)
     owned = nn.ModuleList(stages) if stages else gpt  # what this rank holds and steps
-    wrapped = data_parallel(gpt, owned, mesh, layout, precision)
-    optimizer = make_sharded_optimizer(gpt, owned, stages, mesh, layout, optim, precision)
-    # step i's lr: lr · factor(i); ZeRO / master-weight optimizers pass it on to their inner one
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, optim))
-    return Parallel(
-        wrapped,
-        optimizer,
-        gpt,
-        mesh,
-        layout,
-        optim,
-        precision,
-        scheduler,
-        pipeline,
-        tied_comm,
-        kv_comm,
+    return data_parallel(gpt, owned, mesh, layout, precision)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """What this rank holds and steps: the module inside DDP, else `model` itself."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def pipeline_stages(model: nn.Module) -> list[pp.Stage]:
+    """This rank's pipeline stages in what `parallelize` returned ([] without a pipeline)."""
+    owned = unwrap(model)
+    if not isinstance(owned, nn.ModuleList):
+        return []
+    return [stage for stage in owned if isinstance(stage, pp.Stage)]
+
+
+def whole_model(model: nn.Module) -> nn.Module:
+    """The GPT behind what `parallelize` returned (its single-device parameter names)."""
+    stages = pipeline_stages(model)
+    return stages[0].gpt if stages else unwrap(model)
+
+
+def build_pipeline(stages: list[pp.Stage], mesh: Mesh, layout: Layout) -> pp.PipelineExecutor:
+    """The executor that runs this rank's stages through the schedule's action list, with one
+    communicator each way between pipeline neighbours (NCCL's order: `pp.message_links`)."""
+    plans = pp.build_schedule(
+        layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages
     )
+    return pp.PipelineExecutor(
+        stages,
+        plans[mesh.pp_rank],
+        mesh.pp,
+        pp.message_links(mesh, plans),
+        MixedPrecision(layout.precision).param_dtype,
+        layout.tp if layout.sequence_parallel else 1,
+    )
+
+
+def build_optimizer(
+    model: nn.Module, mesh: Mesh, layout: Layout, optim: OptimConfig | None = None
+) -> torch.optim.Optimizer:
+    """AdamW (fixed betas, foreach=False) over what `model` (`parallelize`'s) holds on this
+    rank, as the layout needs it: ZeRO-1/2's sharded optimizer, fp32 masters under mixed
+    precision, or plain. `optim`: its settings (OptimConfig's defaults when None)."""
+    optim = optim or OptimConfig()
+    precision = MixedPrecision(layout.precision)
+    return make_sharded_optimizer(
+        whole_model(model), unwrap(model), pipeline_stages(model), mesh, layout, optim, precision
+    )
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig | None = None
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """Step i's lr: lr · factor(i), warmup then decay (ZeRO / master-weight optimizers pass it
+    on to their inner one). `optim`: the schedule (OptimConfig's defaults when None)."""
+    factor = functools.partial(lr_factor, optim or OptimConfig())
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def lr_factor(optim: OptimConfig, step: int) -> float:
@@ -174,23 +224,30 @@ def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) 
     under ZeRO-1/2 (its optimizer syncs) or expert parallel (finalize_grads syncs experts over
     their own replicas)."""
     if layout.zero == 3:  # (no pipeline: owned is gpt; its parameters become fp32 shards)
-        ahead = dict(
-            forward_prefetch=layout.prefetch in ("both", "forward"),
-            backward_prefetch=layout.prefetch in ("both", "backward"),
-        )
+        policy = MixedPrecisionPolicy(param_dtype=precision.compute_dtype)
+        offload = CPUOffloadPolicy() if layout.offload else OffloadPolicy()
         for block in [*gpt.blocks, gpt]:  # the blocks first, then the root
-            fsdp.fully_shard(
-                block,
-                mesh.dp_cp,
-                param_dtype=precision.compute_dtype,
-                offload=layout.offload,
-                **ahead,
-            )
+            fsdp.fully_shard(block, mesh.dp_cp, mp_policy=policy, offload_policy=offload)
+        set_prefetch(gpt, layout.prefetch)
         return gpt
     owned.to(precision.param_dtype)  # half-precision copies; fp32 masters in the optimizer
     if layout.zero or layout.ep > 1:
         return owned
     return DDP(owned, mesh.dp_cp, layout.bucket_mb)
+
+
+def set_prefetch(gpt: nn.Module, prefetch: str) -> None:
+    """`--prefetch {both,forward,backward,none}` as FSDP2's explicit lists: in forward the root
+    (it runs first) gathers the first block, each block the next; in backward the root (its
+    head's gradient comes first) gathers the last block, each block the one before it."""
+    forward_order = [gpt, *gpt.blocks]
+    backward_order = [gpt, *reversed(gpt.blocks)]
+    for unit, after in zip(forward_order, forward_order[1:] + [None]):
+        ahead = prefetch in ("both", "forward") and after is not None
+        unit.set_modules_to_forward_prefetch([after] if ahead else [])
+    for unit, after in zip(backward_order, backward_order[1:] + [None]):
+        ahead = prefetch in ("both", "backward") and after is not None
+        unit.set_modules_to_backward_prefetch([after] if ahead else [])
 
 
 def make_sharded_optimizer(gpt, owned, stages, mesh, layout: Layout, optim: OptimConfig, precision):
@@ -291,12 +348,28 @@ def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
     return norm
 
 
-def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Backwards that only accumulate gradients, the sync left to a later one: DDP's `no_sync()`,
+    FSDP2's `set_requires_gradient_sync(False)` (then True again), nothing for the rest."""
+    if isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif isinstance(model, fsdp.FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def train_step(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
     """One optimizer step on this rank's share of the global batch; returns its mean loss."""
     layout, mesh, scale = par.layout, par.mesh, par.precision.loss_scale
     m = layout.microbatches
     x, y = context_shard(par, x, y)
-    no_sync = par.model.no_sync if isinstance(par.model, DDP) else contextlib.nullcontext
     if x.shape[0] % m:
         raise ValueError(
             f"this rank's batch of {x.shape[0]} sequences does not split into "
@@ -304,13 +377,13 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
         )
     if par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
         par.pipeline.loss_scale = scale
-        with no_sync():
+        with no_sync(par.model):
             losses = par.pipeline.run(list(x.chunk(m)), list(y.chunk(m)))
         loss = mesh.pp.all_reduce_scalar(sum(losses)) / m  # only the last stage has them
     else:
         losses = []
         for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
-            with no_sync() if i < m - 1 else contextlib.nullcontext():
+            with no_sync(par.model) if i < m - 1 else contextlib.nullcontext():
                 _, microbatch_loss = par.model(xm, ym)
                 (microbatch_loss * scale / m).backward()
             losses.append(microbatch_loss.detach())
@@ -334,14 +407,14 @@ def train_step(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
     return mesh.dp.all_reduce_scalar(loss) / mesh.dp_size
 
 
-def context_shard(par: Parallel, x: torch.Tensor, y: torch.Tensor):
+def context_shard(par: TrainState, x: torch.Tensor, y: torch.Tensor):
     """This rank's tokens of its dp share [b, s] of the batch (all of them without cp)."""
     c, rank = par.layout, par.mesh.cp_rank
     return (x, y) if c.cp == 1 else tuple(cp.shard(t, rank, c.cp, c.cp_split) for t in (x, y))
 
 
 @torch.no_grad()
-def evaluate(par: Parallel, x: torch.Tensor, y: torch.Tensor) -> float:
+def evaluate(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
     """`train_step`'s forward only, nothing random: the global batch's mean cross-entropy (no MoE
     balance loss). Each cp, dp and microbatch share has as many tokens: averaging means is exact."""
     m, mesh = par.layout.microbatches, par.mesh

@@ -8,8 +8,10 @@ frees them after; backward gathers them again; the gradients are reduce-scattere
 receives the average of its own 1/N): 3·(N−1)/N·Ψ elements per rank per step, 1.5× DDP's
 all-reduce. Prefetch hides most of it: while layer i computes, layer i+1's all-gather is in
 flight (in backward, layer i−1's). A rank holds its shards plus a layer or two, not Ψ.
-`forward_prefetch=False`, `backward_prefetch=False` (PyTorch's FSDP has the same two switches)
-gather a unit only when it is about to run, so the rank waits out each of those gathers.
+By default a unit prefetches the unit that ran after it in the first forward (in backward: the
+one before it). FSDP2's `set_modules_to_forward_prefetch([...])` and
+`set_modules_to_backward_prefetch([...])` replace that with an explicit list; `[]` gathers each
+unit only when it is about to run, so the rank waits out each of those gathers.
 
 **Per-parameter shards, as in FSDP2.** `fully_shard(block)` cuts every parameter of the block
 along dim 0 into N chunks (dim 0 zero-padded to a multiple of N); rank r owns chunk r. The
@@ -21,6 +23,10 @@ module's registered Parameter is *replaced* by that chunk, under the same name, 
     fully_shard(model)                      # the root: everything not yet in a unit
     opt = torch.optim.AdamW(model.parameters())
     loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
+
+As FSDP2 does, `fully_shard` turns the module into an `FSDPModule` (its class becomes a
+subclass of both: a GPT is now an `FSDPGPT`), which adds the methods that steer it:
+`set_requires_gradient_sync`, `set_modules_to_forward_prefetch`, `set_modules_to_backward_prefetch`.
 
 FSDP2 makes each shard a `DTensor` (`Shard(0)` of a mesh); here it is a plain tensor whose
 placement record says `Shard(0)` over the group (hplab/parallel/placement.py). A tied
@@ -38,12 +44,25 @@ A callback at the end of backward sends what is left, waits for every reduce-sca
 what is still gathered, so each owned `.grad` is averaged when `loss.backward()` returns. Like
 FSDP2, every rank must use the same parameters in a step (unused ones keep `.grad` None).
 
-**Mixed precision** (`param_dtype=torch.bfloat16`/`float16`): shards are cast before they are
-gathered, so gather, forward, backward and reduce-scatter run in half precision while the fp32
-shards are the master weights (no second copy); a unit's floating-point inputs are cast to
-`param_dtype` (FSDP2's default). **Offload**: shards, gradients and so the optimizer live on
-the CPU; gathers copy to the compute device. **Recompute**: a block's forward that runs again
-inside backward only swaps the (already gathered) parameters in and out.
+**Gradient accumulation.** `model.set_requires_gradient_sync(False)` (FSDP2's, like DDP's
+`no_sync`): backward keeps each unit's full-size gradients on this rank, summed over the
+microbatches, and reduce-scatters nothing; the first backward after
+`set_requires_gradient_sync(True)` reduce-scatters their sum: one reduce-scatter per step, not
+one per microbatch, for a full gradient's memory in between.
+
+**Keeping the gathered parameters** (`reshard_after_forward=False`): a unit's full-size
+parameters stay gathered from its forward to its backward, so backward gathers nothing for it
+(one all-gather per step instead of two, ZeRO-2's traffic for that unit, at the memory of its
+full parameters in between); a forward without grad still frees them.
+
+**Mixed precision** (`mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, torch's
+own dataclass): shards are cast before they are gathered, so gather, forward, backward and
+reduce-scatter run in half precision (in `reduce_dtype` if it is set) while the fp32 shards are
+the master weights (no second copy); a unit's floating-point inputs are cast to `param_dtype`
+unless `cast_forward_inputs=False`. **Offload** (`offload_policy=CPUOffloadPolicy()`): shards,
+gradients and so the optimizer live on the CPU; gathers copy to the compute device (memory is
+not pinned). **Recompute**: a block's forward that runs again inside backward only swaps the
+(already gathered) parameters in and out.
 
 No broadcast at wrap time: each chunk has one owner, taken from that rank's copy (seed the
 ranks alike, as for torch's `fully_shard`). Buffers stay replicated.
@@ -51,10 +70,13 @@ ranks alike, as for torch's `fully_shard`). Buffers stay replicated.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -97,9 +119,19 @@ class _Param:
 class _Unit:
     """The parameters one `fully_shard` call manages: gathered, freed and reduced together."""
 
-    def __init__(self, module: nn.Module, comm, param_dtype, offload: bool, prefetch=(True, True)):
-        self.module, self.comm = module, comm
-        self.forward_prefetch, self.backward_prefetch = prefetch
+    def __init__(
+        self, module: nn.Module, comm, mp_policy: MixedPrecisionPolicy, offload: bool, reshard: bool
+    ):
+        self.module = module
+        self.comm = comm
+        self.reshard_after_forward = reshard
+        self.cast_forward_inputs = mp_policy.cast_forward_inputs
+        self.reduce_dtype = mp_policy.reduce_dtype  # None: the gradients' own (param_dtype)
+        self.requires_gradient_sync = True  # False: backward accumulates, reduces nothing
+        # the units to prefetch (set_modules_to_*_prefetch); None: the next in the first order
+        self.forward_prefetch: list[_Unit] | None = None
+        self.backward_prefetch: list[_Unit] | None = None
+        param_dtype = mp_policy.param_dtype
         places: dict[nn.Parameter, list] = {}
         for mod in module.modules():
             for name, p in mod._parameters.items():
@@ -166,13 +198,17 @@ class _Unit:
     # -- gradients: reduce-scatter, add into the shards' .grad ---------------------------------
     @torch.no_grad()
     def reduce(self) -> None:
-        """The full gradients packed rank-major, ÷N, reduce-scattered (async), then dropped."""
+        """The full gradients packed rank-major, ÷N, reduce-scattered (async), then dropped.
+        Without gradient sync they stay: the next backward adds into them."""
         self.ready = 0
         with_grad = [e for e in self.params if e.full.grad is not None]
-        if not with_grad:
+        if not with_grad or not self.requires_gradient_sync:
             return
         n = self.comm.size
-        flat = torch.cat([e.pad(e.full.grad).view(n, -1) for e in with_grad], dim=1).div_(n)
+        flat = torch.cat([e.pad(e.full.grad).view(n, -1) for e in with_grad], dim=1)
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)
+        flat.div_(n)
         for e in with_grad:
             e.full.grad = None
         out = flat.new_empty(flat.shape[1])
@@ -197,10 +233,10 @@ class _Unit:
         self.wait_gather()
         for e in self.params:
             self._swap(e, e.full)
-        prefetch = self.forward_prefetch and not family.in_backward
-        if prefetch and (nxt := family.after(self, list(family.forward_order))):
-            nxt.start_gather()  # prefetch: overlaps with this unit's compute
-        if self.param_dtype is None:
+        if not family.in_backward:  # prefetch: overlaps with this unit's compute
+            for unit in self.to_prefetch(self.forward_prefetch, list(family.forward_order)):
+                unit.start_gather()
+        if self.param_dtype is None or not self.cast_forward_inputs:
             return None
         return tree_map_only(
             torch.Tensor,
@@ -214,7 +250,10 @@ class _Unit:
                 self._swap(e, e.shard)
             return None
         self.family.done_order.setdefault(self)
-        self.release()  # (swaps the shards back in)
+        for e in self.params:
+            self._swap(e, e.shard)  # outside its forward the module holds the shards
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.release()  # (else they stay gathered until this unit's backward)
         if not torch.is_grad_enabled():
             return None
         # the first gradient to reach an output comes just before this unit's backward
@@ -229,8 +268,16 @@ class _Unit:
         family = self.family
         family.start_backward()
         self.wait_gather()
-        if self.backward_prefetch and (nxt := family.after(self, list(family.done_order)[::-1])):
-            nxt.start_gather()
+        for unit in self.to_prefetch(self.backward_prefetch, list(family.done_order)[::-1]):
+            unit.start_gather()
+
+    def to_prefetch(self, chosen: list[_Unit] | None, order: list[_Unit]) -> list[_Unit]:
+        """The units to gather while this one computes: those set by `set_modules_to_*_prefetch`
+        or, by default, the one after this unit in `order` (the first step's)."""
+        if chosen is not None:
+            return chosen
+        after = self.family.after(self, order)
+        return [after] if after is not None else []
 
     def _on_grad(self, param: nn.Parameter) -> None:
         self.family.start_backward()
@@ -274,28 +321,68 @@ class _Family:
 # --- the API ------------------------------------------------------------------------------
 
 
+class FSDPModule:
+    """What `fully_shard` adds to the module it shards, as FSDP2's class of the same name: the
+    module's class becomes a subclass of this one and of its own, so these are its methods."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        """False: backward keeps adding into the full-size gradients on this rank and sends
+        nothing; the first backward with True again reduce-scatters their sum (gradient
+        accumulation, as DDP's `no_sync`). `recurse`: the units inside this module too."""
+        units = [m._hplab_fsdp for m in self.modules() if isinstance(m, FSDPModule)]
+        for unit in units if recurse else [self._hplab_fsdp]:
+            unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In forward, start gathering `modules` (each fully sharded) as soon as this one's
+        parameters have arrived, so that they travel while it computes. Replaces the default
+        (the unit that ran after this one in the first forward); `[]`: prefetch none."""
+        self._hplab_fsdp.forward_prefetch = [m._hplab_fsdp for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In backward, start gathering `modules` when this one's backward begins. Replaces the
+        default (the unit that ran before this one in forward); `[]`: prefetch none."""
+        self._hplab_fsdp.backward_prefetch = [m._hplab_fsdp for m in modules]
+
+
+@functools.cache
+def _fsdp_class(cls: type) -> type:
+    """`FSDP<cls>`: `cls` with FSDPModule's methods, made once per class (FSDP2's way)."""
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
 def fully_shard(
     module: nn.Module,
-    group=None,
-    param_dtype: torch.dtype | None = None,
-    offload: bool = False,
-    forward_prefetch: bool = True,
-    backward_prefetch: bool = True,
-) -> nn.Module:
-    """Shard the parameters of `module` not already managed by an inner `fully_shard` call over
-    `group` (a torch ProcessGroup, an hplab Communicator or None for the world), and hook its
-    forward to gather them just in time. Returns `module`: its parameters are now fp32 shards.
-    `forward_prefetch` / `backward_prefetch`: while this unit computes, start gathering the unit
-    that runs next in forward / in backward (False: that unit gathers when it starts)."""
-    prefetch = (forward_prefetch, backward_prefetch)
+    mesh=None,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen, as torch's)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+) -> FSDPModule:
+    """FSDP2's `fully_shard`: shard the parameters of `module` not already managed by an inner
+    `fully_shard` call over `mesh` (a 1-D DeviceMesh, a torch ProcessGroup, an hplab
+    Communicator or None for the world), and hook its forward to gather them just in time.
+    Returns `module`, now an FSDPModule: its parameters are fp32 shards.
+    `reshard_after_forward=False`: keep them gathered from forward to backward.
+    `mp_policy`, `offload_policy`: torch's own dataclasses (param_dtype, reduce_dtype,
+    cast_forward_inputs; CPUOffloadPolicy()), as in the module's docstring."""
+    if reshard_after_forward not in (True, False) or mp_policy.output_dtype is not None:
+        raise ValueError(
+            "hplab.fully_shard: reshard_after_forward takes True or False and "
+            "MixedPrecisionPolicy.output_dtype None (the others are not built here)"
+        )
+    group = mesh.get_group() if isinstance(mesh, DeviceMesh) else mesh
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
     claim_gradient_sync(module.parameters(), "hplab.fully_shard", ("hplab.fully_shard",), False)
-    unit = _Unit(module, communicator(group, "dp"), param_dtype, offload, prefetch)
+    unit = _Unit(module, communicator(group, "dp"), mp_policy, offload, reshard_after_forward)
     inner = [m._hplab_fsdp for m in module.modules() if hasattr(m, "_hplab_fsdp")]
     units = [unit] + [u for f in dict.fromkeys(i.family for i in inner) for u in f.units]
     family = _Family(units)
     for u in units:
         u.family = family
     module._hplab_fsdp = unit
+    if not isinstance(module, FSDPModule):
+        module.__class__ = _fsdp_class(type(module))
     claim_gradient_sync(module.parameters(), "hplab.fully_shard", ("hplab.fully_shard",))
     return module
 

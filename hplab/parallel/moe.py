@@ -166,15 +166,16 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> None:
+def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> nn.Module:
     """Expert parallel over `ep` (None or one rank: all experts here): each MoE layer keeps its
     E/ep experts and frees the others; the balance loss counts tokens over `dp` (the whole
     data-parallel group, of which ep is a part) and `cp` (the ranks that share each sequence);
-    a sequence-wise one over `cp` only. Each is a Communicator, a ProcessGroup, a DeviceMesh
-    of one dimension, or None (no such group)."""
-    ep = _communicator_or_none(ep, "ep")
-    dp = _communicator_or_none(dp, "dp")
-    cp = _communicator_or_none(cp, "cp")
+    a sequence-wise one over `cp` only. Each group is what `communicator()` takes (an hplab
+    Communicator, a torch ProcessGroup or a DeviceMesh of one dimension), or None: no such
+    group. Returns `model`."""
+    ep = group_or_none(ep, "ep")
+    dp = group_or_none(dp, "dp")
+    cp = group_or_none(cp, "cp")
     for layer in moe_layers(model):
         groups = (cp,) if layer.per_sequence else (dp, cp)
         layer.counted_over = [g for g in groups if g is not None and g.size > 1]
@@ -185,9 +186,12 @@ def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> None:
         mine = range(ep.rank * local, (ep.rank + 1) * local)
         layer.experts = nn.ModuleDict({str(e): layer.experts[str(e)] for e in mine})
         layer.ep = ep
+    return model
 
 
-def _communicator_or_none(group, name: str):
+def group_or_none(group, name: str):
+    """`group` as a Communicator (`communicator()`), None kept: here None means no such group,
+    not the whole world."""
     return None if group is None else communicator(group, name)
 
 
