@@ -33,6 +33,8 @@ if __name__ == "__main__":
 import torch
 import torch.nn as nn
 
+from hplab.models import gpt as gpt_model
+
 WORLD = 2
 BATCH, SEQ = 8, 128
 SHAPES = {"mlp": dict(n_embd=256), "block": dict(n_embd=256, n_head=8)}
@@ -89,8 +91,8 @@ def _pair(kind: str, comm):
         nn.init.normal_(p, 0.0, 0.05 if p.dim() > 1 else 0.2)
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
     block_plan = {
-        name.removeprefix("transformer.h.*."): style  # GPT_PLAN's entries for a block
-        for name, style in tp.GPT_PLAN.items()
+        name.removeprefix("transformer.h.*."): style  # the GPT plan's entries for a block
+        for name, style in gpt_model.TP_PLAN.items()
         if name.startswith("transformer.h.")
     }
     tp.parallelize(ours, comm, block_plan)
@@ -149,7 +151,7 @@ def _param_bytes(comm) -> list[dict]:
             config = replace(config, vocab_size=2049)
         model = build_model(config, 0).to(comm.device)
         full = {n: p.numel() * 4 for n, p in model.named_parameters()}
-        tp.parallelize(model, comm, tp.GPT_PLAN)
+        tp.parallelize(model, comm, gpt_model.TP_PLAN)
         split_names = {n for n, p in model.named_parameters() if tp.is_split(p)}
         padded_vocab = -(-config.vocab_size // comm.size) * comm.size
         padding = (padded_vocab - config.vocab_size) * config.n_embd * 4
@@ -180,7 +182,9 @@ def _activations_and_comm(comm, ledger) -> dict:
     for name in ("one process", "tp", "tp + sequence parallel"):
         model = build_model(config, 0).to(comm.device)
         if name != "one process":
-            tp.parallelize(model, comm, tp.GPT_PLAN, sequence_parallel=name.endswith("parallel"))
+            tp.parallelize(
+                model, comm, gpt_model.TP_PLAN, sequence_parallel=name.endswith("parallel")
+            )
         s = SEQ // comm.size if name.endswith("parallel") else SEQ
         hidden = torch.randn(BATCH, s, config.n_embd, device=comm.device, requires_grad=True)
         memory = MemoryLedger(comm.device)

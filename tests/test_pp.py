@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hplab.course.timeline import idle_between_actions
+from hplab.models import gpt as gpt_model
 from hplab.observe.observers import measured_bubble
 from hplab.parallel import pp
 from hplab.plan.simulate import DeadlockError, simulate
@@ -395,7 +396,7 @@ def exec_run(mesh, schedule, layers, tp_plan=False):
 
     model = exec_model(layers)
     if tp_plan:
-        tp.parallelize(model, mesh.tp, tp.GPT_PLAN)
+        tp.parallelize(model, mesh.tp, gpt_model.TP_PLAN)
     stages = pp.build_stages(model, mesh.pp_rank, mesh.pp_size)
     pp.free_unowned_parameters(model, stages)
     params = {n: p for n, p in model.named_parameters() if p.numel() > 0}

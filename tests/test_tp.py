@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hplab.models import gpt as gpt_model
 from hplab.runtime.launch import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -275,7 +276,7 @@ def _gpt_checks(comm, sequence_parallel: bool) -> dict:
     config = GPTConfig(**CONFIG)
     batches = [_batch(config.vocab_size, seed=s) for s in range(STEPS)]
     reference = _train_reference(build_model(config, 0), STEPS, batches, _hplab_forward)
-    model = tp.parallelize(build_model(config, 0), comm, tp.GPT_PLAN, sequence_parallel)
+    model = tp.parallelize(build_model(config, 0), comm, gpt_model.TP_PLAN, sequence_parallel)
     start = full_state_dict(model, comm)
     out = _equivalence(
         reference,
@@ -323,7 +324,7 @@ def _hf_checks(comm, sequence_parallel: bool) -> dict:
     reference_model = copy.deepcopy(hf)
     batches = [_batch(config.vocab_size, seed=s) for s in range(STEPS)]
     reference = _train_reference(reference_model, STEPS, batches, _hf_forward)
-    tp.parallelize(hf, comm, tp.HF_GPT2_PLAN, sequence_parallel)
+    tp.parallelize(hf, comm, gpt_model.HF_TP_PLAN, sequence_parallel)
     hf.tp_comm, hf.sequence_parallel = comm, sequence_parallel
     out = _equivalence(
         reference, _train_tensor_parallel(hf, comm, STEPS, batches, _hf_forward, sequence_parallel)
@@ -339,7 +340,7 @@ def _ledger_checks(comm, ledger, sequence_parallel: bool) -> dict:
     from hplab.parallel import tp
 
     config = GPTConfig(**CONFIG)
-    model = tp.parallelize(build_model(config, 0), comm, tp.GPT_PLAN, sequence_parallel)
+    model = tp.parallelize(build_model(config, 0), comm, gpt_model.TP_PLAN, sequence_parallel)
     x, y = _batch(config.vocab_size)
     s = x.shape[1] // comm.size if sequence_parallel else x.shape[1]
     hidden = torch.randn(BATCH, s, config.n_embd, requires_grad=True)
@@ -374,7 +375,7 @@ def _activation_checks(comm) -> dict:
     for name in ("single", "tp", "tp_sp"):
         model = build_model(config, 0)
         if name != "single":
-            tp.parallelize(model, comm, tp.GPT_PLAN, sequence_parallel=name == "tp_sp")
+            tp.parallelize(model, comm, gpt_model.TP_PLAN, sequence_parallel=name == "tp_sp")
         s = 64 // comm.size if name == "tp_sp" else 64
         hidden = torch.randn(8, s, config.n_embd, requires_grad=True)
         memory = MemoryLedger()
@@ -455,7 +456,7 @@ def _layout_checks(mesh, sequence_parallel: bool, recompute: bool = False) -> di
         optimizer.step()
         optimizer.zero_grad()
         ref_losses.append(float(loss.detach()))
-    model = tp.parallelize(build_model(config, 0), mesh.tp, tp.GPT_PLAN, sequence_parallel)
+    model = tp.parallelize(build_model(config, 0), mesh.tp, gpt_model.TP_PLAN, sequence_parallel)
     model.recompute = recompute
     optimizer = make_optimizer(model.parameters(), LR, 0.1)
     losses = []
@@ -668,7 +669,7 @@ def test_clear_errors_for_impossible_splits():
         check_tensor_parallel(n_head=4, n_embd=64, tp=4, seq_len=30)
     # the check runs before any communication
     with pytest.raises(LayoutError, match="4 attention heads do not split over 3"):
-        tp.parallelize(build_model(GPTConfig(**CONFIG)), fake_comm(3), tp.GPT_PLAN)
+        tp.parallelize(build_model(GPTConfig(**CONFIG)), fake_comm(3), gpt_model.TP_PLAN)
     from transformers import AutoModelForCausalLM
 
     from hplab.models.gpt import to_hf_config
@@ -677,14 +678,14 @@ def test_clear_errors_for_impossible_splits():
         to_hf_config(GPTConfig(**CONFIG)), attn_implementation="eager"
     )
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
-        tp.parallelize(eager, fake_comm(2), tp.HF_GPT2_PLAN, sequence_parallel=True)
+        tp.parallelize(eager, fake_comm(2), gpt_model.HF_TP_PLAN, sequence_parallel=True)
 
 
 def test_plan_naming_a_missing_module_is_an_error():
     from hplab.models.gpt import GPTConfig, build_model
     from hplab.parallel import tp
 
-    plan = {**tp.GPT_PLAN, "transformer.h.*.attn.q_proj": tp.ColumnParallelLinear}
+    plan = {**gpt_model.TP_PLAN, "transformer.h.*.attn.q_proj": tp.ColumnParallelLinear}
     model = build_model(GPTConfig(**CONFIG))
     before = {name: p.shape for name, p in model.named_parameters()}
     with pytest.raises(
@@ -715,9 +716,9 @@ def test_plans_cut_every_layer(model_plan, sequence_parallel):
     from hplab.parallel import placement, tp
 
     model, plan = (
-        (build_model(GPTConfig(**CONFIG)), tp.GPT_PLAN)
+        (build_model(GPTConfig(**CONFIG)), gpt_model.TP_PLAN)
         if model_plan == "gpt"
-        else (_hf_gpt2(), tp.HF_GPT2_PLAN)
+        else (_hf_gpt2(), gpt_model.HF_TP_PLAN)
     )
     full = {n: p.shape for n, p in model.named_parameters()}
     tp.parallelize(model, fake_comm(2), plan, sequence_parallel)

@@ -17,6 +17,7 @@ block: Hugging Face's `Conv1D` weight is `[in, out]`, an `nn.Linear`'s `[out, in
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import replace
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hplab.config import ModelConfig
+from hplab.parallel import tp
 from hplab.parallel.moe import MoE
 from hplab.presets import HPLAB_PRESETS
 
@@ -365,3 +367,52 @@ def config_from_hf(hf: dict) -> GPTConfig:
             f"tokenizer ({', '.join(f'{t}: {v}' for v, t in tokenizers.items())} ids)"
         )
     return replace(config, tokenizer=tokenizers[config.vocab_size])
+
+
+# --- tensor parallel: where to cut (`tp.parallelize` takes a plan; compose passes this one) ----
+# Module names (fnmatch patterns; "" is the model itself) → styles (hplab/parallel/tp.py).
+
+
+def vocab_parallel_loss(model, comm, sequence_parallel=False):
+    """hplab's GPT computes its loss with `model.loss_fn`: make it the vocab-parallel one."""
+    model.loss_fn = functools.partial(
+        tp.vocab_parallel_cross_entropy, comm=comm, vocab_size=model.config.vocab_size
+    )
+    return model
+
+
+def needs_sdpa(model, comm, sequence_parallel=False):
+    """HF GPT-2 handed s/T ids would size an explicit causal mask by them while attention sees
+    all s tokens: only "sdpa" (PyTorch's attention, causal, no mask) is right."""
+    if sequence_parallel and (attention := model.config._attn_implementation) != "sdpa":
+        raise tp.TensorParallelError(
+            "sequence parallel needs the model built with "
+            f"attn_implementation='sdpa' (not {attention!r})"
+        )
+    return model
+
+
+_BLOCKS = {  # c_attn: this rank's heads' rows of Q, of K and of V
+    "transformer.h.*.attn.c_attn": functools.partial(tp.ColumnParallelLinear, fused=3),
+    "transformer.h.*.attn.c_proj": tp.RowParallelLinear,
+    "transformer.h.*.mlp.c_fc": tp.ColumnParallelLinear,
+    "transformer.h.*.mlp.c_proj": tp.RowParallelLinear,
+}
+TP_PLAN = {  # for tp.parallelize: this file's GPT; the order matters: wte before its tied head
+    "transformer.wte": tp.VocabParallelEmbedding,
+    "lm_head": tp.ColumnParallelLinear,  # its weight is wte's piece: this rank's V/T logits
+    "transformer.wpe": tp.SequenceParallelPositions,
+    **_BLOCKS,
+    "transformer.h.*.attn": tp.divide("n_head"),  # this rank's heads
+    "": vocab_parallel_loss,
+}
+
+
+HF_TP_PLAN = {  # for tp.parallelize: HF's GPT2LMHeadModel, handed s/T ids under sequence parallel
+    "": needs_sdpa,
+    "transformer.wte": functools.partial(tp.VocabParallelEmbedding, given_slice=True),
+    "lm_head": tp.ColumnParallelLinear,
+    "transformer.wpe": functools.partial(tp.SequenceParallelPositions, given_slice=True),
+    **_BLOCKS,  # HF cuts c_attn's output into q, k, v of width split_size:
+    "transformer.h.*.attn": tp.divide("num_heads", "embed_dim", "split_size"),
+}

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hplab.config import ModelConfig
-from hplab.models.gpt import Decoder, attention_core
+from hplab.models.gpt import Decoder, attention_core, vocab_parallel_loss
 from hplab.parallel import tp
 from hplab.parallel.moe import MoE
 
@@ -237,7 +237,7 @@ TP_PLAN = {  # for tp.parallelize, by LlamaForCausalLM's names: whole query and 
     "model.layers.*.self_attn.o_proj": tp.RowParallelLinear,
     **{f"model.layers.*.mlp.{x}_proj": tp.ColumnParallelLinear for x in ("gate", "up")},
     "model.layers.*.mlp.down_proj": tp.RowParallelLinear,
-    "": tp.vocab_parallel_loss,
+    "": vocab_parallel_loss,
 }
 #: The attention, embedding and head only (Mixtral's, whose experts are 3-D parameters that stay
 #: whole on every rank: their input is whole there after o_proj's all-reduce).

@@ -125,7 +125,7 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: Layout) -> nn.Module:
     if layout.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
         is_llama = gpt.config.arch == "llama"
         plan, blocks = (
-            (llama.TP_PLAN, "model.layers") if is_llama else (tp.GPT_PLAN, "transformer.h")
+            (llama.TP_PLAN, "model.layers") if is_llama else (gpt.TP_PLAN, "transformer.h")
         )
         plan = tp.with_experts(plan, blocks) if gpt.config.n_experts else plan
         tp.parallelize(gpt, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)

@@ -349,41 +349,6 @@ def divide(*names: str):
     return style
 
 
-def vocab_parallel_loss(model, comm, sequence_parallel=False):
-    """hplab's GPT computes its loss with `model.loss_fn`: make it the vocab-parallel one."""
-    model.loss_fn = functools.partial(
-        vocab_parallel_cross_entropy, comm=comm, vocab_size=model.config.vocab_size
-    )
-    return model
-
-
-def needs_sdpa(model, comm, sequence_parallel=False):
-    """HF GPT-2 handed s/T ids would size an explicit causal mask by them while attention sees
-    all s tokens: only "sdpa" (PyTorch's attention, causal, no mask) is right."""
-    if sequence_parallel and (attention := model.config._attn_implementation) != "sdpa":
-        raise TensorParallelError(
-            "sequence parallel needs the model built with "
-            f"attn_implementation='sdpa' (not {attention!r})"
-        )
-    return model
-
-
-_BLOCKS = {  # c_attn: this rank's heads' rows of Q, of K and of V
-    "transformer.h.*.attn.c_attn": functools.partial(ColumnParallelLinear, fused=3),
-    "transformer.h.*.attn.c_proj": RowParallelLinear,
-    "transformer.h.*.mlp.c_fc": ColumnParallelLinear,
-    "transformer.h.*.mlp.c_proj": RowParallelLinear,
-}
-GPT_PLAN = {  # hplab's GPT (hplab/models/gpt.py); the order matters: wte before its tied head
-    "transformer.wte": VocabParallelEmbedding,
-    "lm_head": ColumnParallelLinear,  # its weight is wte's piece: this rank's V/T logits
-    "transformer.wpe": SequenceParallelPositions,
-    **_BLOCKS,
-    "transformer.h.*.attn": divide("n_head"),  # this rank's heads
-    "": vocab_parallel_loss,
-}
-
-
 def experts_see_every_token(moe, comm, sequence_parallel=False):
     """Under sequence parallel a mixture of experts routes all s tokens on every rank (gathered
     first; this rank keeps its s/T of the output): its gradients are whole (Replicate)."""
@@ -406,16 +371,6 @@ def with_experts(plan: dict, blocks: str) -> dict:
         p.replace(".mlp.", ".mlp.experts.*."): each(cut) if ".mlp." in p else cut
         for p, cut in plan.items()
     } | {f"{blocks}.*.mlp": experts_see_every_token}
-
-
-HF_GPT2_PLAN = {  # Hugging Face GPT2LMHeadModel, handed s/T ids under sequence parallel
-    "": needs_sdpa,
-    "transformer.wte": functools.partial(VocabParallelEmbedding, given_slice=True),
-    "lm_head": ColumnParallelLinear,
-    "transformer.wpe": functools.partial(SequenceParallelPositions, given_slice=True),
-    **_BLOCKS,  # HF cuts c_attn's output into q, k, v of width split_size:
-    "transformer.h.*.attn": divide("num_heads", "embed_dim", "split_size"),
-}
 
 
 def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = False):
