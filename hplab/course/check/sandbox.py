@@ -316,6 +316,15 @@ def _below(root: int) -> set[int]:
     return found
 
 
+def _ended(pid: int) -> bool:
+    """Whether `pid` has ended (gone, or a zombie): a SIGKILLed process ends a moment later."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
 def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(OSError):  # (it has ended already)
         os.kill(pid, sig)
@@ -334,6 +343,9 @@ def end_process_tree(root: int) -> None:
         _signal(pid, signal.SIGKILL)
     with contextlib.suppress(OSError):
         os.killpg(root, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0  # (on a loaded machine, dying takes its turn too)
+    while not all(map(_ended, stopped - {root})) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class Sandbox:
