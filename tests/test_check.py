@@ -8,8 +8,11 @@ in ONE launch (`run_check` takes several files): one 4-process launch for the ri
 2-process launch each for the buckets, the ZeRO-1 step and the tensor-parallel layers.
 """
 
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -740,3 +743,241 @@ def test_the_learner_s_code_cannot_reach_the_checker(tmp_path):
     assert [(r.passed, r.message) for r in swallows] == [
         (False, "did not finish in 3 s: an endless loop, or ranks waiting?")
     ]
+
+
+# --- the sandbox's walls: plain data, the checker's files, its processes, forbidden helpers --
+
+PICKLE_BOMBS = """
+import os
+
+
+class Evil(int):  # pickle would call os.system in the process that loads it
+    def __reduce__(self):
+        return (os.system, ("touch {marker}",))
+
+
+class EvilNotImplemented(NotImplementedError):
+    def __reduce__(self):
+        return (os.system, ("touch {marker}",))
+
+
+def num_params(config):
+    return Evil(1)
+
+
+def model_state_bytes(config):
+    raise EvilNotImplemented("soon")
+"""
+
+LIARS = """
+from unittest import mock
+
+
+class Liar(int):  # equal to everything
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = int.__hash__
+
+
+def num_params(config):
+    return Liar(1)
+
+
+def model_state_bytes(config):
+    return {"params": mock.ANY, "grads": mock.ANY, "optim": mock.ANY}
+"""
+
+CALLS_THE_ANSWER = """
+from hplab.config import ModelConfig
+
+
+def num_params(config):
+    return config.num_params()
+
+
+def model_state_bytes(config):
+    psi = ModelConfig.num_params(config)
+    return {"params": 4 * psi, "grads": 4 * psi, "optim": 8 * psi}
+"""
+
+
+def test_results_cross_as_plain_data_and_are_compared_as_numbers(tmp_path):
+    """A learner's object with a crafted __reduce__ runs nothing here (results are JSON), an
+    int that equals everything arrives as its digits, and unittest.mock.ANY does not cross."""
+    marker = tmp_path / "ran_in_the_checker"
+    bombs, liars = tmp_path / "bombs.py", tmp_path / "liars.py"
+    bombs.write_text(PICKLE_BOMBS.format(marker=marker))
+    liars.write_text(LIARS)
+    checked = run_check("memory", [bombs, liars], limit_s=600)  # (+ the forkserver's start)
+    bombed, lied = ({r.name.split("(")[0]: r for r in rs} for rs in checked)
+    assert not marker.exists()
+    assert "you count 1, the model has" in bombed["num_params"].message
+    assert bombed["model_state_bytes"].message == "not implemented yet (soon)"
+    assert not lied["num_params"].passed and "you count 1" in lied["num_params"].message
+    assert not lied["model_state_bytes"].passed
+    assert "a _ANY (<ANY>): not plain data" in lied["model_state_bytes"].message
+
+
+def test_lab_00_sees_a_call_of_the_forbidden_num_params(tmp_path):
+    cheat = tmp_path / "cheat.py"
+    cheat.write_text(CALLS_THE_ANSWER)
+    results = run_check("memory", [cheat])[0]
+    assert results and not any(r.passed for r in results)
+    assert results[0].message.startswith("you called config.num_params(): it is the answer")
+    assert results[0].message.endswith("(line 6)") and results[1].message.endswith("(line 10)")
+
+
+# A tensor subclass that pickle would turn into os.system: the tensor-parallel solution's column
+# layer returns it, so it reaches the communicator and the driver's results.
+DISTRIBUTED_PICKLE_BOMB = """
+
+import os
+
+
+class Evil(torch.Tensor):
+    def __reduce_ex__(self, protocol):
+        return (os.system, ("touch {marker}",))
+
+
+_column = ColumnParallelLinear.forward
+ColumnParallelLinear.forward = lambda self, x: _column(self, x).as_subclass(Evil)
+"""
+
+
+def test_a_distributed_check_takes_only_plain_data_from_its_sandboxes(tmp_path):
+    marker = tmp_path / "ran_in_a_rank"
+    bomb = tmp_path / "bomb.py"
+    source = (SOLUTIONS_DIR / EXERCISES["tp_linear"].file).read_text()
+    bomb.write_text(source + DISTRIBUTED_PICKLE_BOMB.format(marker=marker))
+    results = run_check("tp_linear", [bomb])[0]
+    assert not marker.exists()
+    assert all(r.passed for r in results), results  # its numbers are right: it passes
+
+
+REWRITES_THE_CHECKER = """
+import os
+
+import hplab.course.check.lab00_memory as checker
+import hplab.course.check.report as report
+
+with open(checker.__file__, "a") as source:
+    source.write("\\ncheck_memory = lambda module, report: None  # everything passes\\n")
+os.makedirs(report.__file__[:-3], exist_ok=True)  # a package that shadows report.py
+with open(os.path.join(report.__file__[:-3], "__init__.py"), "w") as shadow:
+    shadow.write("raise SystemExit('shadowed')\\n")
+
+
+def num_params(config):
+    return 1
+
+
+def model_state_bytes(config):
+    return {}
+"""
+
+
+def test_a_file_that_rewrites_the_checker_fails_and_the_checker_is_put_back(tmp_path):
+    """On a copy of hplab (the repository is never written): the rewrite is one failing line,
+    and the next check runs the checker as it was."""
+    import shutil
+
+    import hplab
+
+    package = tmp_path / "copy" / "hplab"
+    shutil.copytree(Path(hplab.__file__).parent, package)
+    original = (package / "course/check/lab00_memory.py").read_text()
+    rewrites = tmp_path / "rewrites.py"
+    rewrites.write_text(REWRITES_THE_CHECKER)
+
+    def check(path):
+        return subprocess.run(
+            [sys.executable, "-m", "hplab.check", "memory", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,  # (`python -m` puts the working directory first on sys.path)
+            env={**os.environ, "PYTHONPATH": str(package.parent)},
+        )
+
+    done = check(rewrites)
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert (
+        "✗ the checker's files: your file added the checker's own "
+        "hplab/course/check/report/__init__.py (and 1 more): a checked file must not write"
+    ) in done.stdout
+    assert (package / "course/check/lab00_memory.py").read_text() == original
+    assert not (package / "course/check/report/__init__.py").exists()
+    again = check(SOLUTIONS_DIR / EXERCISES["memory"].file)
+    assert again.returncode == 0 and "PASS: all 6 checks passed" in again.stdout, again.stdout
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+ESCAPES_BY_SETSID = """
+import os
+import time
+
+if os.fork() == 0:  # a child in a session of its own, whose child it orphans
+    os.setsid()
+    if os.fork() == 0:
+        with open("{pid_file}", "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(5)
+        print("PASS: all 6 checks passed", flush=True)
+    os._exit(0)
+while not os.path.exists("{pid_file}"):
+    time.sleep(0.05)
+
+
+def num_params(config):
+    return 1
+
+
+def model_state_bytes(config):
+    return {{}}
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="prctl and /proc: Linux")
+def test_a_setsid_grandchild_dies_with_the_check(tmp_path):
+    pid_file, escapes = tmp_path / "grandchild.pid", tmp_path / "escapes.py"
+    escapes.write_text(ESCAPES_BY_SETSID.format(pid_file=pid_file))
+    results = run_check("memory", [escapes])[0]
+    assert not any(r.passed for r in results)
+    assert not _running(int(pid_file.read_text()))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="prctl: Linux")
+def test_a_killed_checker_leaves_no_sandbox_behind(tmp_path):
+    pid_file, spins = tmp_path / "sandbox.pid", tmp_path / "spins.py"
+    spins.write_text(
+        f"import os\n\nwith open({str(pid_file)!r}, 'w') as f:\n    f.write(str(os.getpid()))\n"
+        "while True:\n    pass\n"
+    )
+    checker = subprocess.Popen(
+        [sys.executable, "-m", "hplab.check", "memory", str(spins)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sandbox = int(pid_file.read_text())
+    assert _running(sandbox)
+    checker.kill()
+    checker.wait()
+    deadline = time.monotonic() + 5
+    while _running(sandbox) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(sandbox)

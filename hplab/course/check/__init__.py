@@ -14,7 +14,9 @@ raises, exits or runs too long fails with one line. Solutions: `labs/solutions/`
 
 The checkers, one module per lab (`lab00_memory.py` ... `lab11_goodput.py`, named as the
 exercises are), share `report.py` (Results, tensor comparisons) and, for labs 02 and 03,
-`reference.py` (a tiny GPT trained by one process); `runner.py` runs them.
+`reference.py` (a tiny GPT trained by one process); `runner.py` runs them, each file in a
+`sandbox.py` process whose results cross as plain data (`plain.py`, never pickle) and which
+cannot keep a change to hplab's own files (`guard.py`).
 `python -m hplab.course.check NAME [FILE]` is the same command.
 """
 

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from hplab.config import ModelConfig
 from hplab.course.check.report import Report
+from hplab.course.check.sandbox import forbidden
 from hplab.models.gpt import build_model, config_from_preset
 from hplab.observe.memory import MemoryLedger, model_state_tensors
+
+
+def count_in_sandbox(env, function: str, config: ModelConfig):
+    """(In the learner's sandbox.) Their `function`(config), with config.num_params() — the
+    answer the lab asks them to work out — refusing to run."""
+    with forbidden(
+        ModelConfig,
+        "num_params",
+        "config.num_params()",
+        "it is the answer — count the parameters of the layers in hplab/models/gpt.py yourself",
+    ):
+        return getattr(env.learner, function)(config)
 
 
 def check_memory(module, report: Report) -> None:
@@ -24,7 +38,7 @@ def check_memory(module, report: Report) -> None:
             MemoryLedger().measure(model_state_tensors(model, opt)),
         )
         with report.case(f"num_params(V={V} S={S} h={h} L={L})"):
-            mine = module.num_params(config)
+            mine = module.run(count_in_sandbox, "num_params", config)
             hint = {
                 V * h: "the LM head shares the token embedding: count it once",
                 -S * h: "the position embeddings are parameters too",
@@ -39,7 +53,7 @@ def check_memory(module, report: Report) -> None:
                 f"Ψ = {mine:,}",
             )
         with report.case(f"model_state_bytes(V={V} S={S} h={h} L={L})"):
-            claimed = module.model_state_bytes(config)
+            claimed = module.run(count_in_sandbox, "model_state_bytes", config)
             wrong = (
                 [
                     f"{kind}: you say {claimed.get(kind)!r}, measured {measured[kind]:,} "

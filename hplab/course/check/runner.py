@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hplab.course.check.guard import Snapshot
 from hplab.course.check.lab00_memory import check_memory
 from hplab.course.check.lab01_ring_allreduce import check_ring
 from hplab.course.check.lab02_buckets import check_buckets
@@ -36,6 +37,7 @@ EXERCISES_DIR, SOLUTIONS_DIR = (
     Path(__file__).resolve().parents[3] / "labs" / folder for folder in ("exercises", "solutions")
 )
 FILE_LIMIT_S = 120.0  # for one file's whole check; the solutions need a few seconds
+OWN_FILES = "the checker's files"  # the case that fails when a checked file wrote to hplab
 
 
 # nproc: the processes it runs on (0: this one, no Mesh); hint: what a CommTimeout often means
@@ -66,7 +68,8 @@ EXERCISES = {
 
 def check_files(name: str, paths: list[str], limit_s: float, fork=False) -> list[list[Result]]:
     """Per file, its Results as this process sees them; each file gets `limit_s` seconds
-    (`fork`: a lone check's sandbox forks from this process, see Sandbox)."""
+    (`fork`: a lone check's sandbox forks from this process, see Sandbox). A lone check keeps
+    hplab's files as they were (guard.py) file by file; a distributed one, run_check."""
 
     def expire(*_):  # SIGALRM's handler (checks run in a main thread)
         raise CheckTimeout
@@ -75,6 +78,7 @@ def check_files(name: str, paths: list[str], limit_s: float, fork=False) -> list
     mesh, out = [Mesh(dp=exercise.nproc)] if exercise.nproc else [], []
     for path in paths:
         report, sandbox = Report(path, exercise.hint), None
+        files = None if mesh else Snapshot()
         try:
             signal.setitimer(signal.ITIMER_REAL, limit_s)
             with report.case("import"):  # the learner's file, in a sandbox of its own (with
@@ -85,6 +89,8 @@ def check_files(name: str, paths: list[str], limit_s: float, fork=False) -> list
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             sandbox and sandbox.close()
+        if files and (problem := files.restore()):
+            report.add(problem, "", OWN_FILES)
         out.append(report.results)
     signal.signal(signal.SIGALRM, previous)
     return out
@@ -114,14 +120,19 @@ def run_check(name: str, paths: list[str | Path], limit_s: float = FILE_LIMIT_S,
         raise ValueError(f"no such file: {missing[0]}")
     if nproc == 0:
         return check_files(name, paths, limit_s, fork)
+    files = Snapshot()  # (the ranks and their sandboxes have all ended when it is compared)
     try:
         by_rank = run_distributed(
             check_files, nproc, name, paths, limit_s, timeout_s=limit_s * len(paths) + 60
         )
     except (TimeoutError, RuntimeError) as err:  # a process died or hung outside the limit
         line = f"the {nproc}-process check ended early: {str(err).strip().splitlines()[-1]}"
-        return [[Result("run", False, line)] for _ in paths]
-    return [_merge(per_rank) for per_rank in zip(*by_rank)]
+        by_file = [[Result("run", False, line)] for _ in paths]
+    else:
+        by_file = [_merge(per_rank) for per_rank in zip(*by_rank)]
+    if problem := files.restore():  # one launch: every file it checked is suspect
+        by_file = [[*results, Result(OWN_FILES, False, problem)] for results in by_file]
+    return by_file
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,8 @@ patch its functions, exit the checking process with a pass (os._exit(0)), or swa
 timeout in a bare `except:`. The checker and its verdict stay in the checking process.
 
     module = Sandbox(path)        # runs the file there (forked from a preloaded server: fast)
-    module.dispatch_order(x, 4)   # runs there; arguments and results travel pickled
+    module.dispatch_order(x, 4)   # runs there; arguments go pickled, results come back as
+                                  # plain data (plain.py: JSON), never pickled
     module.run(driver, x)         # driver(env, x) runs there: env.learner is the file
     module.close()
 
@@ -14,22 +15,33 @@ the learner's tensors; an async call's `wait()` is a call too. A checker's drive
 `env.tell(name, ...)` the checker (`module.listeners[name]`), e.g. from a gradient hook.
 
 A learner's exception comes back as what Report says of it: NotImplementedError and SystemExit
-as themselves, anything else as a LearnerError whose text names the line of their file.
+as themselves (rebuilt here from their text), anything else as a LearnerError whose text names
+the line of their file.
+
+The sandbox cannot outlive its check: it has a process group of its own, on Linux it dies with
+the checking process (PR_SET_PDEATHSIG) and adopts its descendants' orphans (a subreaper), and
+`close()` stops and kills every process below it, a grandchild that called setsid() included.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
+import os
 import pickle
 import runpy
+import signal
 import sys
+import threading
+import time
 import traceback
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+from hplab.course.check import plain
 from hplab.runtime.errors import CommTimeout
 from hplab.runtime.launch import FORKSERVER_PRELOAD
 
@@ -38,24 +50,80 @@ class LearnerError(Exception):
     """The learner's code raised, or its process ended; the text is what the report says."""
 
 
+class ForbiddenHelper(Exception):
+    """(In the sandbox.) The learner's code called a helper its lab forbids (see `forbidden`)."""
+
+
+@contextlib.contextmanager
+def forbidden(owner, name: str, called: str, why: str):
+    """(In the sandbox.) While the block runs, `owner.name` (a method, e.g. ModelConfig's
+    num_params) raises ForbiddenHelper: a lab that forbids a helper sees the call when it
+    happens, however the learner's code reaches it. Only the sandbox's copy of `owner` changes."""
+    original = owner.__dict__[name]
+
+    def refuse(*args, **kwargs):
+        raise ForbiddenHelper(f"you called {called}: {why}")
+
+    setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def _caught(err: BaseException, path: str) -> tuple:
-    if isinstance(err, NotImplementedError | SystemExit):
-        return ("raise", err)
+    """What the sandbox says of the learner's exception, as plain data."""
+    if isinstance(err, SystemExit):
+        code = err.code if isinstance(err.code, int | str | None) else repr(err.code)
+        return ("raise", "SystemExit", code)
+    if isinstance(err, NotImplementedError):
+        return ("raise", "NotImplementedError", str(err))
     frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == path]
     where = f" at line {frames[-1].lineno}: {frames[-1].line}" if frames else ""
+    if isinstance(err, ForbiddenHelper):
+        return ("learner", f"{err} (line {frames[-1].lineno})" if frames else str(err))
     if "process group has not been initialized" in str(err):
         where += " — a checked file communicates through the comm it is given (comm.send, ...)"
     return ("learner", f"raised {type(err).__name__}: {err}{where}")
 
 
-# Messages are pickled by hand (pickle, not multiprocessing's ForkingPickler): a tensor travels
-# as a copy, never as memory the two processes would share.
+# The checker's messages to the sandbox are pickled by hand (pickle, not multiprocessing's
+# ForkingPickler: a tensor travels as a copy, never as memory the two processes would share):
+# a driver, a model, a config. The sandbox's to the checker are plain data (plain.py), so that
+# nothing the learner made runs code in the checking process when it arrives.
 def _send(conn, *message) -> None:
+    """The checker's side: a message to the sandbox."""
     conn.send_bytes(pickle.dumps(message))
 
 
 def _receive(conn) -> tuple:
+    """The sandbox's side: the checker's message."""
     return pickle.loads(conn.recv_bytes())
+
+
+def _send_plain(conn, *message) -> None:
+    """The sandbox's side: a message to the checker (plain.NotPlain if it has no plain form)."""
+    conn.send_bytes(plain.encode(message))
+
+
+def _reply(conn, value, what: str) -> None:
+    """The sandbox's answer `value`, or, when it is not plain data, a line saying so."""
+    try:
+        data = plain.encode(("ok", value))
+    except plain.NotPlain as err:
+        data = plain.encode(
+            (
+                "learner",
+                f"{what} {err}: not plain data — a checked function returns numbers, strings,"
+                " lists, tuples, dicts or tensors",
+            )
+        )
+    conn.send_bytes(data)
+
+
+def _receive_plain(conn) -> tuple:
+    """The checker's side: the sandbox's message (loading JSON runs none of the learner's code)."""
+    return plain.decode(conn.recv_bytes())
 
 
 def _tensors_in(args) -> list[torch.Tensor]:
@@ -85,7 +153,7 @@ _checker = None  # this sandbox's pipe to the checking process
 
 def _ask(*request):
     """Ask the checking process (a communicator call, a tell) and wait for its answer."""
-    _send(_checker, "ask", *request)
+    _send_plain(_checker, "ask", *request)
     status, value = _receive(_checker)
     if status == "error":
         raise value
@@ -128,7 +196,12 @@ class RemoteComm:
 
     def _call(self, method: str, args, kwargs):
         tensors = _tensors_in(args)
-        kind, value = _ask("comm", method, _detached(args), kwargs)
+        try:
+            kind, value = _ask("comm", method, _detached(args), kwargs)
+        except plain.NotPlain as err:
+            raise plain.NotPlain(
+                f"comm.{method}() was given {err}: a communicator takes tensors and numbers"
+            ) from None
         if kind == "done":
             _copy_back(tensors, value)
             return None
@@ -144,20 +217,48 @@ class Learner(SimpleNamespace):
         raise AttributeError(f"your file defines no {name}")
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphans below this process are re-parented to it
+
+
+def _watch_parent(parent: int) -> None:
+    """(Where prctl is not there.) End this process once its parent has gone."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(1)
+
+
+def _stay_inside(parent: int) -> None:
+    """(In the sandbox, before the learner's code.) A process group of its own; on Linux, a
+    SIGKILL when the checker dies, even in an endless loop (PR_SET_PDEATHSIG), and the orphans
+    of its descendants re-parented to it, not to init (PR_SET_CHILD_SUBREAPER): a grandchild
+    that called setsid() and whose parent exited is still below it, where close() finds it."""
+    os.setpgid(0, 0)
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    else:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the checker died before prctl could tie this process to it
+        os._exit(1)
+
+
 def _serve(path: str, conn, comm_shape, threads: int) -> None:
     """The sandbox's side: load the file, then answer ("attr", name), ("call", name, ...) and
     ("run", driver, ...): driver(env, ...), env = (learner, comm, state, tell). It computes on
     as many threads as the checker (sums in the same order: the same rounding)."""
     global _checker
+    _stay_inside(os.getppid())
     _checker = conn
     torch.set_num_threads(threads)
     if dist.is_initialized():  # forked from a rank: its process group is not theirs to use
         dist.distributed_c10d._world.default_pg = None
     try:
         namespace = runpy.run_path(path)
-        _send(conn, "ok", None)
+        _send_plain(conn, "ok", None)
     except BaseException as err:
-        _send(conn, *_caught(err, path))
+        _send_plain(conn, *_caught(err, path))
         return
     comm = RemoteComm(*comm_shape) if comm_shape else None
     env = SimpleNamespace(
@@ -171,17 +272,80 @@ def _serve(path: str, conn, comm_shape, threads: int) -> None:
         try:
             if kind == "attr":
                 value = namespace.get(name, AttributeError)
-                _send(conn, *(("callable", None) if callable(value) else ("ok", value)))
+                if value is AttributeError:
+                    _send_plain(conn, "ok", ["missing"])
+                elif callable(value):
+                    _send_plain(conn, "ok", ["callable"])
+                else:
+                    _reply(conn, ["value", value], f"your {name} is")
             elif kind == "run":
-                _send(conn, "ok", name(env, *args, **kwargs))
+                _reply(conn, name(env, *args, **kwargs), "your code returned")
             else:
-                _send(conn, "ok", namespace[name](*args, **kwargs))
+                _reply(conn, namespace[name](*args, **kwargs), f"your {name}() returned")
         except BaseException as err:
             with contextlib.suppress(OSError):  # (the checker may have gone meanwhile)
-                _send(conn, *_caught(err, path))
+                _send_plain(conn, *_caught(err, path))
 
 
 # --- the checker's side -----------------------------------------------------------------------
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, read from /proc/<pid>/stat (Linux; elsewhere: none known)."""
+    children = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                    fields = stat.read().rsplit(b")", 1)[1].split()  # after "pid (name)"
+            except OSError:  # (it ended meanwhile)
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children
+
+
+def _below(root: int) -> set[int]:
+    """`root` and every process below it."""
+    found, todo, children = set(), [root], _children()
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def _ended(pid: int) -> bool:
+    """Whether `pid` has ended (gone, or a zombie): a SIGKILLed process ends a moment later."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(OSError):  # (it has ended already)
+        os.kill(pid, sig)
+
+
+def end_process_tree(root: int) -> None:
+    """Kill `root` and everything below it. First SIGSTOP, scan after scan until no new process
+    shows up (a stopped process cannot fork, and an orphan comes to the stopped subreaper
+    root); then SIGKILL them all. Last, root's process group: all that is known off Linux."""
+    stopped = set()
+    while new := _below(root) - stopped:
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        stopped |= new
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.killpg(root, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0  # (on a loaded machine, dying takes its turn too)
+    while not all(map(_ended, stopped - {root})) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class Sandbox:
@@ -212,7 +376,7 @@ class Sandbox:
                 while not self._conn.poll(0.05):
                     if not self._process.is_alive():
                         raise EOFError
-                status, *value = _receive(self._conn)
+                status, *value = _receive_plain(self._conn)
             except (EOFError, OSError):  # (its end of the pipe closed with it)
                 raise LearnerError(
                     f"your file ended its process while {doing} (os._exit? a crash?): a "
@@ -221,8 +385,9 @@ class Sandbox:
             if status != "ask":
                 break
             self._serve_request(*value)
-        if status == "raise":
-            raise value[0]
+        if status == "raise":  # rebuilt here from plain data: the learner's class stays there
+            kind, detail = value
+            raise SystemExit(detail) if kind == "SystemExit" else NotImplementedError(detail)
         if status == "learner":
             raise LearnerError(value[0])
         return value[0]
@@ -272,8 +437,11 @@ class Sandbox:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        if self._call("attr", name, (), {}, f"looking up {name}") is AttributeError:
+        found = self._call("attr", name, (), {}, f"looking up {name}")
+        if found[0] == "missing":
             raise AttributeError(f"your file defines no {name}")
+        if found[0] == "value":
+            return found[1]
         return lambda *args, **kwargs: self._call("call", name, args, kwargs)
 
     def run(self, driver, *args, **kwargs):
@@ -288,6 +456,9 @@ class Sandbox:
         return self._answer(doing or f"running {getattr(name, '__name__', name)}()")
 
     def close(self) -> None:
+        """End the sandbox and every process its code started, then reap it."""
+        if self._process.exitcode is None:  # (once it has ended, its number is not its own)
+            end_process_tree(self._process.pid)
         self._process.kill()
         self._process.join()
         self._conn.close()
