@@ -97,7 +97,7 @@ def _on_four_ranks() -> dict:
     the gloo threads left after shutdown."""
     import hplab
     from hplab.parallel import moe
-    from hplab.parallel.collectives import CommTimeout
+    from hplab.runtime.errors import CommTimeout
     from hplab.runtime import group as runtime_group
     from hplab.runtime.group import shutdown
 
