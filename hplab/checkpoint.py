@@ -77,7 +77,8 @@ def save(
     directory = resolved(directory)
     check_save_target(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp, previous = _aside(directory, f"tmp-{os.getpid()}"), _aside(directory, "previous")
+    tmp = _aside(directory, f"tmp-{os.getpid()}")
+    previous = _aside(directory, "previous")
     for stale in directory.parent.glob(f".{directory.name}.tmp-*"):  # left by killed saves
         shutil.rmtree(stale, ignore_errors=True)
     if previous.exists() and not directory.exists():  # a kill between the renames: restore
@@ -340,12 +341,14 @@ def _stepped(optimizer, p):
 def gather_full_state(par) -> tuple[dict, dict]:
     """(model_state, optimizer_state): every parameter's full fp32 value and full optimizer
     state under its single-device name. A collective; the result is complete on rank 0."""
-    mesh, optimizer = par.mesh, par.optimizer
+    mesh = par.mesh
+    optimizer = par.optimizer
     params = [(name, p) for name, p in par.gpt.named_parameters() if p.requires_grad]
     if isinstance(optimizer, ZeroOptimizer):
         values, states = optimizer.full_state()
     else:
-        values, states = {}, {}
+        values = {}
+        states = {}
         for _, p in params:
             inner, q = _stepped(optimizer, p)
             full = functools.partial(fsdp.gather_full, p) if fsdp.is_shard(p) else lambda t: t
@@ -373,7 +376,8 @@ def gather_full_state(par) -> tuple[dict, dict]:
 @torch.no_grad()
 def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
     """The reverse: every rank gets the full dicts and keeps the pieces it holds."""
-    mesh, optimizer = par.mesh, par.optimizer
+    mesh = par.mesh
+    optimizer = par.optimizer
     params = [(name, p) for name, p in par.gpt.named_parameters() if p.requires_grad]
     values = {p: _tensor_parallel(p, model_state[name].float(), mesh, False) for name, p in params}
     states = {
@@ -387,7 +391,8 @@ def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
         return
     for _, p in params:
         local = functools.partial(fsdp.local_shard, p) if fsdp.is_shard(p) else lambda t: t
-        value, (inner, q) = local(values[p]), _stepped(optimizer, p)
+        value = local(values[p])
+        inner, q = _stepped(optimizer, p)
         p.copy_(value)
         q.copy_(value)
         if states[p]:
@@ -406,7 +411,8 @@ def save_run(par, directory, flags: dict, step: int, losses: list, background=Fa
     Returns what it cost: {step, seconds training stood still, bytes and write_seconds (rank 0,
     filled in once written)}."""
     finish_saves()  # one write at a time, in order
-    start, record = time.perf_counter(), {"step": step, "bytes": 0, "write_seconds": 0.0}
+    start = time.perf_counter()
+    record = {"step": step, "bytes": 0, "write_seconds": 0.0}
     with par.mesh.ledger.unrecorded():  # the gathers are checkpoint traffic, not training
         model_state, optimizer_state = gather_full_state(par)
     if dist.get_rank() == 0:
@@ -430,7 +436,8 @@ def save_run(par, directory, flags: dict, step: int, losses: list, background=Fa
     return record
 
 
-WRITING, FAILED_WRITES = [], []  # rank 0's writes not yet waited for; what failed in one
+WRITING = []  # rank 0's writes not yet waited for; what failed in one
+FAILED_WRITES = []
 
 
 def _write(record: dict, directory, state: tuple) -> None:
@@ -463,7 +470,8 @@ def restore(par, saved: dict, resume: bool) -> int:
     restore_rng(saved["rng"])
     scaler = par.precision.scaler
     if scaler is not None and "loss_scale" in state:
-        scaler.scale, scaler.good_steps = state["loss_scale"], state["good_steps"]
+        scaler.scale = state["loss_scale"]
+        scaler.good_steps = state["good_steps"]
     if "lr_scheduler" in state:  # the schedule goes on from its step (torch's way)
         par.scheduler = torch.optim.lr_scheduler.LambdaLR(
             par.optimizer,

@@ -194,7 +194,8 @@ def recipe_flags(path: Path, parser) -> list[str]:
     flags = []
     for key, value in recipe.items():
         action = actions[keys[key]]
-        name, nargs = action.option_strings[0], action.nargs  # 0: a switch; "?": bare or valued
+        name = action.option_strings[0]  # 0: a switch; "?": bare or valued
+        nargs = action.nargs
         if (
             isinstance(value, (list, dict))
             or nargs != "?"

@@ -105,7 +105,8 @@ class ModelConfig:
         """Ψ = V·h + S·h + L·(12h² + 13h) + 2h for GPT-2, tied embedding once (experts:
         gpt_num_params); a Llama's: llama_num_params."""
         if self.arch == "llama":
-            h, kv = self.n_embd, self.n_embd * self.kv_heads // self.n_head
+            h = self.n_embd
+            kv = self.n_embd * self.kv_heads // self.n_head
             return llama_num_params(
                 self.n_layer, h, self.vocab_size, kv, self.mlp_width,
                 self.tie_word_embeddings, self.qkv_bias,
@@ -220,7 +221,9 @@ def check_model(model: ModelConfig) -> None:
     for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
         if getattr(model, name) < 1:
             raise LayoutError(f"{name} must be at least 1, got {getattr(model, name)}")
-    h, a, E = model.n_embd, model.n_head, model.n_experts
+    h = model.n_embd
+    a = model.n_head
+    E = model.n_experts
     if h % a:
         raise LayoutError(
             f"n_embd={h} is not divisible by n_head={a}: pick a hidden size that "
@@ -242,7 +245,8 @@ def check_model(model: ModelConfig) -> None:
 
 def check_llama(model: ModelConfig) -> None:
     """Whole groups of query heads per K/V head, and RoPE's channel pairs."""
-    a, kv = model.n_head, model.kv_heads
+    a = model.n_head
+    kv = model.kv_heads
     if not 1 <= kv <= a or a % kv:
         raise LayoutError(
             f"--n-kv-head {kv} must divide --n-head ({a}): each K/V head serves a whole group "
@@ -285,7 +289,9 @@ def check_mesh(layout: Layout, world_size: int | None = None) -> None:
 def check_batch(layout: Layout) -> None:
     """The global batch (when it is fixed) splits over dp, each rank's share into whole
     microbatches."""
-    B, dp, m = layout.batch_size, layout.dp, layout.microbatches
+    B = layout.batch_size
+    dp = layout.dp
+    m = layout.microbatches
     if B is None:
         return
     if B % dp:
@@ -306,7 +312,8 @@ def check_tensor_parallel(
     """Whole attention heads and hidden columns per rank, and whole K/V heads (or one shared by
     neighbouring ranks); with sequence parallel (`seq_len` given), whole tokens per rank: of
     each context-parallel rank's seq_len/cp."""
-    ranks, use = f"{tp} tensor-parallel ranks", "use a tensor-parallel size that divides"
+    ranks = f"{tp} tensor-parallel ranks"
+    use = "use a tensor-parallel size that divides"
     if n_head % tp:
         raise LayoutError(f"{n_head} attention heads do not split over {ranks}: {use} {n_head}")
     if kv_heads and kv_heads % tp and tp % kv_heads:
@@ -350,7 +357,9 @@ def check_context_parallel(seq_len: int, n_head: int, cp: int, style: str, split
 def check_pipeline(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1):
     """A known schedule over at least 2 stages; interleaved: 2+ chunks per rank and the
     microbatches in whole groups of pp."""
-    v, m, interleaved = virtual_stages, microbatches, schedule == "interleaved"
+    v = virtual_stages
+    m = microbatches
+    interleaved = schedule == "interleaved"
     for wrong, message in [
         (
             schedule not in SCHEDULES,
@@ -425,16 +434,18 @@ def validate(layout: Layout, model: ModelConfig, world_size: int | None = None, 
     check_model(model)
     check_mesh(layout, world_size)
     check_batch(layout)
-    for refused, settings, reason in REFUSALS if runs else ():  # (hplab/refusals.py)
-        if refused(layout, model):
-            raise LayoutError(f"not supported: {reason}", settings)
+    if runs:
+        for refused, settings, reason in REFUSALS:  # (hplab/refusals.py)
+            if refused(layout, model):
+                raise LayoutError(f"not supported: {reason}", settings)
     check_experts(model.n_experts, layout.ep, layout.dp)
     if layout.tp > 1:
         seq_len = model.n_positions if layout.sequence_parallel else None
         c = layout
         check_tensor_parallel(model.n_head, model.n_embd, c.tp, seq_len, c.cp, model.kv_heads)
     if layout.cp > 1:  # (Ulysses shares each tensor-parallel rank's heads)
-        heads, c = model.n_head // layout.tp, layout
+        heads = model.n_head // layout.tp
+        c = layout
         check_context_parallel(model.n_positions, heads, c.cp, c.cp_style, c.cp_split)
     if layout.pp > 1:
         check_pipeline(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)

@@ -180,7 +180,9 @@ def prepare_jsonl(
     check_outputs_free(input_path, prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     temporary_bin = Path(f"{prefix}.bin.tmp")
-    tokenizer, num_documents, num_tokens = None, 0, 0  # loaded on first use: bad input fails fast
+    tokenizer = None  # loaded on first use: bad input fails fast
+    num_documents = 0
+    num_tokens = 0
     texts = _jsonl_texts(input_path, text_key)
     try:
         with open(temporary_bin, "wb") as out:
@@ -279,7 +281,8 @@ class TokenDataset:
                 f"this model uses {tokenizer!r}: prepare it again with --tokenizer "
                 f"{tokenizer}, or pick the model for {meta['tokenizer']!r}"
             )
-        self.tokenizer_name, self.vocab_size = tokenizer, meta["vocab_size"]
+        self.tokenizer_name = tokenizer
+        self.vocab_size = meta["vocab_size"]
         if self.path.stat().st_size % TOKEN_DTYPE.itemsize:
             raise ValueError(
                 f"{self.path} is damaged: {self.path.stat().st_size} bytes is not a "
@@ -293,7 +296,8 @@ class TokenDataset:
             )
         train_end = int(len(all_tokens) * (1 - VAL_FRACTION))
         self.tokens = all_tokens[:train_end] if split == "train" else all_tokens[train_end:]
-        self.seq_len, self.split = seq_len, split
+        self.seq_len = seq_len
+        self.split = split
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(

@@ -38,7 +38,8 @@ def at_least(low: float, kind=int, above: bool = False):
     return parse
 
 
-COUNT, NONNEGATIVE = at_least(1), at_least(0, float)
+COUNT = at_least(1)
+NONNEGATIVE = at_least(0, float)
 
 
 def SEED(text: str) -> int:  # noqa: N802 (an argparse type, named like COUNT)

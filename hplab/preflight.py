@@ -170,7 +170,8 @@ def resume_point(args) -> None:
                 )
             folder = None  # a restart of a run that had not saved yet: it starts afresh again
         if folder:
-            args.resume, args.init_from = args.save, None
+            args.resume = args.save
+            args.init_from = None
             if state is not None and state.get("step") == args.steps:
                 raise RunComplete(
                     f"{args.save} already holds all {args.steps} steps: nothing is left to train"
@@ -450,9 +451,11 @@ def check_machine(args, model: ModelConfig, layout: Layout, world_size: int) -> 
         planned = plan(model, layout)  # the planner's memory, checked against real runs
     except LayoutError:  # a layout it does not model (e.g. unequal interleaved chunks)
         return
-    states, need = planned["model_state_bytes_per_gpu"], planned["memory_bytes_per_gpu"]
+    states = planned["model_state_bytes_per_gpu"]
+    need = planned["memory_bytes_per_gpu"]
     if device.type == "cuda":
-        have, per = torch.cuda.get_device_properties(0).total_memory, "per GPU"
+        have = torch.cuda.get_device_properties(0).total_memory
+        per = "per GPU"
     else:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
         per = f"per process ({local} share this machine's memory)"
@@ -468,7 +471,8 @@ def check_machine(args, model: ModelConfig, layout: Layout, world_size: int) -> 
 def token_files(args, model: ModelConfig) -> tuple[TokenDataset, TokenDataset | None]:
     """The training split and, with --eval-every, the validation split (the last 5%)."""
     tokens = functools.partial(TokenDataset, args.data, model.tokenizer, model.n_positions)
-    dataset, validation = tokens(), tokens(split="val") if args.eval_every else None
+    dataset = tokens()
+    validation = tokens(split="val") if args.eval_every else None
     if dataset.vocab_size > model.vocab_size:
         raise ValueError(
             f"{args.data} uses {dataset.vocab_size} token ids but the model has a "

@@ -55,7 +55,8 @@ def generate(
         )
     if not 0 <= seed < 2**63:
         raise ValueError(f"--seed {seed}: give a whole number from 0 to 2**63 - 1")
-    ids, generator = torch.tensor([tokenizer.encode(prompt)]), torch.Generator().manual_seed(seed)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    generator = torch.Generator().manual_seed(seed)
     for _ in range(max_new_tokens):
         logits = model(ids[:, -model.config.n_positions :])[0][0, -1]  # the last position's
         next_id = logits.argmax()  # greedy

@@ -168,8 +168,9 @@ def run_claimed(args) -> dict | None:
     layout = job.layout
     mesh = Mesh(pp=layout.pp, dp=layout.dp, cp=layout.cp, tp=layout.tp, ep=layout.ep, device=device)
     par = build_training(job, args.seed, mesh, device)
-    for block in par.gpt.blocks if args.compile else ():  # (their hooks stay eager)
-        block.forward = torch.compile(block.forward)
+    if args.compile:
+        for block in par.gpt.blocks:  # (their hooks stay eager)
+            block.forward = torch.compile(block.forward)
     first_step = checkpoint.restore(par, job.saved, bool(args.resume)) if job.saved else 0
     earlier = job.saved["trainer_state"]["losses"] if args.resume else []
     watch = Observers(par, args.trace, range(first_step, args.steps))
@@ -202,7 +203,8 @@ def train(par, job, args, steps_to_run: range, watch, earlier: list) -> tuple[li
     (loss, seconds, tokens, lr); the validation loss every --eval-every steps and a checkpoint
     every --save-every steps and at the end (with the losses of every step before it, those
     of the run it resumed, `earlier`, first). Returns (steps, evaluations, saves)."""
-    mesh, tokens_per_step = par.mesh, args.batch_size * job.model.n_positions
+    mesh = par.mesh
+    tokens_per_step = args.batch_size * job.model.n_positions
     bar = tqdm(
         steps_to_run,
         disable=mesh.rank != 0 or args.no_progress,
@@ -210,20 +212,25 @@ def train(par, job, args, steps_to_run: range, watch, earlier: list) -> tuple[li
         dynamic_ncols=True,
         file=sys.stdout,
     )
-    steps, evals, saves, planned_faults = [], [], [], faults.planned()
+    steps = []
+    evals = []
+    saves = []
+    planned_faults = faults.planned()
     for step in bar:
         note_step(step)  # (for the launcher's line, should this rank fail)
         faults.strike(step, mesh.rank, planned_faults)  # HPLAB_FAULT: none unless asked
         indices = global_batch_indices(len(job.dataset), step, args.batch_size, args.seed)
         x, y = get_batch(job.dataset, shard_for_rank(indices, mesh.dp_rank, mesh.dp_size))
-        lr, start = par.optimizer.param_groups[0]["lr"], time.perf_counter()
+        lr = par.optimizer.param_groups[0]["lr"]
+        start = time.perf_counter()
         with watch.step(step):
             loss = train_step(par, x.to(mesh.device), y.to(mesh.device))
         elapsed = time.perf_counter() - start
         steps.append(
             {"step": step, "loss": loss, "time_s": elapsed, "tokens": tokens_per_step, "lr": lr}
         )
-        done, last = step + 1, step + 1 == args.steps
+        done = step + 1
+        last = step + 1 == args.steps
         if args.eval_every and (done % args.eval_every == 0 or last):
             evals.append({"step": done, "loss": validation_loss(par, job.validation, args)})
         latest = {"val": f"{evals[-1]['loss']:.4f}"} if evals else {}
@@ -242,7 +249,9 @@ def validation_loss(par, validation, args) -> float:
     """The mean loss of the --eval-batches fixed validation batches, batch k = samples
     [k·B, (k+1)·B), each dp rank its shard of each, forward only (compose.evaluate); its
     messages stay out of the training traffic the metrics count."""
-    mesh, B, losses = par.mesh, args.batch_size, []
+    mesh = par.mesh
+    B = args.batch_size
+    losses = []
     with mesh.ledger.unrecorded():
         for k in range(args.eval_batches):
             mine = shard_for_rank(list(range(k * B, (k + 1) * B)), mesh.dp_rank, mesh.dp_size)

@@ -97,8 +97,8 @@ def _on_four_ranks() -> dict:
     the gloo threads left after shutdown."""
     import hplab
     from hplab.parallel import moe
-    from hplab.runtime.errors import CommTimeout
     from hplab.runtime import group as runtime_group
+    from hplab.runtime.errors import CommTimeout
     from hplab.runtime.group import shutdown
 
     mesh = Mesh(dp=2, cp=2, ep=2)  # groups of 1, 2 and 4 ranks, flattened and unflattened

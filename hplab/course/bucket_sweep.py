@@ -57,7 +57,8 @@ class GradientClock:
 
 def one_step(model, clock: GradientClock, optimizer, x, y) -> dict:
     """One step of the ordinary loop, timed: {step_s, window_s, exposed_s} on this rank."""
-    start, clock.first = time.perf_counter(), None
+    start = time.perf_counter()
+    clock.first = None
     _, loss = model(x, y)
     loss.backward()  # DDP's hooks launch the buckets; its callback waits for them at the end
     returned = time.perf_counter()
@@ -202,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     from hplab.runtime.group import init_distributed, shutdown
 
     init_distributed()
-    n, rank = dist.get_world_size(), dist.get_rank()
+    n = dist.get_world_size()
+    rank = dist.get_rank()
     config = config_from_preset(args.model, seq_len=args.seq_len)
-    batches, runs = my_batches(config, args.batch_size, rank, n), {}
+    batches = my_batches(config, args.batch_size, rank, n)
+    runs = {}
     for text in dict.fromkeys(["none"] * args.no_link_too + [args.link]):
         if text.startswith("auto"):  # (every rank has the same times: all pick the same β)
             text = args.link = calibrated_link(runs["none"], config, text)

@@ -41,7 +41,8 @@ def one_call(comm, op: str, big, small, inbox) -> None:
     """`op` once among the ranks of `comm` on the payload `big` (`small`: this rank's slice;
     `inbox`: room to receive a `big`). A ring step is what each of a ring's 2(n-1) steps does:
     every rank sends to its right neighbour while it receives from its left one."""
-    n, r = comm.size, comm.rank
+    n = comm.size
+    r = comm.rank
     if op == "send_recv":  # partners 0↔1, 2↔3, ...
         if r ^ 1 < n:
             (comm.send if r % 2 == 0 else comm.recv)(big, r ^ 1)
@@ -66,7 +67,9 @@ def demo(comm) -> dict:
     shown = {}
     for op in OPS:
         start = 10 * comm.rank + torch.arange(1, comm.size + 1.0, device=comm.device)
-        big, small, inbox = start.clone(), start[:1].clone(), torch.zeros_like(start)
+        big = start.clone()
+        small = start[:1].clone()
+        inbox = torch.zeros_like(start)
         one_call(comm, op, big, small, inbox)
         after = {"reduce_scatter": small, "ring_step": inbox}.get(op, big)
         shown[op] = ((small if op == "all_gather" else start).tolist(), after.tolist())
@@ -130,7 +133,8 @@ def measure(comm, op: str, nbytes: int, buffer, inbox, repeats: int) -> dict:
     n = comm.size
     numel = (nbytes - nbytes % (4 * n)) // 4  # whole fp32 slices for every rank
     message = (comm, op, buffer[:numel], buffer[: numel // n].clone(), inbox[:numel])
-    waited, wall = waited_for_a_core_s(), time.perf_counter()
+    waited = waited_for_a_core_s()
+    wall = time.perf_counter()
     times = [time_call(*message) for _ in range(1 + repeats)][1:]  # [0]: warm-up
     waited = (waited_for_a_core_s() - waited) / (time.perf_counter() - wall)
     return dict(

@@ -41,7 +41,8 @@ class LaunchError(RuntimeError):
 def _progress(label: str, show: bool):
     """A one-line progress bar, `draw(text, final=False)`: in a notebook one output updated in
     place (so the saved notebook shows the final state), in a terminal a line redrawn after \\r."""
-    handle, last_draw = None, 0.0
+    handle = None
+    last_draw = 0.0
     with contextlib.suppress(ImportError):
         from IPython import get_ipython
         from IPython.display import Pretty, display
@@ -108,7 +109,8 @@ def _draw_tqdm(draw, output: bytearray, start: float) -> None:
     loss, the seconds so far."""
     tail = output[-400:].decode(errors="replace")
     if counts := _TQDM_COUNT.findall(tail):
-        (done, total), loss = map(int, counts[-1]), _TQDM_LOSS.findall(tail)
+        done, total = map(int, counts[-1])
+        loss = _TQDM_LOSS.findall(tail)
         bar = "█" * (24 * done // max(total, 1))
         draw(
             f"{bar:·<24} {done}/{total}"
@@ -168,7 +170,8 @@ def launch(
     with the job's `hplab: error:` line (or the tail of its output); past `timeout_s` the whole
     job is killed."""
     label = label or f"{Path(script).name} on {nproc} processes"
-    draw, start = _progress(label, progress), time.monotonic()
+    draw = _progress(label, progress)
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hplab-") as folder:
         output = Path(folder) / "output.txt"
         output.touch()

@@ -158,7 +158,8 @@ def fit_alpha_beta(op: str, n: int, sizes, times, per_call: bool = False) -> Alp
     """Least squares on *relative* error (the sizes span decades): find a, b ≥ 0 with
     T ≈ a + b·S, then α = a / steps and β = factor / b. `per_call`: one α per call, as an
     emulated link charges it (hplab.runtime.link: α + bus bytes / β), not one per ring step."""
-    S, T = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
+    S = np.asarray(sizes, dtype=float)
+    T = np.asarray(times, dtype=float)
     (a, b), *_ = np.linalg.lstsq(np.stack([1 / T, S / T], axis=1), np.ones_like(T), rcond=None)
     (a, b), (steps, factor) = (max(a, 1e-9), max(b, 1e-15)), alpha_beta_terms(op, n)
     steps = 1 if per_call else steps
@@ -190,7 +191,8 @@ class Collectives:
 
     def fit(self, op: str) -> AlphaBetaFit:
         """α and β fitted to `op`'s times: α per ring step, or per call under a link."""
-        sizes, times = self.sizes(op), self.times(op)
+        sizes = self.sizes(op)
+        times = self.times(op)
         return fit_alpha_beta(op, self.world_size, sizes, times, per_call=bool(self.link))
 
     def bus_bandwidth(self, op: str) -> list[float]:

@@ -78,7 +78,9 @@ def read_timeline(directory) -> list[list[dict]]:
 
 def _spans(events: list[dict], t0: float) -> list[dict]:
     """One rank's spans from its events in time order; t0: the time (µs) they count from."""
-    spans, launches, numbers = [], [], Counter()
+    spans = []
+    launches = []
+    numbers = Counter()
     linked = any(e["name"].startswith("link:") for e in events)
     for e in events:
         kind, name = kind_of(e)
@@ -167,7 +169,8 @@ def held_up(spans: list[dict], ops=COMM_OPS) -> dict:
         for s in spans
         if s["kind"] in ("launch", "wait") and s["name"].removeprefix("wait ").split()[0] in ops
     )
-    held, free = [], 0.0  # this rank's link: one transfer after the other
+    held = []  # this rank's link: one transfer after the other
+    free = 0.0
     for s in sorted((s for s in spans if s["kind"] == "comm"), key=lambda s: s["start_s"]):
         ready = max(s.get("launched_s", s["start_s"]), free)  # without the other ranks
         held.append((ready, s["start_s"]))
@@ -185,7 +188,8 @@ def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list
     `waking_s`     a call was done, the caller had not yet returned;
     and `hidden_s`, the time the call ran with every rank there while this rank was not blocked
     (it computed), and `core_s`, gloo's threads' wait for a core over the steps (schedstat)."""
-    timeline, path = read_timeline(directory), Path(directory)
+    timeline = read_timeline(directory)
+    path = Path(directory)
     if any(s["kind"] == "kernel" for spans in timeline for s in spans):
         raise ValueError(
             f"{directory}: a GPU trace: its collectives run on the device, not on gloo's "
@@ -214,7 +218,8 @@ def waits(directory, ops=("all_reduce", "reduce_scatter", "all_gather")) -> list
             launching=[(c["launched_s"], c["start_s"]) for c in calls],
             waking=[(c["end_s"], r) for c, r in zip(calls, returned)],
         )
-        times, counted = dict(blocked_s=_length(blocked)), []
+        times = dict(blocked_s=_length(blocked))
+        counted = []
         for name, intervals in phases.items():  # each instant counted once, in this order
             now = _merge(counted + _intersect(blocked, _merge(intervals)))
             times[f"{name}_s"], counted = _length(now) - _length(counted), now
@@ -234,7 +239,8 @@ def idle_between_actions(trace: list[dict], origin: float = 0.0, end: float | No
     computing, sending or waiting for a message (a later start than the first rank, Python
     between actions, a wait for a core): the part of the bubble no schedule replay sees. A gap
     before a wait that lasted (over WAITED_S) is left out: the message would have kept it idle."""
-    between, previous = 0.0, origin
+    between = 0.0
+    previous = origin
     for e in trace:
         if not (e["kind"] == "recv" and e["end_s"] - e["start_s"] > WAITED_S):
             between += max(0.0, e["start_s"] - previous)

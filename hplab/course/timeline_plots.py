@@ -134,12 +134,16 @@ def _replayed_trace(pipeline: dict) -> tuple[dict, dict, dict]:
     from hplab.course.timeline import WAITED_S
     from hplab.parallel.schedule import build_schedule, input_message, message_key
 
-    p, own, sent, waits = pipeline, {}, {}, {}
+    p = pipeline
+    own = {}
+    sent = {}
+    waits = {}
     for plan, events in zip(
         build_schedule(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"]),
         p["trace"],
     ):
-        actions, wait = iter(a for a in plan if not a.kind.startswith("recv")), None
+        actions = iter(a for a in plan if not a.kind.startswith("recv"))
+        wait = None
         for e in events:  # a wait is recorded just before the F or B it feeds
             if e["kind"] == "recv":
                 wait = e
@@ -254,7 +258,8 @@ def replayed_bubbles(
     from hplab.plan.simulate import simulate
 
     p = _pipeline(run_or_metrics)
-    costs, own = simulated_costs(p, per_chunk=True), measured_actions(p) if each_action else {}
+    costs = simulated_costs(p, per_chunk=True)
+    own = measured_actions(p) if each_action else {}
     if latency is not None:  # every message takes it: drop the measured delays (their keys)
         costs["latency"], own = latency, {a: t for a, t in own.items() if hasattr(a, "kind")}
     sim = simulate(
@@ -279,7 +284,8 @@ def idle_shares(run_or_metrics) -> list[float]:
 
 def _bubble_bars(run) -> list[tuple]:
     """A run's bars: (offset, the bubble of each rank, bar style, legend label)."""
-    p, message = _pipeline(run), message_seconds(run)
+    p = _pipeline(run)
+    message = message_seconds(run)
     formula = bubble_fraction(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"])
     return [
         (-0.3, p["bubble_fraction"], dict(color="#4C72B0"), "measured (the last step)"),

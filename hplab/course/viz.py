@@ -23,7 +23,8 @@ from hplab.course.timeline_plots import (  # noqa: F401 (viz.<name>, as the labs
 )
 from hplab.plan.formulas import bubble_fraction, bus_factor, model_state_bytes
 
-MiB, GiB = 2**20, 2**30
+MiB = 2**20
+GiB = 2**30
 KIND_LABELS = {
     "params": "parameters",
     "grads": "gradients",
@@ -44,7 +45,8 @@ def plot_loss_curves(runs: dict, ax=None, title: str = "Training loss"):
         dict(lw=1.0, ls="-."),
     ]
     for i, (label, run) in enumerate(runs.items()):
-        metrics, style = getattr(run, "metrics", run), styles[i % len(styles)]
+        metrics = getattr(run, "metrics", run)
+        style = styles[i % len(styles)]
         (line,) = ax.plot(
             *zip(*((s["step"], s["loss"]) for s in metrics["steps"])), label=label, **style
         )
@@ -73,7 +75,8 @@ def plot_memory_breakdown(
     kinds = [k for k in KIND_LABELS if any(m.get(k) for m in [*measured.values(), predicted or {}])]
     series = [(label, values, False) for label, values in measured.items()]
     series += [(predicted_label, predicted, True)] if predicted else []
-    width, x = 0.8 / len(series), np.arange(len(kinds))
+    width = 0.8 / len(series)
+    x = np.arange(len(kinds))
     for i, (label, values, is_formula) in enumerate(series):
         shown = [j for j, k in enumerate(kinds) if not is_formula or k in values]
         bars = ax.bar(
@@ -98,7 +101,9 @@ def plot_memory_stacked(
     formula's stacked bar (hatched, same colours) beside it where `predicted` has the label."""
     ax = figure.axes(ax, (max(6.4, 1.6 * len(measured) + 2), 4.2))
     colours = dict(zip(KIND_LABELS, ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")))
-    labels, x, width = list(measured), np.arange(len(measured)), 0.38 if predicted else 0.6
+    labels = list(measured)
+    x = np.arange(len(measured))
+    width = 0.38 if predicted else 0.6
     for offset, source, is_formula in (
         (-width / 2 if predicted else 0, measured, False),
         (width / 2, predicted or {}, True),
@@ -158,13 +163,15 @@ def plot_collective_times(result, ops: list[str] | None = None, ax=None):
     ax = figure.axes(ax, (7.2, 4.6))
     link = parse(result.link) if result.link else None
     for i, op in enumerate(ops or result.ops):
-        sizes, fit = np.asarray(result.sizes(op), dtype=float), result.fit(op)
+        sizes = np.asarray(result.sizes(op), dtype=float)
+        fit = result.fit(op)
         ax.loglog(sizes, np.asarray(result.times(op)) * 1e3, "o", color=f"C{i}", ms=4,
                   label=f"{op} (measured)")  # fmt: skip
         grid = np.geomspace(sizes.min(), sizes.max(), 100)
         if link:
             factor = bus_factor(op, result.world_size)
-            line, label = link.cost(factor * grid), f"α + {factor:.2f}·S/β (link)"
+            line = link.cost(factor * grid)
+            label = f"α + {factor:.2f}·S/β (link)"
         else:
             line = fit.predict(grid)
             label = f"α-β: α={fit.alpha_s * 1e6:.0f} µs, β={fit.beta_bytes_per_s / 1e9:.2f} GB/s"
@@ -200,7 +207,8 @@ def plot_zero_memory(
     ):
         ax.plot(world_sizes, [gib(stage, n) for n in world_sizes], "o--", ms=3, label=name)
     if highlight:
-        (stage, n), y = highlight, gib(*highlight)
+        stage, n = highlight
+        y = gib(*highlight)
         ax.plot([n], [y], "k*", ms=14, label=f"stage {stage}, N_d={n}: {y:.1f} GiB")
     if device_bytes:
         ax.axhline(
@@ -317,8 +325,10 @@ def plot_rank_grid(dp: int, tp: int, pp: int, ax=None):
 
     check_sizes_and_choices(Layout(dp=dp, tp=tp, pp=pp))
     ax = figure.axes(ax, (max(4.0, 1.5 * pp * tp + 1.5), max(2.4, 1.0 * dp + 1.6)))
-    colours, gap = plt.get_cmap("tab20").colors, 0.8  # gap: between pipeline stages
-    tp_line, dp_line = dict(lw=1.6, color="black"), dict(lw=1.2, ls="--", color="#C44E52")
+    colours = plt.get_cmap("tab20").colors  # gap: between pipeline stages
+    gap = 0.8
+    tp_line = dict(lw=1.6, color="black")
+    dp_line = dict(lw=1.2, ls="--", color="#C44E52")
     for p in range(pp):
         _stage_panel(ax, p, p * (tp + gap), dp, tp, colours, tp_line, dp_line)
     ax.set(xlim=(-0.7, pp * (tp + gap) - gap - 0.3), ylim=(-0.7, dp + 0.1), aspect="equal")

@@ -166,7 +166,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = config
         self.loss_fn = cross_entropy  # tensor parallel swaps in a vocab-parallel version
-        self._recompute, self.recomputing = "none", False
+        self._recompute = "none"
+        self.recomputing = False
 
     @property
     def blocks(self) -> nn.ModuleList:

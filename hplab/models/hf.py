@@ -54,10 +54,8 @@ def checked(config: ModelConfig) -> ModelConfig:
     """`config`, if its sizes are whole numbers hplab can build and its constants are finite
     and positive; else ValueError naming the first that is not."""
     for name, limit in SIZE_LIMITS.items():
-        value, low = (
-            getattr(config, name),
-            int(name not in ("n_kv_head", "n_experts", "intermediate_size")),
-        )
+        value = getattr(config, name)
+        low = int(name not in ("n_kv_head", "n_experts", "intermediate_size"))
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= limit:
             raise ValueError(f"has {name} {value!r}: a whole number from {low} to {limit:,}")
     for name in ("layer_norm_epsilon", "rope_theta"):

@@ -81,8 +81,10 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
-        h, d = config.n_embd, config.n_embd // config.n_head
-        self.head_dim, self.rotary = d, [rotary]
+        h = config.n_embd
+        d = config.n_embd // config.n_head
+        self.head_dim = d
+        self.rotary = [rotary]
         self.q_proj = nn.Linear(h, config.n_head * d, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, config.kv_heads * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, config.kv_heads * d, bias=config.qkv_bias)
@@ -95,7 +97,9 @@ class LlamaAttention(nn.Module):
         return self.q_proj.weight.shape[0] // self.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
         B, T, _ = q.shape  # (under sequence parallel the projections gather all of T)
         # [B, T, heads·d] -> [B, heads, T, d]; `-1` lets the same code run on a shard of heads
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
@@ -110,7 +114,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        h, inner = config.n_embd, config.mlp_width
+        h = config.n_embd
+        inner = config.mlp_width
         self.gate_proj = nn.Linear(h, inner, bias=False)
         self.up_proj = nn.Linear(h, inner, bias=False)
         self.down_proj = nn.Linear(inner, h, bias=False)
@@ -122,7 +127,8 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
-        eps, c = config.layer_norm_epsilon, config
+        eps = config.layer_norm_epsilon
+        c = config
         self.input_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
         self.self_attn = LlamaAttention(config, rotary)
         self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
@@ -282,7 +288,8 @@ def config_from_hf(hf: dict, tokenizers: dict[int, str]) -> ModelConfig:
     """A Llama or Qwen2 config.json → ModelConfig; ValueError, one sentence, where the model's
     math is not hplab's Llama (another activation, RoPE scaling, a sliding window, biases on
     o_proj or the MLP) or its vocabulary is no shipped tokenizer's (`tokenizers`: size → name)."""
-    kind, rope = hf.get("model_type"), hf.get("rope_parameters") or {}  # (transformers 5's)
+    kind = hf.get("model_type")  # (transformers 5's)
+    rope = hf.get("rope_parameters") or {}
     shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
     for key in (*shape, "num_attention_heads"):
         if key not in hf:

@@ -107,7 +107,8 @@ class MemoryLedger:
         `activations_in_flight` until `release_activations`. The hook only keeps references:
         storages are looked up at the end, so a parameter ZeRO-3 freed meanwhile counts nothing
         and no freed address is reused inside the block."""
-        saved, counted = [], [0]
+        saved = []
+        counted = [0]
         # pack: keep a reference and hand the tensor itself to autograd; unpack: return it
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             yield counted

@@ -98,13 +98,17 @@ def write(path: str | Path, metrics: dict) -> None:
 def summary_table(metrics: dict) -> str:
     """The end-of-run report: loss, validation loss, throughput; per rank its mesh coordinates,
     memory by kind, and communication by dimension (dp / tp / pp / world) as calls and MiB."""
-    MiB, steps, memory, evals = 2**20, metrics["steps"], metrics["memory"], metrics.get("eval")
+    MiB = 2**20
+    steps = metrics["steps"]
+    memory = metrics["memory"]
+    evals = metrics.get("eval")
     mesh = metrics.get("mesh") or [{"dp_rank": 0, "tp_rank": 0, "pp_rank": 0}] * len(memory)
     where = "dp{dp_rank} tp{tp_rank} pp{pp_rank}" + (
         " cp{cp_rank}" if metrics.get("context_parallel") else ""
     )
     heads = [f"  rank {r} {where.format(**c):<15}" for r, c in enumerate(mesh)]
-    n, world = len(steps), metrics["world_size"]
+    n = len(steps)
+    world = metrics["world_size"]
     lines = [
         f"loss {steps[0]['loss']:.4f} → {steps[-1]['loss']:.4f} over {n} step{'s' * (n != 1)}; "
         f"{metrics['tokens_per_s']:,.0f} tokens/s on {world} process{'es' * (world != 1)} "

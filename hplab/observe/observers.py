@@ -146,7 +146,8 @@ def is_trace_folder(path: Path) -> bool:
 
 def held_tensors(par) -> dict[str, list]:
     """What this rank holds, by kind, from each building block's `memory_tensors()`."""
-    model, opt = par.model, par.optimizer
+    model = par.model
+    opt = par.optimizer
     inner = opt.inner if isinstance(opt, WrappedOptimizer) else opt
     blocks = [
         model.memory_tensors() if isinstance(model, DDP) else fsdp.memory_tensors(model),
@@ -172,7 +173,8 @@ class MemoryWatch:
     step (`par.on_step_end`). Pipelines: the most microbatches (and bytes) in flight."""
 
     def __init__(self, par):
-        self.par, self.ledger = par, MemoryLedger(par.mesh.device)
+        self.par = par
+        self.ledger = MemoryLedger(par.mesh.device)
         self.in_flight: dict = {}  # pipeline: (microbatch, chunk) -> bytes until its release
         self.in_flight_max = self.bytes_in_flight_max = 0
         self.tracking = None
@@ -233,14 +235,18 @@ class PipelineTrace:
 
     def __init__(self, executor, clock=None):
         self.clock = clock or clock_for(executor.comm.device)
-        self.actions, self.start, self.host_start = [], None, 0.0
+        self.actions = []
+        self.start = None
+        self.host_start = 0.0
         executor.observers.append(self._action)
 
     @contextlib.contextmanager
     def _action(self, kind: str, action, stage):
         begin = self.clock.mark()
         if kind == "run":
-            self.actions, self.start, self.host_start = [], begin, time.perf_counter()
+            self.actions = []
+            self.start = begin
+            self.host_start = time.perf_counter()
         yield
         if kind != "run":
             where = dict(kind=kind, microbatch=action.microbatch, chunk=action.chunk)
@@ -289,13 +295,17 @@ class RoutingStats:
     recompute's second forward: uncounted."""
 
     def __init__(self, model):
-        self.model, self.layers, self.per_step, self.now = model, moe.moe_layers(model), [], None
+        self.model = model
+        self.layers = moe.moe_layers(model)
+        self.per_step = []
+        self.now = None
         for index, layer in enumerate(self.layers):
             layer.register_forward_hook(functools.partial(self._record, index))
 
     @contextlib.contextmanager
     def step(self):
-        n, E = len(self.layers), self.layers[0].n_experts if self.layers else 0
+        n = len(self.layers)
+        E = self.layers[0].n_experts if self.layers else 0
         self.now = dict(
             tokens_per_expert=[[0] * E for _ in range(n)],
             dropped=[0] * n,
@@ -313,7 +323,8 @@ class RoutingStats:
     def _record(self, index: int, layer, args, output) -> None:
         if self.now is None or getattr(self.model, "recomputing", False):  # (counted once)
             return
-        routing, now = layer.routing, self.now
+        routing = layer.routing
+        now = self.now
         now["tokens_per_expert"][index] = [
             a + b
             for a, b in zip(now["tokens_per_expert"][index], routing["tokens_per_expert"].tolist())
@@ -335,22 +346,29 @@ class AttentionMeter:
         keys = ("attention_s", "attention_blocked_s", "attention_pairs", "attention_cpu_s")
         self.per_step = {key: [] for key in keys}
         self.now = dict.fromkeys(self.per_step, 0)  # (calls outside a step count nowhere)
-        self.comm, self.style, self.split = comm, style, split
-        self.clock, self.spans = clock or clock_for(comm.device), []  # this step's (start, end)
+        self.comm = comm
+        self.style = style
+        self.split = split
+        self.clock = clock or clock_for(comm.device)  # this step's (start, end)
+        self.spans = []
         for attention in model.attentions():
             attention.attend = functools.partial(self._timed, attention.attend)
 
     @contextlib.contextmanager
     def step(self):
-        self.now, self.spans = dict.fromkeys(self.per_step, 0), []
+        self.now = dict.fromkeys(self.per_step, 0)
+        self.spans = []
         yield
         self.now["attention_s"] = sum(self.clock.seconds(*span) for span in self.spans)
         for key, value in self.now.items():
             self.per_step[key].append(value)
 
     def _timed(self, attend, q, k, v):
-        comm, (b, heads, n, _) = self.comm, q.shape
-        start, was, cpu = self.clock.mark(), self._blocked_s(), time.thread_time()
+        comm = self.comm
+        b, heads, n, _ = q.shape
+        start = self.clock.mark()
+        was = self._blocked_s()
+        cpu = time.thread_time()
         y = attend(q, k, v)
         self.spans.append((start, self.clock.mark()))
         self.now["attention_cpu_s"] += time.thread_time() - cpu
@@ -397,7 +415,8 @@ class Observers:
 
     def per_rank(self, steps_run: int) -> dict:
         """This rank's part of the metrics file (rank 0 gathers every rank's)."""
-        mesh, ledger = self.par.mesh, self.par.mesh.ledger
+        mesh = self.par.mesh
+        ledger = self.par.mesh.ledger
         cp_bytes = ledger.by_group_dict().get("cp", {})
         return {
             "memory": self.memory.ledger.as_dict(),

@@ -10,7 +10,9 @@ def bucket_params(params: list[torch.Tensor], bucket_mb: float) -> list[list[tor
     """DDP's and ZeRO's messages: buckets of at most `bucket_mb` MiB (a larger parameter alone; 0:
     one each; `math.inf`: one), one dtype and device each, in reverse definition order (roughly
     the order backward produces gradients)."""
-    buckets, size, kind = [], 0, None
+    buckets = []
+    size = 0
+    kind = None
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
         if size + nbytes > bucket_mb * 2**20 or (p.dtype, p.device) != kind:

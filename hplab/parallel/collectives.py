@@ -176,7 +176,9 @@ class Communicator:
         ranks: list[int] | None = None,
         device: torch.device | str = "cpu",
     ):
-        self.group, self.name, self.ledger = group, name, ledger
+        self.group = group
+        self.name = name
+        self.ledger = ledger
         self.device = torch.device(device)
         self.ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
         self.size = len(self.ranks)
@@ -362,7 +364,8 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, recv_rows: list[int] | None = None, send_rows=None):
-        ctx.comm, ctx.rows = comm, (recv_rows, send_rows)
+        ctx.comm = comm
+        ctx.rows = (recv_rows, send_rows)
         out = x.new_empty((sum(recv_rows) if recv_rows else x.shape[0], *x.shape[1:]))
         comm.all_to_all_single(out, x.contiguous(), recv_rows, send_rows)
         return out

@@ -210,11 +210,12 @@ def kv_replica_group(gpt, mesh: Mesh):
     partial sums to add up. None when each rank holds its own."""
     replicas = max((placement.of(p).kv_replicas for p in gpt.parameters()), default=1)
     mine = None
-    for ranks in mesh.groups["tp"] if replicas > 1 else ():
-        for block in (ranks[i : i + replicas] for i in range(0, len(ranks), replicas)):
-            group = new_group(block)  # (every rank creates every group, in the same order)
-            if mesh.rank in block:
-                mine = Communicator(group, "tp_kv", mesh.ledger, block, mesh.device)
+    if replicas > 1:
+        for ranks in mesh.groups["tp"]:
+            for block in (ranks[i : i + replicas] for i in range(0, len(ranks), replicas)):
+                group = new_group(block)  # (every rank creates every group, in the same order)
+                if mesh.rank in block:
+                    mine = Communicator(group, "tp_kv", mesh.ledger, block, mesh.device)
     return mine
 
 
@@ -308,25 +309,30 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None,
     finish_gradient_sync(model)
     if mesh.ep_size > 1 and not isinstance(optimizer, ZeroOptimizer):  # (ZeRO: two groups)
         moe.sync_gradients(list(model.parameters()), mesh.dp_cp, mesh.edp_cp)
-    params, tp_comm = list(model.parameters()), mesh.tp if mesh.tp_size > 1 else None
+    params = list(model.parameters())
+    tp_comm = mesh.tp if mesh.tp_size > 1 else None
     partial_sums = [  # (over which ranks, the parameters whose gradients are partial sums)
         (comm, [p for p in params if name in placement.of(p).partial_grad_over])
         for comm, name in ((tp_comm, "tp"), (kv_comm, "tp_kv"))
     ]
     sharded = isinstance(optimizer, ZeroOptimizer) and optimizer.stage == 2  # (grads moved)
-    for comm, partial in partial_sums if not sharded else ():
-        if comm is not None and (grads := [p.grad for p in partial if p.grad is not None]):
-            _all_reduce_grads(grads, comm)
+    if not sharded:
+        for comm, partial in partial_sums:
+            if comm is not None and (grads := [p.grad for p in partial if p.grad is not None]):
+                _all_reduce_grads(grads, comm)
     if isinstance(optimizer, WrappedOptimizer):  # ZeroOptimizer, MasterWeightOptimizer
         optimizer.reduce_gradients()
-    for comm, partial in partial_sums if sharded else ():  # (the same pieces on each tp rank)
-        if comm is not None and (grads := optimizer.shard_grads(partial)):
-            _all_reduce_grads(grads, comm)
-    for group in stepped_groups(optimizer) if tied_comm and optimizer is not None else ():
-        for t in group["params"] if group.get("tied") else ():
-            if t.grad is None:
-                t.grad = torch.zeros_like(t)
-            _all_reduce_grads([t.grad], tied_comm)
+    if sharded:
+        for comm, partial in partial_sums:  # (the same pieces on each tp rank)
+            if comm is not None and (grads := optimizer.shard_grads(partial)):
+                _all_reduce_grads(grads, comm)
+    if tied_comm and optimizer is not None:
+        for group in stepped_groups(optimizer):
+            if group.get("tied"):
+                for t in group["params"]:
+                    if t.grad is None:
+                        t.grad = torch.zeros_like(t)
+                    _all_reduce_grads([t.grad], tied_comm)
 
 
 @torch.no_grad()
@@ -334,7 +340,8 @@ def clip_grad_norm_(optimizer, mesh: Mesh, max_norm: float) -> float:
     """Scale the stepped gradients so the whole model's gradient has L2 norm ≤ max_norm; return
     the norm. Each element counts once: here unless a rank with a lower coordinate holds the
     same numbers (`placement.counted_here`; ZeRO and FSDP shards are disjoint over dp or edp)."""
-    counted, grads = [], []
+    counted = []
+    grads = []
     for group in stepped_groups(optimizer):
         for t in (t for t in group["params"] if t.grad is not None):
             grads.append(t.grad)
@@ -367,7 +374,9 @@ def no_sync(model: nn.Module):
 
 def train_step(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
     """One optimizer step on this rank's share of the global batch; returns its mean loss."""
-    layout, mesh, scale = par.layout, par.mesh, par.precision.loss_scale
+    layout = par.layout
+    mesh = par.mesh
+    scale = par.precision.loss_scale
     m = layout.microbatches
     x, y = context_shard(par, x, y)
     if x.shape[0] % m:
@@ -409,7 +418,8 @@ def train_step(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def context_shard(par: TrainState, x: torch.Tensor, y: torch.Tensor):
     """This rank's tokens of its dp share [b, s] of the batch (all of them without cp)."""
-    c, rank = par.layout, par.mesh.cp_rank
+    c = par.layout
+    rank = par.mesh.cp_rank
     return (x, y) if c.cp == 1 else tuple(cp.shard(t, rank, c.cp, c.cp_split) for t in (x, y))
 
 
@@ -417,7 +427,8 @@ def context_shard(par: TrainState, x: torch.Tensor, y: torch.Tensor):
 def evaluate(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
     """`train_step`'s forward only, nothing random: the global batch's mean cross-entropy (no MoE
     balance loss). Each cp, dp and microbatch share has as many tokens: averaging means is exact."""
-    m, mesh = par.layout.microbatches, par.mesh
+    m = par.layout.microbatches
+    mesh = par.mesh
     microbatches = list(zip(*(t.chunk(m) for t in context_shard(par, x, y))))
     if par.pipeline is not None:  # only the last stage has losses
         loss = mesh.pp.all_reduce_scalar(sum(par.pipeline.forward_only(microbatches))) / m

@@ -111,7 +111,8 @@ def block_work(rank: int, src: int, size: int, split: str, n: int):
         return everything, everything, True  # the diagonal block
     if split == "contiguous":
         return (everything, everything, False) if src < rank else None
-    early, late = slice(0, n // 2), slice(n // 2, None)  # zig-zag: chunks r and 2N-1-r
+    early = slice(0, n // 2)  # zig-zag: chunks r and 2N-1-r
+    late = slice(n // 2, None)
     return (everything, early, False) if src < rank else (late, everything, False)
 
 
@@ -146,7 +147,9 @@ def _pass_on(t: torch.Tensor, comm: Communicator):
     """Post the send of `t` to the next rank and a receive from the previous one, together
     (every rank sends while it receives: posted apart, NCCL's sends could wait for each other
     around the ring): (the buffer being filled, the two pending operations)."""
-    buffer, me, n = torch.empty_like(t), comm.rank, comm.size
+    buffer = torch.empty_like(t)
+    me = comm.rank
+    n = comm.size
     return buffer, comm.send_and_recv([("send", t, (me + 1) % n), ("recv", buffer, (me - 1) % n)])
 
 
@@ -168,7 +171,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, comm: Communicator, split: str):
-        dtype, out, lse = q.dtype, None, None  # blocks travel in q's dtype, math runs in fp32
+        dtype = q.dtype  # blocks travel in q's dtype, math runs in fp32
+        out = None
+        lse = None
         for src, kv in _around_the_ring(torch.stack([k, v]), comm):  # one message: K and V
             if work := block_work(comm.rank, src, comm.size, split, q.shape[2]):
                 rows, cols, causal = work
@@ -179,20 +184,25 @@ class RingAttention(torch.autograd.Function):
                     causal,
                 )
                 if out is None:  # step 0: our own block, every query (so no -inf to merge)
-                    out, lse = block_out, block_lse
+                    out = block_out
+                    lse = block_lse
                 else:
                     out[:, :, rows], lse[:, :, rows] = merge(
                         out[:, :, rows], lse[:, :, rows], block_out, block_lse
                     )
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.split = comm, split
+        ctx.comm = comm
+        ctx.split = split
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, d_out):
-        (q, k, v, out, lse), comm, dtype = ctx.saved_tensors, ctx.comm, d_out.dtype
+        q, k, v, out, lse = ctx.saved_tensors
+        comm = ctx.comm
+        dtype = d_out.dtype
         q, d_out = q.float(), d_out.float()
-        delta, dq = (d_out * out).sum(-1), torch.zeros_like(q)
+        delta = (d_out * out).sum(-1)
+        dq = torch.zeros_like(q)
         received = torch.zeros_like(torch.stack([k, v]))  # dK/dV of the block we hold
         arriving = []  # the next block's dK/dV on its way: it travels with the block
         for src, kv in _around_the_ring(torch.stack([k, v]), comm):

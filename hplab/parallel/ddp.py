@@ -91,7 +91,8 @@ class DDP(nn.Module):
     def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25):
         super().__init__()
         claim_gradient_sync(module.parameters(), "hplab.DDP")
-        self.module, self.comm = module, communicator(group, "dp")
+        self.module = module
+        self.comm = communicator(group, "dp")
         for t in [*module.parameters(), *module.buffers()]:  # start equal: rank 0's values
             self.comm.broadcast(t.data, src=0)
         self.params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
@@ -99,7 +100,8 @@ class DDP(nn.Module):
         self.slot_of = {
             id(p): (b, view) for b in self.buckets for p, view in zip(b.params, b.views)
         }
-        self.next_to_launch, self.sync_enabled = 0, True  # buckets before next_to_launch: sent
+        self.next_to_launch = 0  # buckets before next_to_launch: sent
+        self.sync_enabled = True
         self.started = False  # a synchronised backward has begun (its callback is queued)
         self.unsynced = False  # gradients were accumulated under no_sync()
         for p in self.params:
@@ -145,7 +147,9 @@ class DDP(nn.Module):
             b.pending.wait()
             b.pending = None
             b.ready.clear()
-        self.next_to_launch, self.started, self.unsynced = 0, False, False
+        self.next_to_launch = 0
+        self.started = False
+        self.unsynced = False
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -92,7 +92,8 @@ class _Param:
     full-size Parameter for compute (storage freed between uses) and where it is registered."""
 
     def __init__(self, p: nn.Parameter, places, comm, dtype, device, shard_device):
-        self.shape, self.comm = p.shape, comm
+        self.shape = p.shape
+        self.comm = comm
         self.d0, *self.rest = p.shape if p.dim() else (1,)
         self.rows = math.ceil(self.d0 / comm.size)
         mine = self.mine(p.detach().float())
@@ -138,7 +139,8 @@ class _Unit:
                 if p is not None and not is_shard(p):
                     places.setdefault(p, []).append((mod, name))
         first = next(iter(places), torch.empty(0))  # (no parameters at all: cpu, fp32)
-        self.device, self.dtype = first.device, param_dtype or first.dtype
+        self.device = first.device
+        self.dtype = param_dtype or first.dtype
         self.param_dtype = param_dtype
         shard_device = torch.device("cpu") if offload else self.device
         self.params = [
@@ -151,7 +153,10 @@ class _Unit:
                 e.full.register_post_accumulate_grad_hook(self._on_grad)
         self.trainable = sum(e.full.requires_grad for e in self.params)
         self.family: _Family = _Family([self])
-        self.gathering, self.gathered, self.ready, self.reducing = None, False, 0, []
+        self.gathering = None
+        self.gathered = False
+        self.ready = 0
+        self.reducing = []
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
 
@@ -178,13 +183,15 @@ class _Unit:
             return
         out, _, pending = self.gathering
         pending.wait()
-        rows, offset = out.view(self.comm.size, -1), 0
+        rows = out.view(self.comm.size, -1)
+        offset = 0
         for e in self.params:
             e.buffer.untyped_storage().resize_(e.buffer.numel() * e.buffer.element_size())
             # `.data`: a write autograd does not version, so tensors saved for backward stay valid
             e.buffer.data.view(self.comm.size, -1).copy_(rows[:, offset : offset + e.shard.numel()])
             offset += e.shard.numel()
-        self.gathering, self.gathered = None, True
+        self.gathering = None
+        self.gathered = True
 
     def release(self) -> None:
         if self.gathering is not None:  # a prefetch never used: finish the collective first

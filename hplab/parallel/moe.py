@@ -73,8 +73,12 @@ class MoE(nn.Module):
     ):
         super().__init__()
         check_top_k(n_experts, top_k)
-        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
-        self.aux_coef, self.z_coef, self.renormalize = aux_coef, z_coef, renormalize
+        self.n_experts = n_experts
+        self.top_k = top_k
+        self.capacity_factor = capacity_factor
+        self.aux_coef = aux_coef
+        self.z_coef = z_coef
+        self.renormalize = renormalize
         self.per_sequence = check_balance(balance) == "sequence"
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         # a dict keyed by the expert's global number: under ep a rank keeps some, names unchanged
@@ -86,7 +90,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]
-        T, E, k = tokens.shape[0], self.n_experts, self.top_k
+        T = tokens.shape[0]
+        E = self.n_experts
+        k = self.top_k
         logits = self.router(tokens)
         probs = logits.float().softmax(dim=-1)  # [T, E]
         gates, chosen = probs.topk(k, dim=-1)  # [T, k] each
@@ -120,7 +126,8 @@ class MoE(nn.Module):
     def auxiliary_loss(self, logits, probs, slot_expert, sequences: int = 1) -> torch.Tensor:
         """aux_coef · E · Σ_e f_e · P_e  +  z_coef · mean(logsumexp(logits)²); per sequence
         (the mean of `sequences` such losses) or over all these tokens (`sequences` = 1)."""
-        E, T = self.n_experts, probs.shape[0]
+        E = self.n_experts
+        T = probs.shape[0]
         group_of_slot = (
             torch.arange(T * self.top_k, device=probs.device) * sequences // (T * self.top_k)
         )  # token-slots are in sequence order: the first T·k/b belong to sequence 0, ...
@@ -142,7 +149,8 @@ class MoE(nn.Module):
             return torch.cat(
                 [self.experts[str(e)](rows) for e, rows in enumerate(x.split(per_expert))]
             )
-        n, local = self.ep.size, self.n_experts // self.ep.size
+        n = self.ep.size
+        local = self.n_experts // self.ep.size
         # 1. counts: rank j learns how many rows of each of its experts every rank sends
         send = torch.tensor(per_expert, device=x.device)
         recv = torch.empty_like(send)

@@ -69,8 +69,10 @@ class Stage(nn.Module):
     def __init__(self, gpt, chunk: int, num_chunks: int, layers: range):
         super().__init__()
         self.__dict__["gpt"] = gpt  # the model the pieces come from (not registered here)
-        self.chunk, self.layers = chunk, layers
-        self.is_first, self.is_last = chunk == 0, chunk == num_chunks - 1
+        self.chunk = chunk
+        self.layers = layers
+        self.is_first = chunk == 0
+        self.is_last = chunk == num_chunks - 1
         if self.is_first:  # what `embed` uses (GPT-2: wte, wpe; a Llama: embed_tokens)
             self.embedding = gpt.embedding_part()
         self.blocks = nn.ModuleList(gpt.blocks[i] for i in layers)
@@ -98,7 +100,8 @@ class AuxLossRidesAlong(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, activation, aux_loss, weight: float):
-        ctx.aux, ctx.weight = (aux_loss.shape, aux_loss.dtype, aux_loss.device), weight
+        ctx.aux = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+        ctx.weight = weight
         return activation.view_as(activation)
 
     @staticmethod
@@ -193,7 +196,8 @@ def _grad_node(t: torch.Tensor):
 
 def _reachable(starts, edges) -> set:
     """Every node reached from `starts` by following `edges(node)`."""
-    seen, stack = set(starts), list(starts)
+    seen = set(starts)
+    stack = list(starts)
     while stack:
         new = [n for n in edges(stack.pop()) if n is not None and n not in seen]
         seen.update(new)
@@ -217,7 +221,8 @@ def weight_groups(out: torch.Tensor, x: torch.Tensor, params) -> list[tuple[list
             [acc], lambda n: [c for c in consumers.get(n, ()) if c not in to_input]
         )  # p's side, up to x's
         frontier = {c for n in behind for c in consumers.get(n, ()) if c in to_input}
-        weights, nodes = [p], set(frontier)
+        weights = [p]
+        nodes = set(frontier)
         for other in {id(group_of[n]): group_of[n] for n in frontier if n in group_of}.values():
             weights, nodes = weights + other[0], nodes | other[1]
         for node in nodes:
@@ -307,7 +312,10 @@ class PipelineExecutor:
         sequence_shards: int = 1,
     ):
         self.stages = {s.chunk: s for s in stages}
-        self.plan, self.comm, self.links, self.dtype = plan, comm, links, dtype
+        self.plan = plan
+        self.comm = comm
+        self.links = links
+        self.dtype = dtype
         self.sequence_shards = sequence_shards
         self.split_backward = any(a.kind == "W" for a in plan)
         self.release = "W" if self.split_backward else "B"  # frees a microbatch's activations
@@ -315,7 +323,8 @@ class PipelineExecutor:
         self.observers: list = []
 
     def observed(self, kind: str, action: Action | None) -> contextlib.ExitStack:
-        stack, stage = contextlib.ExitStack(), action and self.stages.get(action.chunk)
+        stack = contextlib.ExitStack()
+        stage = action and self.stages.get(action.chunk)
         for observer in self.observers:
             stack.enter_context(observer(kind, action, stage))
         return stack
@@ -353,9 +362,11 @@ class PipelineExecutor:
         return message
 
     def forward(self, a: Action, step: _Step, message) -> None:
-        stage, mb = self.stages[a.chunk], a.microbatch
+        stage = self.stages[a.chunk]
+        mb = a.microbatch
         x = step.inputs[mb] if stage.is_first else message.requires_grad_()
-        out, aux = stage(x), stage.aux_loss()
+        out = stage(x)
+        aux = stage.aux_loss()
         if torch.is_tensor(aux):  # experts: counted in the step's loss, trained through `out`
             step.losses.append(aux.detach())
             out = AuxLossRidesAlong.apply(out, aux, self.loss_scale / len(step.inputs))
@@ -363,13 +374,16 @@ class PipelineExecutor:
             loss = stage.gpt.loss_fn(out, step.targets[mb])  # vocab-parallel under TP
             step.losses.append(loss.detach())
             out = loss * self.loss_scale / len(step.inputs)  # 1/m of the batch's mean
-        step.stage_in[mb, a.chunk], step.stage_out[mb, a.chunk] = x, out
+        step.stage_in[mb, a.chunk] = x
+        step.stage_out[mb, a.chunk] = out
 
     def backward(self, a: Action, step: _Step, grad) -> None:
         """B of one microbatch: the gradient of the stage input (None on the first stage), and
         W, what is left to do (None without a split backward)."""
-        stage, key = self.stages[a.chunk], (a.microbatch, a.chunk)
-        out, x = step.stage_out.pop(key), step.stage_in[key]
+        stage = self.stages[a.chunk]
+        key = (a.microbatch, a.chunk)
+        out = step.stage_out.pop(key)
+        x = step.stage_in[key]
         if not self.split_backward:
             torch.autograd.backward(out, grad)
             step.input_grads[key] = None if stage.is_first else x.grad
@@ -405,7 +419,9 @@ class PipelineExecutor:
         """Evaluation: each (x, y) microbatch through every chunk in order, a blocking message per
         hop; nothing kept, traced or counted. The losses, on the last chunk's rank, and each
         chunk's auxiliary loss where it ran (experts; 0 for dense): the pipeline's sum."""
-        p, me, losses = self.comm.size, self.comm.rank, []
+        p = self.comm.size
+        me = self.comm.rank
+        losses = []
         last = p * len(self.stages) - 1  # (every rank holds as many chunks)
         for x, y in microbatches:
             for c in range(last + 1):  # chunk c-1 ran on rank (c-1) mod p, c runs on c mod p

@@ -46,7 +46,8 @@ class DynamicLossScaler:
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000):
-        self.scale, self.growth_interval = float(init_scale), growth_interval
+        self.scale = float(init_scale)
+        self.growth_interval = growth_interval
         self.good_steps = 0  # steps without overflow since S last changed
         self.skipped_steps = 0  # total, for the summary
 
@@ -66,7 +67,8 @@ class MixedPrecision:
     def __init__(self, name: str = "fp32"):
         if name not in DTYPES:
             raise ValueError(f"unknown precision {name!r}: choose fp32, bf16 or fp16")
-        self.name, self.param_dtype = name, DTYPES[name]
+        self.name = name
+        self.param_dtype = DTYPES[name]
         self.mixed = name != "fp32"  # master weights needed
         self.compute_dtype = self.param_dtype if self.mixed else None  # for fully_shard
         self.scaler = DynamicLossScaler() if name == "fp16" else None

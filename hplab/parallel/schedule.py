@@ -153,20 +153,23 @@ def add_communication(orders: list[list[tuple]], p: int, v: int) -> list[list[Ac
     computation that needs it, and receives from one peer in the order that peer sends
     (messages between two ranks match in order, on NCCL and gloo): early, never late."""
     num_chunks = p * v
-    plans, queues = [], {}  # queues[sender, receiver]: the receiver's receives, in send order
+    plans = []  # queues[sender, receiver]: the receiver's receives, in send order
+    queues = {}
     for r, order in enumerate(orders):
         plan = []
         for kind, mb, chunk in order:
             plan.append(Action(kind, mb, chunk))
             to = chunk + 1 if kind == "F" else chunk - 1  # the chunk that consumes the output
             if kind in ("F", "B") and 0 <= to < num_chunks:
-                what, peer = "act" if kind == "F" else "grad", chunk_owner(to, p)
+                what = "act" if kind == "F" else "grad"
+                peer = chunk_owner(to, p)
                 plan.append(Action(f"send_{what}", mb, chunk, peer))
                 queues.setdefault((r, peer), []).append(Action(f"recv_{what}", mb, to, r))
         plans.append(plan)
     full = []
     for r, plan in enumerate(plans):
-        out, posted = [], set()
+        out = []
+        posted = set()
         for a in plan:
             key = input_message(a, num_chunks)
             sender = chunk_owner(a.chunk - 1 if a.kind == "F" else a.chunk + 1, p)

@@ -40,5 +40,6 @@ def claim_gradient_sync(params, by: str, allowed=(), claim: bool = True) -> None
                 f"{by}: {other} already averages these parameters' gradients, and a second "
                 f"reduction in the same backward gives wrong gradients: {use}"
             )
-    for p in params if claim else ():
-        placement.update(p, synced_by=by)
+    if claim:
+        for p in params:
+            placement.update(p, synced_by=by)

@@ -165,7 +165,8 @@ class ReplicatedSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, gather: bool):
-        ctx.comm, ctx.gather = comm, gather
+        ctx.comm = comm
+        ctx.gather = gather
         return _all_gather(x, comm) if gather else _split(x, comm, 1)
 
     @staticmethod
@@ -182,7 +183,8 @@ class LinearWithSequenceGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_slice, weight, bias, comm):
         ctx.save_for_backward(x_slice, weight)
-        ctx.comm, ctx.has_bias = comm, bias is not None
+        ctx.comm = comm
+        ctx.has_bias = bias is not None
         return F.linear(_all_gather(x_slice, comm), weight, bias)
 
     @staticmethod
@@ -204,7 +206,8 @@ def shard(full: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
     if split.full_size is not None:  # F.pad's pairs run from the last dimension back
         after = full.dim() - 1 - split.dim % full.dim()
         full = F.pad(full, (0, 0) * after + (0, -full.shape[split.dim] % comm.size))
-    blocks, dim = full.chunk(split.fused, split.dim), split.dim
+    blocks = full.chunk(split.fused, split.dim)
+    dim = split.dim
     return torch.cat([_split(b, comm, dim, split.replicas) for b in blocks], dim).clone()
 
 
@@ -247,7 +250,8 @@ class ColumnParallelLinear(nn.Module):
         self.in_out = type(linear).__name__ == "Conv1D"
         self.weight = cut(linear.weight, Split(int(self.in_out), fused, None, replicas), comm)
         self.bias = cut(linear.bias, Split(0, fused, None, replicas), comm)
-        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.t() if self.in_out else self.weight
@@ -264,7 +268,9 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_out = type(linear).__name__ == "Conv1D"
         self.weight = cut(linear.weight, Split(0 if self.in_out else 1), comm)
-        self.bias, self.comm, self.sequence_parallel = linear.bias, comm, sequence_parallel
+        self.bias = linear.bias
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x_slice: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x_slice, self.weight.t() if self.in_out else self.weight)
@@ -280,8 +286,10 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, embedding, comm: Communicator, sequence_parallel=False, given_slice=False):
         super().__init__()
         split = Split(0, full_size=embedding.weight.shape[0])  # V, padded to a multiple of T
-        self.weight, self.comm = cut(embedding.weight, split, comm), comm
-        self.sequence_parallel, self.given_slice = sequence_parallel, given_slice
+        self.weight = cut(embedding.weight, split, comm)
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        self.given_slice = given_slice
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.given_slice and self.sequence_parallel:
@@ -300,8 +308,10 @@ class SequenceParallelPositions(nn.Module):
 
     def __init__(self, embedding, comm: Communicator, sequence_parallel=False, given_slice=False):
         super().__init__()
-        self.weight, self.comm = embedding.weight, comm
-        self.sp, self.shift = sequence_parallel, given_slice
+        self.weight = embedding.weight
+        self.comm = comm
+        self.sp = sequence_parallel
+        self.shift = given_slice
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         if self.sp:
@@ -318,7 +328,8 @@ def vocab_parallel_cross_entropy(logits, targets, comm, vocab_size: int) -> torc
       3. z_target − m             on the rank owning the target id, 0 on the others; all-reduce (g)
     Vocabulary padding (ids ≥ `vocab_size`) is masked to −∞: exp(−∞) = 0, no gradient."""
     comm = communicator(comm, "tp")
-    width, first_id = logits.shape[-1], comm.rank * logits.shape[-1]
+    width = logits.shape[-1]
+    first_id = comm.rank * logits.shape[-1]
     padding = torch.arange(first_id, first_id + width, device=logits.device) >= vocab_size
     logits = logits.float().masked_fill(padding, float("-inf"))
     with torch.no_grad():
@@ -376,7 +387,8 @@ def with_experts(plan: dict, blocks: str) -> dict:
 def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = False):
     """Cut `model` (the same whole model on every rank) over `group` as `plan` says, entry by
     entry (each must match a module), in place; each rank keeps its pieces under the same names."""
-    comm, c = communicator(group, "tp"), getattr(model, "config", None)
+    comm = communicator(group, "tp")
+    c = getattr(model, "config", None)
     if heads := getattr(c, "n_head", None) or getattr(c, "num_attention_heads", None):  # (HF's)
         seq_len = getattr(c, "n_positions", None) if sequence_parallel else None
         kv = getattr(c, "kv_heads", None) or getattr(c, "num_key_value_heads", None)

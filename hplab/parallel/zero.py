@@ -89,13 +89,17 @@ class FlatBucket:
     cut into n shards of `shard_numel`; this rank owns elements [lo, hi)."""
 
     def __init__(self, params: list[nn.Parameter], comm: Communicator, offload: bool, divisor: int):
-        self.params, self.comm, self.divisor = params, comm, divisor
+        self.params = params
+        self.comm = comm
+        self.divisor = divisor
         ends = [0, *itertools.accumulate(p.numel() for p in params)]
         self.slices = [(p, slice(a, b)) for p, a, b in zip(params, ends, ends[1:])]
         self.padded = math.ceil(ends[-1] / comm.size) * comm.size
         self.shard_numel = self.padded // comm.size
-        self.lo, self.hi = comm.rank * self.shard_numel, (comm.rank + 1) * self.shard_numel
-        dtype, device = params[0].dtype, params[0].device
+        self.lo = comm.rank * self.shard_numel
+        self.hi = (comm.rank + 1) * self.shard_numel
+        dtype = params[0].dtype
+        device = params[0].device
         self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
         self.flat[: ends[-1]] = torch.cat([p.detach().reshape(-1) for p in params])
         comm.broadcast(self.flat, src=0)  # replicas start equal: rank 0's values
@@ -274,8 +278,12 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
         claim_gradient_sync(
             trainable, f"hplab.ZeroOptimizer(stage={stage})", DDP_OK[stage], stage == 2
         )
-        self.comm, self.stage, self.offload = communicator(group, "dp"), stage, offload
-        self.frozen, self.buckets, inner_groups = [], [], []
+        self.comm = communicator(group, "dp")
+        self.stage = stage
+        self.offload = offload
+        self.frozen = []
+        self.buckets = []
+        inner_groups = []
         for g in self.param_groups:
             comm = communicator(g.get("shard_over", self.comm), "dp")
             divisor = g.get("average_over", comm.size)
@@ -292,8 +300,9 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.wrap(optimizer_class, inner_groups, **optimizer_kwargs)
         self.callback_queued = False
-        for p in self.bucket_of if stage == 2 else ():
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+        if stage == 2:
+            for p in self.bucket_of:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
 
     # -- stage 2: each bucket reduce-scattered as soon as backward completes it --------------
     def _grad_ready(self, param: nn.Parameter) -> None:
@@ -335,10 +344,12 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
         rank's master shards hold (views into their `.grad`), in bucket order, for a sum the
         gradients still owe over another group (sequence parallel's over tp). Under stage 2
         this is the only copy left: backward's hooks freed the parameters' own."""
-        wanted, pieces = set(params), []
+        wanted = set(params)
+        pieces = []
         for b in self.buckets:
             for p, where in b.slices:
-                lo, hi = max(where.start, b.lo), min(where.stop, b.hi)
+                lo = max(where.start, b.lo)
+                hi = min(where.stop, b.hi)
                 if p in wanted and lo < hi:
                     pieces.append(b.master.grad[lo - b.lo : hi - b.lo])
         return pieces
@@ -354,7 +365,8 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
 
     def _zero_stepped_grads(self) -> None:
         for b in self.buckets:
-            b.master.grad, b.grad_shard = None, None
+            b.master.grad = None
+            b.grad_shard = None
             b.ready.clear()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -145,7 +145,8 @@ LAYOUT_HELPS = dict(
 
 def _model_flags() -> dict:
     """The model: a preset, and the sizes that override it (as hplab/train.py names them)."""
-    n, preset = dict(type=_positive(int)), dict(action=argparse.BooleanOptionalAction, default=None)
+    n = dict(type=_positive(int))
+    preset = dict(action=argparse.BooleanOptionalAction, default=None)
     return {
         "--model": dict(
             default="gpt2",
@@ -188,7 +189,9 @@ def _efficiency(name: str):
 
 def _planner_flags() -> dict[str, dict]:
     """The cluster, the efficiency assumptions (`Efficiency`'s fields) and the output."""
-    n, real, on = dict(type=_positive(int)), dict(type=_positive(float)), dict(action="store_true")
+    n = dict(type=_positive(int))
+    real = dict(type=_positive(float))
+    on = dict(action="store_true")
     return {
         "cluster": {
             "--gpu": dict(default="a100-80g", choices=tuple(GPU_PRESETS)),
@@ -257,7 +260,8 @@ def _add_group(ap: argparse.ArgumentParser, title: str, flags: dict) -> None:
 
 def _model_states(args) -> tuple[dict, str]:
     """--params: the model states of a bare parameter count, per GPU [ZeRO Sec. 5]."""
-    dp, precision = args.dp or 1, args.precision or "bf16"
+    dp = args.dp or 1
+    precision = args.precision or "bf16"
     st = model_state_bytes(
         args.params / (args.tp * args.pp), dp, args.zero, precision, args.offload, args.padded
     )
@@ -295,7 +299,9 @@ def _model(args) -> ModelConfig:
 def _layout(args, batch: int, precision: str) -> Layout:
     """The layout the flags give, with the planner's defaults for --dp (what --gpus leaves)
     and --microbatches (one sequence each with a pipeline)."""
-    tp, pp, cp = args.tp, args.pp, args.cp
+    tp = args.tp
+    pp = args.pp
+    cp = args.cp
     dp = args.dp or (args.gpus // (cp * tp * pp) if args.gpus else 1)
     if args.gpus and dp * cp * tp * pp != args.gpus:
         raise PlanError(f"dp×cp×tp×pp = {dp}×{cp}×{tp}×{pp} ≠ --gpus {args.gpus}")

@@ -126,7 +126,9 @@ def ddp_exposed_comm_s(
         exposed = max(0, end_last − W)
 
     One bucket: α + 2(n−1)/n · S/β, none of it hidden; k buckets pay k·α."""
-    steady, made, end = sum(bucket_bytes) - tied_bytes, 0.0, 0.0
+    steady = sum(bucket_bytes) - tied_bytes
+    made = 0.0
+    end = 0.0
     for size in bucket_bytes:
         made += size
         ready = window_s * min(1.0, made / steady) if steady > 0 else window_s
@@ -167,7 +169,9 @@ def gpt_num_params(
     per block: QKV 3h²+3h, attention projection h²+h, MLP 4h²+4h and 4h²+h, two layer
     norms 4h; then the final layer norm 2h. E experts (n_experts > 0) swap each MLP for E of
     them, L·E·(8h² + 5h) *expert* parameters, and a router h·E; the rest is *dense*."""
-    h, L, E = n_embd, n_layer, n_experts
+    h = n_embd
+    L = n_layer
+    E = n_experts
     moe = L * ((E - 1) * (8 * h * h + 5 * h) + h * E) if E else 0
     return vocab_size * h + seq_len * h + L * (12 * h * h + 13 * h) + 2 * h + moe
 
@@ -179,7 +183,8 @@ def llama_num_params(
     """Ψ of a Llama, V·h·(1 if tied else 2) + L·(2h² + 2h·h_kv + 3h·I + 2h) + h: per block q and o
     h² each, k and v h·h_kv (h_kv = h·n_kv_head/n_head), gate, up, down h·I, two RMSNorm gains
     (no position table, no biases; Qwen2 adds h + 2h_kv a block); then the final norm."""
-    h, kv = n_embd, kv_width
+    h = n_embd
+    kv = kv_width
     block = 2 * h * h + 2 * h * kv + 3 * h * intermediate + 2 * h + (h + 2 * kv) * qkv_bias
     return vocab_size * h * (1 if tied else 2) + n_layer * block + h
 
@@ -205,8 +210,13 @@ def flops_per_step(model, batch_size: int, recompute: str = "none") -> dict:
     experts (`model.n_experts`) a token runs only its top-k: the MLP's 16·B·s·h² becomes
     k·16·B·s·h² plus the router's 2·B·s·h·E (Switch Transformer's "FLOPs per token").
     """
-    B, s, h, L, V = batch_size, model.seq_len, model.n_embd, model.n_layer, model.vocab_size
-    E, k = model.n_experts, model.moe_top_k if model.n_experts else 1  # (dense: E = 0)
+    B = batch_size
+    s = model.seq_len
+    h = model.n_embd
+    L = model.n_layer
+    V = model.vocab_size
+    E = model.n_experts  # (dense: E = 0)
+    k = model.moe_top_k if model.n_experts else 1
     block_fwd = 8 * B * s * h * h + k * 16 * B * s * h * h + 2 * B * s * h * E + 4 * B * s * s * h
     head_fwd = 2 * B * s * h * V
     model_flops = 3 * (L * block_fwd + head_fwd)
@@ -395,7 +405,8 @@ def learning_rate(
 
 
 # --- 6. Context parallel: the sequence over cp ranks  [Ring attention], [Ulysses] ---------------
-CP_STYLES, CP_SPLITS = ("ring", "ulysses"), ("zigzag", "contiguous")
+CP_STYLES = ("ring", "ulysses")
+CP_SPLITS = ("zigzag", "contiguous")
 
 
 def ring_attention_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -> dict:
@@ -444,7 +455,9 @@ def zero3_link_seconds(
     if prefetch not in PREFETCH:
         raise ValueError(f"unknown prefetch {prefetch!r}: choose one of {', '.join(PREFETCH)}")
     t = [latency + (n - 1) / n * s / bandwidth for s in unit_bytes]
-    root, first, later = t[0], t[1], sum(t[2:])
+    root = t[0]
+    first = t[1]
+    later = sum(t[2:])
     exposed = 2 * root + first + first + root
     exposed += later * (prefetch in ("backward", "none"))
     exposed += (first + 2 * later) * (prefetch in ("forward", "none"))

@@ -32,13 +32,22 @@ def params_per_stage(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) 
     A Llama: q and o h², k and v h·kv (kv = n_kv_head·d; with fewer K/V heads than tp ranks,
     a whole head d on each), SwiGLU 3h·I, all split by tp; two
     RMSNorm gains whole; no position table; an untied head is a second V·h matrix."""
-    h, V, S, E = model.n_embd, model.vocab_size, model.seq_len, model.n_experts
+    h = model.n_embd
+    V = model.vocab_size
+    S = model.seq_len
+    E = model.n_experts
     mlp = (8 * h * h + 4 * h) / tp + h  # h → 4h column-, 4h → h row-parallel
-    attention, norms, positions, final_norm = (4 * h * h + 3 * h) / tp, 5 * h, S * h, 2 * h
+    attention = (4 * h * h + 3 * h) / tp
+    norms = 5 * h
+    positions = S * h
+    final_norm = 2 * h
     if model.arch == "llama":  # (fewer K/V heads than tp ranks: a whole one on each rank)
         kv = max(h * model.kv_heads // model.n_head, tp * h // model.n_head)
         attention = (2 * h * h + 2 * h * kv + (h + 2 * kv) * model.qkv_bias) / tp
-        mlp, norms, positions, final_norm = 3 * h * model.mlp_width / tp, 2 * h, 0, h
+        mlp = 3 * h * model.mlp_width / tp
+        norms = 2 * h
+        positions = 0
+        final_norm = h
     blocks = math.ceil(model.n_layer / pp)
     experts = blocks * mlp * E / ep
     block = attention + norms + (h * E if E else mlp)  # dense
@@ -67,7 +76,10 @@ def activation_memory(model: ModelConfig, lay: Layout) -> dict:
     per row, as FlashAttention, and hplab's its output head-major beside the projection's copy
     of it: b·(s/cp)·h more per layer (K/V blocks in flight not counted). A Llama's layers each
     compute and keep RoPE's cos and sin tables, 2·s·d fp32 numbers."""
-    s, b, h, t = model.seq_len // lay.cp, lay.micro_batch_size, model.n_embd, lay.tp
+    s = model.seq_len // lay.cp
+    b = lay.micro_batch_size
+    h = model.n_embd
+    t = lay.tp
     act = PRECISION_BYTES[lay.precision][4]
     kw = dict(
         s=s,
@@ -117,7 +129,8 @@ def stage_states(lay: Layout, stage: dict, padded: bool = False) -> dict[str, di
     stage: ZeRO shards the dense states over their replicas, the dp × cp ranks (context
     parallel's ranks hold the same weights: Megatron and torchtitan shard over both), and the
     experts' over theirs, dp/ep × cp. `stage`: params_per_stage."""
-    sharding, replicas = (lay.zero, lay.precision, lay.offload, padded), lay.dp * lay.cp
+    sharding = (lay.zero, lay.precision, lay.offload, padded)
+    replicas = lay.dp * lay.cp
     experts = model_state_bytes(stage["experts"], replicas // lay.ep, *sharding)
     return {
         where: {

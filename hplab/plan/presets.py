@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from hplab.config import ModelConfig
 from hplab.presets import HPLAB_PRESETS
 
-GB, GIB = 1e9, 2**30
+GB = 1e9
+GIB = 2**30
 
 
 def paper_model(name: str, L: int, h: int, a: int, V: int) -> ModelConfig:

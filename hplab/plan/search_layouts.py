@@ -222,7 +222,8 @@ def explain(winner: dict | None, plans: list[dict], gpus: int, batch_size: int) 
     and each knob the best layout with another setting and what makes it slower (or not fit).
     Without a winner: what the smallest layout would need."""
     w = winner or _best(plans)
-    mem, usable = w["memory_bytes_per_gpu"] / GB, w["usable_bytes_per_gpu"] / GB
+    mem = w["memory_bytes_per_gpu"] / GB
+    usable = w["usable_bytes_per_gpu"] / GB
     if winner is None:
         return [
             f"no layout fits: the smallest needs {mem:.1f} GB per GPU ({w['layout']}) but "

@@ -63,7 +63,8 @@ def simulate(
     arrival: dict[tuple, float] = {}  # message key -> when it arrives (or leaves: rendezvous)
     posted: dict[tuple, float] = {}  # message key -> when its receive was posted
     finished: set[tuple] = set()
-    pos, clock = [0] * p, [0.0] * p
+    pos = [0] * p
+    clock = [0.0] * p
     timeline: list[list] = [[] for _ in range(p)]
     moved = True
     while moved:

@@ -26,7 +26,8 @@ def group_link(cluster: Cluster, size: int, stride: int, eff: Efficiency) -> tup
     ranks spaced `stride` apart [Ring]. Ranks fill nodes in order; a group inside one node
     talks over NVLink. Otherwise each ring crosses nodes; NCCL runs one ring per network card,
     so the k members sharing a node bring k cards: β = min(NVLink, k × card)."""
-    g, gpu = cluster.gpus_per_node, cluster.gpu
+    g = cluster.gpus_per_node
+    gpu = cluster.gpu
     intra = (cluster.intra_node_gbps or gpu.nvlink_gbps) * GB
     per_node = max(1, min(size, g // stride)) if stride < g else 1
     if size <= per_node:
@@ -113,7 +114,9 @@ def context_parallel(
 ) -> Traffic:
     """K/V blocks around the ring, (cp−1)·passes + 2cp−1 sends per layer (the K/V heads only:
     n_kv_head·d wide), or Ulysses' 2·passes + 2 all-to-alls per layer (every query head's)."""
-    cp, redo, ring = lay.cp, forward_passes(lay), lay.cp_style == "ring"
+    cp = lay.cp
+    redo = forward_passes(lay)
+    ring = lay.cp_style == "ring"
     width = model.n_embd * (model.kv_heads / model.n_head if ring else 1)
     bw, alpha, crosses = group_link(cluster, cp, lay.tp, eff)
     act_bytes = PRECISION_BYTES[lay.precision][4]
@@ -161,7 +164,11 @@ class Pipeline:
 def pipeline(model: ModelConfig, lay: Layout, cluster: Cluster, eff: Efficiency) -> Pipeline:
     """Each of the tp ranks sends 1/tp of the activation, then they all-gather it over NVLink
     ([PTD-P] Sec. 4.1, scatter/gather): 2·(m·v + pp − 1) sends per step."""
-    dp, cp, tp, pp, m = lay.dp, lay.cp, lay.tp, lay.pp, lay.microbatches
+    dp = lay.dp
+    cp = lay.cp
+    tp = lay.tp
+    pp = lay.pp
+    m = lay.microbatches
     v = lay.virtual_stages if (lay.schedule == "interleaved" and pp > 1) else 1
     bubble = bubble_formula(lay.schedule, pp, m, v)
     bw, alpha, crosses = group_link(cluster, pp, dp * cp * tp, eff)
@@ -183,10 +190,15 @@ class DataParallel:
 def data_parallel(lay: Layout, cluster: Cluster, eff: Efficiency, stage: dict) -> DataParallel:
     """Dense gradients over their replicas, the dp × cp ranks (context parallel's hold the same
     weights), the experts' over theirs, dp/ep × cp. `stage`: params_per_stage."""
-    dp, cp, tp, ep, m = lay.dp, lay.cp, lay.tp, lay.ep, lay.microbatches
+    dp = lay.dp
+    cp = lay.cp
+    tp = lay.tp
+    ep = lay.ep
+    m = lay.microbatches
     p_bytes, g_bytes = PRECISION_BYTES[lay.precision][:2]
     bw, alpha, crosses = group_link(cluster, dp * cp, tp, eff)  # (cp inside dp: one block)
-    local, experts = max(stage["first"], stage["last"]), stage["experts"]
+    local = max(stage["first"], stage["last"])
+    experts = stage["experts"]
     groups = [
         (local, dp * cp, bw, alpha),
         (experts, dp // ep * cp, *group_link(cluster, dp // ep * cp, tp * ep, eff)[:2]),
@@ -263,7 +275,8 @@ def step_time(
 ) -> tuple[StepTime, Links]:
     """m microbatches of compute and tp/cp/ep traffic, the bubble on top of them, pipeline
     sends, exposed data-parallel traffic and offload."""
-    m, layers = lay.microbatches, stage["blocks_per_stage"]
+    m = lay.microbatches
+    layers = stage["blocks_per_stage"]
     compute = compute_time(model, lay, cluster, eff, flops, stage, acts)
     tp, cp, ep = (
         part(model, lay, cluster, eff, layers)

@@ -163,10 +163,12 @@ def attempt_store() -> dict:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    address = os.environ["MASTER_ADDR"]
+    port = int(os.environ["MASTER_PORT"])
     agents = dist.TCPStore(address, port, is_master=False, timeout=TIMEOUT)
     store = dist.PrefixStore(f"hplab-attempt-{attempt}", agents)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     return dict(store=store, rank=rank, world_size=world)
 
 

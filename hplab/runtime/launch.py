@@ -102,7 +102,9 @@ def _used(n: int) -> str:
 def _attempt(nproc, argv, run_rank, script, attempt: int, status: str, history) -> tuple | None:
     """One attempt: start every rank, watch them; None when all finished, else `what_failed`'s
     (one line, exit code, step, whether a restart may help); (…, 130, …) after Ctrl-C."""
-    port, workers, fork = free_port(), Workers(), not torch.cuda.is_available()
+    port = free_port()
+    workers = Workers()
+    fork = not torch.cuda.is_available()
     extra = {STATUS_DIR: status, "HPLAB_ATTEMPT": str(attempt)}
     extra["HPLAB_RESTARTS"] = json.dumps(history)  # (rank 0 puts them in the metrics)
     try:  # start them (a Ctrl-C meanwhile waits until all are started), then watch them
@@ -231,7 +233,8 @@ def note_error(message: str) -> None:
 
 def read_status(status: Path, nproc: int) -> tuple[dict[int, int], dict[int, str]]:
     """({rank: the step it started last}, {rank: its error}) from the status folder."""
-    steps, errors = {}, {}
+    steps = {}
+    errors = {}
     for rank in range(nproc):
         try:
             steps[rank] = int((status / f"rank{rank}.step").read_text())
@@ -349,7 +352,8 @@ def run_distributed(
     its traceback; a hang becomes a TimeoutError."""
     ctx = multiprocessing.get_context("forkserver")  # forked from a process that has imported
     ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # torch & co. once
-    results, port = ctx.Queue(), free_port()
+    results = ctx.Queue()
+    port = free_port()
     procs = [
         ctx.Process(
             target=_child,
@@ -368,7 +372,8 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
-    out, deadline = {}, time.monotonic() + timeout_s
+    out = {}
+    deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world_size:
             rank, ok, value = _next_result(results, procs, out, deadline, timeout_s)

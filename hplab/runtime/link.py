@@ -101,7 +101,9 @@ class Queue:
     from."""
 
     def __init__(self, link: Link, job: str):
-        self.link, self.free_at, self.lock = link, 0.0, threading.RLock()
+        self.link = link
+        self.free_at = 0.0
+        self.lock = threading.RLock()
         self.board = Board(job)
         self.log: list | None = None  # a list: (what, start, end) of each transfer (a trace)
         self.launched: dict[int, deque] = {}  # per channel: its transfers not yet on the link
@@ -147,7 +149,9 @@ class Board:
     SLOTS = 4096  # columns reused in turn: far more than can be in flight at once
 
     def __init__(self, job: str):
-        self.job, self.tables, self.launches = job, {}, Counter()
+        self.job = job
+        self.tables = {}
+        self.launches = Counter()
         self.opened: set[tuple[str, int]] = set()  # (channel, members) of the files it mapped
         self.folder = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
 
@@ -194,9 +198,15 @@ class Transfer:
     which blocks until the work is done."""
 
     def __init__(self, work, nbytes: float, ticket: tuple, what: str = "", on_gpu=False):
-        self.queue, self.work, self.nbytes, self.what = QUEUE, work, nbytes, what
-        self.ticket, self.channel = ticket, id(ticket[0])  # (the channel's launch table)
-        self.ready_at, self.through_at, self.on_the_link = None, 0.0, threading.Event()
+        self.queue = QUEUE
+        self.work = work
+        self.nbytes = nbytes
+        self.what = what
+        self.ticket = ticket  # (the channel's launch table)
+        self.channel = id(ticket[0])
+        self.ready_at = None
+        self.through_at = 0.0
+        self.on_the_link = threading.Event()
         self.on_gpu = on_gpu
         self.queue.launch(self.channel, self)
         if on_gpu:
@@ -247,7 +257,8 @@ class WaitedByThread:
     as it is posted, to note when it is done; the caller's `wait()` waits for that thread."""
 
     def __init__(self, work, then):
-        self.error, self.done = None, threading.Event()
+        self.error = None
+        self.done = threading.Event()
         threading.Thread(target=self._wait, args=(work, then), daemon=True).start()
 
     def _wait(self, work, then) -> None:

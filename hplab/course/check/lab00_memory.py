@@ -28,15 +28,14 @@ def check_memory(module, report: Report) -> None:
     MemoryLedger measures after one AdamW step, for three model shapes."""
     for L, h, a, S in [(4, 64, 4, 64), (2, 32, 2, 16), (3, 48, 3, 40)]:  # n_head a, seq_len S
         config = config_from_preset("tiny", n_layer=L, n_embd=h, n_head=a, seq_len=S)
-        V, model = config.vocab_size, build_model(config, seed=0)
+        V = config.vocab_size
+        model = build_model(config, seed=0)
         x = torch.randint(0, V, (2, S))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
         model(x, x)[1].backward()
         opt.step()
-        psi, measured = (
-            sum(p.numel() for p in model.parameters()),
-            MemoryLedger().measure(model_state_tensors(model, opt)),
-        )
+        psi = sum(p.numel() for p in model.parameters())
+        measured = MemoryLedger().measure(model_state_tensors(model, opt))
         with report.case(f"num_params(V={V} S={S} h={h} L={L})"):
             mine = module.run(count_in_sandbox, "num_params", config)
             hint = {

@@ -27,8 +27,11 @@ class Watched:
     send carried when it was posted."""
 
     def __init__(self, comm):
-        self.comm, self.size, self.rank = comm, comm.size, comm.rank
-        self.sent, self.sources = [], []  # [(dst, the numbers)], [src]
+        self.comm = comm
+        self.size = comm.size
+        self.rank = comm.rank
+        self.sent = []  # [(dst, the numbers)], [src]
+        self.sources = []
 
     def _note(self, kind: str, tensor, peer: int) -> None:
         if kind == "send":
@@ -67,7 +70,9 @@ def locate(numbers: torch.Tensor, candidates: torch.Tensor) -> tuple[int, int] |
 def chunks_sent(watch: Watched, inputs: torch.Tensor) -> list:
     """For each message this rank sent, the elements it carried if they are what step k of a
     ring carries (step s < n-1: summed over ranks r-s … r; later: summed over all), else None."""
-    n, r, flat = watch.size, watch.rank, inputs.flatten(1)
+    n = watch.size
+    r = watch.rank
+    flat = inputs.flatten(1)
     summed_up_to = [flat[[(r - j) % n for j in range(s + 1)]].sum(0) for s in range(n)]
     return [
         locate(numbers, summed_up_to[min(k, n - 1)]) for k, (_, numbers) in enumerate(watch.sent)
@@ -76,8 +81,10 @@ def chunks_sent(watch: Watched, inputs: torch.Tensor) -> list:
 
 def not_a_ring(watch: Watched, every_rank: list, numel: int) -> str | None:
     """Why the messages are not a ring's (every_rank: each rank's `chunks_sent`), or None."""
-    n, r = watch.size, watch.rank
-    right, left = (r + 1) % n, (r - 1) % n
+    n = watch.size
+    r = watch.rank
+    right = (r + 1) % n
+    left = (r - 1) % n
     if wrong := [dst for dst, _ in watch.sent if dst != right]:
         return (
             f"sent to rank {wrong[0]}: this is not a ring (r → r+1) — in a ring rank r sends "
@@ -92,14 +99,17 @@ def not_a_ring(watch: Watched, every_rank: list, numel: int) -> str | None:
         return None
     if len(watch.sent) != 2 * (n - 1):
         return f"sent {len(watch.sent)} messages; a ring sends 2(n-1) = {2 * (n - 1)}, one a step"
-    mine, before = every_rank[r], every_rank[left]
+    mine = every_rank[r]
+    before = every_rank[left]
     for k, chunk in enumerate(mine):
         phase, s = ("reduce-scatter", k) if k < n - 1 else ("all-gather", k - n + 1)
         if chunk is None:
             ranks = ", ".join(str((r - j) % n) for j in range(k, -1, -1))
-            held, added = f"ranks {ranks}", ", with its own numbers added"
+            held = f"ranks {ranks}"
+            added = ", with its own numbers added"
             if k >= n - 1:
-                held, added = "every rank", ""
+                held = "every rank"
+                added = ""
             return (
                 f"{phase} step {s}: the message is not a chunk summed over {held} — not the "
                 "ring's chunk order: each step passes on the chunk received at the step "
@@ -124,7 +134,8 @@ def check_ring(module, report: Report, mesh: Mesh) -> None:
     """On every rank, for tensors of several shapes and dtypes: only send and recv were used,
     the messages form a ring, each rank sent 2(n-1) chunks of S/n bytes, and the result is the
     sum over the ranks."""
-    n, r = mesh.world.size, mesh.world.rank
+    n = mesh.world.size
+    r = mesh.world.rank
     for shape, dtype in CASES:
         report.label = f"{'×'.join(map(str, shape))} {dtype}"  # an exception ends the file
         inputs = torch.randn(
@@ -132,12 +143,14 @@ def check_ring(module, report: Report, mesh: Mesh) -> None:
             dtype=getattr(torch, dtype),
             generator=torch.Generator().manual_seed(len(shape)),
         )  # [rank]
-        expected, tensor = inputs.sum(0), inputs[r].clone()
+        expected = inputs.sum(0)
+        tensor = inputs[r].clone()
         module.comm = watch = Watched(mesh.world)  # what the learner's comm calls run on
         tensor, used = collectives(mesh, module.run, ring_in_sandbox, tensor)
         every_rank = [None] * n
         dist.all_gather_object(every_rank, chunks_sent(watch, inputs))
-        others, sent = sorted(set(used) - {"send", "recv"}), used.get("send", (0, 0))[1]
+        others = sorted(set(used) - {"send", "recv"})
+        sent = used.get("send", (0, 0))[1]
         ideal = formulas.bus_factor("all_reduce", n) * tensor.nbytes  # 2(n-1)/n·S
         per_element = 2 * (n - 1) * tensor.element_size()  # chunks: ⌊S/n⌋ to ⌈S/n⌉ numbers
         problem = first(

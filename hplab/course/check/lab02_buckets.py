@@ -56,8 +56,12 @@ class WatchedComm:
     runs (`in_backward`), as (how, the gradient whose hook it was, seconds blocked)."""
 
     def __init__(self, comm):
-        self.comm, self.size, self.rank = comm, comm.size, comm.rank
-        self.in_backward, self.gradient, self.waited = False, 0, []
+        self.comm = comm
+        self.size = comm.size
+        self.rank = comm.rank
+        self.in_backward = False
+        self.gradient = 0
+        self.waited = []
 
     def __getattr__(self, name):
         return getattr(self.comm, name)
@@ -78,7 +82,8 @@ class WatchedHandle:
     """An all-reduce's handle whose wait() the WatchedComm hears of."""
 
     def __init__(self, handle, comm: WatchedComm):
-        self.handle, self.comm = handle, comm
+        self.handle = handle
+        self.comm = comm
 
     def wait(self) -> None:
         start = time.perf_counter()
@@ -150,7 +155,8 @@ def wait_in_sandbox(env) -> dict:
 def check_one_size(module, report: Report, mesh: Mesh, ref, bucket_bytes: float) -> None:
     """Two steps with the learner's BucketedAllReduce at `bucket_bytes`; one Result."""
     named = dict(build_model(ref.config, seed=0).named_parameters())  # the sandbox's, in order
-    params, seen = list(named.values()), {}
+    params = list(named.values())
+    seen = {}
     module.comm = comm = WatchedComm(mesh.world)
 
     def arrived(k):  # told by a hook before the learner's: runs before theirs
@@ -168,7 +174,9 @@ def check_one_size(module, report: Report, mesh: Mesh, ref, bucket_bytes: float)
     for step, rows in enumerate(ref.rows):
         mesh.ledger.reset()
         seen.update(started=[], arrived=[], times=[], returned=[])
-        link.QUEUE.log, comm.in_backward, comm.waited = [], True, []
+        link.QUEUE.log = []
+        comm.in_backward = True
+        comm.waited = []
         module.run(backward_in_sandbox, rows)
         comm.in_backward = False
         arrived(None)  # when backward returned

@@ -40,7 +40,8 @@ def zero1_in_sandbox(env, config, lr: float) -> None:
 def step_in_sandbox(env) -> tuple:
     """Their step; then the parameters, whether any changed, self.master.grad and how many
     numbers Adam keeps (its state's tensors)."""
-    model, opt = env.state["model"], env.state["opt"]
+    model = env.state["model"]
+    opt = env.state["opt"]
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
     state = sum(
@@ -57,11 +58,14 @@ def step_in_sandbox(env) -> tuple:
 def check_zero1(module, report: Report, mesh: Mesh) -> None:
     """ZeRO1 on this rank's rows against one process's AdamW on the whole batch: my shard's grad,
     the params, Adam state 2 × Ψ/n, one reduce-scatter and one all-gather of the padded buffer."""
-    lr, n, r = 1e-2, mesh.world.size, mesh.world.rank
+    lr = 1e-2
+    n = mesh.world.size
+    r = mesh.world.rank
     ref = gpt_reference(mesh, steps=3, lr=lr)
     names = [k for k, _ in build_model(ref.config, seed=0).named_parameters()]
     numel = sum(g.numel() for g in ref.grads[0])
-    shard, flat_bytes = math.ceil(numel / n), 4 * n * math.ceil(numel / n)  # padded, fp32
+    shard = math.ceil(numel / n)  # padded, fp32
+    flat_bytes = 4 * n * math.ceil(numel / n)
     report.label = "ZeRO1(params, comm, lr)"  # an exception ends the file's check (see Report)
     module.run(zero1_in_sandbox, ref.config, lr)
     for step, rows in enumerate(ref.rows):

@@ -21,7 +21,8 @@ def whole_mlp(b: int, s: int, h: int) -> SimpleNamespace:
     x = torch.randn(b, s, h, generator=g, requires_grad=True)
     weights = torch.randn(b, s, h, generator=g)  # the loss: this weighted sum of Z
     torch.manual_seed(h)
-    fc, proj = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)  # the whole MLP
+    fc = torch.nn.Linear(h, 4 * h)  # the whole MLP
+    proj = torch.nn.Linear(4 * h, h)
     mine = copy.deepcopy((fc, proj))  # the learner's copies, before any gradient
     z_ref = proj(F.gelu(fc(x)))
     (z_ref * weights).sum().backward()
@@ -33,7 +34,9 @@ def whole_mlp(b: int, s: int, h: int) -> SimpleNamespace:
 
 def _forward_problem(z, ref: SimpleNamespace, n: int) -> str | None:
     """How Z differs from the whole MLP's output, and the usual reason, or None."""
-    wrong, z_ref, bias = differs(z, ref.z), ref.z, ref.bias
+    wrong = differs(z, ref.z)
+    z_ref = ref.z
+    bias = ref.bias
     return wrong and "Z differs from the whole MLP: " + wrong + (
         " — every rank returns the full output"
         if z.shape != z_ref.shape
@@ -99,7 +102,8 @@ def forward_in_sandbox(env, x):
 def backward_in_sandbox(env, weights) -> tuple:
     """Backward of sum(Z · weights): X.grad and this rank's four parameter gradients."""
     (env.state["z"] * weights).sum().backward()
-    column, row = env.state["column"], env.state["row"]
+    column = env.state["column"]
+    row = env.state["row"]
     layers = {"column.weight": column.weight, "column.bias": column.bias}
     layers.update({"row.weight": row.weight, "row.bias": row.bias})
     return env.state["x"].grad, {f"{k}.grad": p.grad for k, p in layers.items()}
@@ -108,9 +112,11 @@ def backward_in_sandbox(env, weights) -> tuple:
 def check_tp_linear(module, report: Report, mesh: Mesh) -> None:
     """Column → GeLU → row against the whole MLP in one process (same weights, same X): Z,
     X.grad (f's backward), this rank's slice of each gradient, one all-reduce of Z each way."""
-    n, r = mesh.world.size, mesh.world.rank
+    n = mesh.world.size
+    r = mesh.world.rank
     for b, s, h in SHAPES:
-        case, ref = f"b={b} s={s} h={h}", whole_mlp(b, s, h)
+        case = f"b={b} s={s} h={h}"
+        ref = whole_mlp(b, s, h)
         rows = slice(r * 4 * h // n, (r + 1) * 4 * h // n)  # this rank's slice of the 4h
         report.label = case  # an exception ends the file's check (see Report)
         module.run(layers_in_sandbox, *ref.mine)

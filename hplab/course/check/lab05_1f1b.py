@@ -10,7 +10,8 @@ from hplab.plan.simulate import DeadlockError, simulate
 
 
 def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
-    where, mine = f"p={p}, m={m}", module.one_f_one_b(p, m)
+    where = f"p={p}, m={m}"
+    mine = module.one_f_one_b(p, m)
     if not isinstance(mine, (list, tuple)) or len(mine) != p:
         return f"{where}: expected a list of {p} per-rank orders, got {mine!r:.80}"
     orders = [[(*a, r) for a in mine[r]] for r in range(p)]  # (kind, microbatch, chunk r)
@@ -28,7 +29,8 @@ def _one_f_one_b_problem(module, p: int, m: int) -> str | None:
     except DeadlockError as err:
         return f"{where}: {err}"
     best = simulate(schedule.add_communication(reference, p, 1), f=1, b=1, w=0)
-    held, limit = [run.in_flight_max(r) for r in range(p)], [min(p - r, m) for r in range(p)]
+    held = [run.in_flight_max(r) for r in range(p)]
+    limit = [min(p - r, m) for r in range(p)]
     warm = [next((k for k, a in enumerate(o) if a[0] == "B"), m) for o in orders]
     counts = (
         f" — forwards before the first backward: {warm}, 1F1B {limit} (p-1-r warm-up "

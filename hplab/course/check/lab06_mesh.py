@@ -39,14 +39,16 @@ def check_mesh(module, report: Report) -> None:
     process groups) for every rank of 64 layouts, dp ≤ 4, tp ≤ 8, pp ≤ 4."""
 
     def group_problem(layout: tuple, family: str) -> str | None:
-        where, want = "dp{}×tp{}×pp{}".format(*layout), group_ranks(*layout)[family]
+        where = "dp{}×tp{}×pp{}".format(*layout)
+        want = group_ranks(*layout)[family]
         mine = module.groups(*layout)
         try:
             got = [list(g) for g in mine[family]]
         except (TypeError, KeyError, IndexError):
             return f"{where}: groups()[{family!r}] should be lists of ranks; got {mine!r:.60}"
         for rank in range(math.prod(layout)):  # in exactly one group: the one mesh.py makes
-            holding, expected = [g for g in got if rank in g], next(g for g in want if rank in g)
+            holding = [g for g in got if rank in g]
+            expected = next(g for g in want if rank in g)
             if holding != [expected]:
                 shared = " and ".join(f for f in FAMILIES if f != family)
                 return (

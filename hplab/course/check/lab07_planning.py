@@ -23,7 +23,8 @@ def which_kind(mine: float, psi: float, dp: int, zero: int, precision: str) -> s
     ref = formulas.model_state_bytes(psi, dp, zero, precision)
     whole = formulas.model_state_bytes(psi, 1, 0, precision)
     for kind, (name, stage) in KINDS.items():
-        full, now = whole[f"{kind}_bytes"], ref[f"{kind}_bytes"]
+        full = whole[f"{kind}_bytes"]
+        now = ref[f"{kind}_bytes"]
         per = f"{full / psi:g} B per parameter"
         other = full if zero >= stage else full / dp  # this kind sharded the other way
         rest = ref["total_bytes"] - now
@@ -56,7 +57,8 @@ def check_planning(module, report: Report) -> None:
         )
 
     def bubble_problem(p, m):
-        mine, ref = module.bubble_fraction(p, m), formulas.bubble_fraction("1f1b", p, m)
+        mine = module.bubble_fraction(p, m)
+        ref = formulas.bubble_fraction("1f1b", p, m)
         return not math.isclose(mine, ref, rel_tol=1e-9, abs_tol=1e-12) and (
             f"pp={p}, m={m}: you say {mine:.4g}, the bubble fraction (p−1)/(m+p−1) is {ref:.4g}"
             + " — that is the bubble ratio (p−1)/m, idle relative to the useful time; the "

@@ -19,7 +19,8 @@ def _routing(T: int, k: int, E: int) -> tuple:
 
 def _order_problem(module, T, k, E, ep) -> str | None:
     index = _routing(T, k, E)[0]
-    order, expected = module.dispatch_order(index, E), index.flatten().sort(stable=True).indices
+    order = module.dispatch_order(index, E)
+    expected = index.flatten().sort(stable=True).indices
     if order is None or sorted(order.tolist()) != list(range(T * k)):
         return f"T={T}, k={k}: not a permutation of the {T * k} (token, slot) positions"
     if not torch.equal(index.flatten()[order], index.flatten()[expected]):

@@ -99,10 +99,8 @@ def _rank_pass(layer, queries, kv):
 def _attention_problem(module, tp_size, n_head, n_kv_head) -> str | None:
     """Each rank attends its query heads over the K/V heads you give it: its heads of the
     output must be the whole layer's."""
-    layer, where = (
-        _layer(tp_size, n_head, n_kv_head),
-        f"tp {tp_size}, n_head {n_head}, n_kv_head {n_kv_head}",
-    )
+    layer = _layer(tp_size, n_head, n_kv_head)
+    where = f"tp {tp_size}, n_head {n_head}, n_kv_head {n_kv_head}"
     for rank in range(tp_size):
         qh, kvh = ([*map(int, h)] for h in module.heads_of_rank(rank, tp_size, n_head, n_kv_head))
         if not qh or not kvh or len(qh) % len(kvh):
@@ -115,10 +113,8 @@ def _attention_problem(module, tp_size, n_head, n_kv_head) -> str | None:
 def _groups_problem(module, tp_size, n_head, n_kv_head) -> str | None:
     """Each rank's partial K/V gradients (its heads as hplab cuts them), added over the ranks of
     your group, must be the whole layer's gradient of those heads."""
-    layer, where = (
-        _layer(tp_size, n_head, n_kv_head),
-        f"tp {tp_size}, n_head {n_head}, n_kv_head {n_kv_head}",
-    )
+    layer = _layer(tp_size, n_head, n_kv_head)
+    where = f"tp {tp_size}, n_head {n_head}, n_kv_head {n_kv_head}"
     heads = hplab_heads(tp_size, n_head, n_kv_head)
     partial = [(kv, *_rank_pass(layer, q, kv)[1:]) for q, kv in heads]
     groups = [[*map(int, group)] for group in module.kv_gradient_groups(tp_size, n_head, n_kv_head)]

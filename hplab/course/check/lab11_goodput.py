@@ -38,7 +38,8 @@ def _goodput_hint(got: float, interval, checkpoint, restart, mtbf) -> str:
 
 
 def _goodput_problem(module, case) -> str | None:
-    got, want = float(module.goodput(*case)), goodput(*case)
+    got = float(module.goodput(*case))
+    want = goodput(*case)
     if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
         return None
     where = "goodput(τ={}, C={}, R={}, MTBF={})".format(*(f"{x:g}" for x in case))
@@ -46,7 +47,8 @@ def _goodput_problem(module, case) -> str | None:
 
 
 def _interval_problem(module, checkpoint: float, mtbf: float) -> str | None:
-    got, want = float(module.best_interval(checkpoint, mtbf)), young_interval_s(checkpoint, mtbf)
+    got = float(module.best_interval(checkpoint, mtbf))
+    want = young_interval_s(checkpoint, mtbf)
     if math.isclose(got, want, rel_tol=1e-9):
         return None
     hint = " — the factor 2: τ/(2·MTBF) is the loss" * math.isclose(
@@ -69,7 +71,9 @@ def check_goodput(module, report: Report) -> None:
         f"Young's √(2·C·MTBF) for {len(CASES)} clusters",
     )
     with report.case("the best interval is the best"):
-        c, r, m = 30.0, 60.0, 11135.0
+        c = 30.0
+        r = 60.0
+        m = 11135.0
         best = float(module.best_interval(c, m))
         worse = [
             f

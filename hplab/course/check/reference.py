@@ -13,7 +13,8 @@ from hplab.parallel.mesh import Mesh
 def gpt_reference(mesh: Mesh, steps: int, lr: float = 0.0) -> SimpleNamespace:
     """`steps` batches of 2 sequences per rank (`rows`: this rank's) and one process's result on
     each: the global-batch gradient (each rank's loss / n, in rank order) and params after AdamW."""
-    n, r = mesh.world.size, mesh.world.rank
+    n = mesh.world.size
+    r = mesh.world.rank
     config = config_from_preset("tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16)
     batches = torch.randint(
         0,
@@ -23,7 +24,8 @@ def gpt_reference(mesh: Mesh, steps: int, lr: float = 0.0) -> SimpleNamespace:
     )  # + the next token
     model = build_model(config, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=False)
-    grads, params = [], []
+    grads = []
+    params = []
     for batch in batches:
         model.zero_grad()
         for rows in batch:

@@ -16,7 +16,8 @@ from hplab.course.check.sandbox import LearnerError
 from hplab.parallel.mesh import Mesh
 from hplab.runtime.errors import CommTimeout
 
-RTOL, ATOL = 1e-5, 1e-6  # fp32 sums added in a different order agree to about this
+RTOL = 1e-5  # fp32 sums added in a different order agree to about this
+ATOL = 1e-6
 Result = namedtuple("Result", "name passed message")  # one check on one file, and what was seen
 
 
@@ -65,7 +66,10 @@ class Report:
     be left waiting) only sets `report.label`: an exception ends the file's check (check_files)."""
 
     def __init__(self, path: str, hint: str):  # hint: what a CommTimeout usually means
-        self.path, self.hint, self.results, self.label = path, hint, [], "import"
+        self.path = path
+        self.hint = hint
+        self.results = []
+        self.label = "import"
 
     def add(self, problem: str | None, success: str, label: str | None = None) -> None:
         self.results.append(Result(label or self.label, not problem, problem or success))

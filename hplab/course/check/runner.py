@@ -74,10 +74,13 @@ def check_files(name: str, paths: list[str], limit_s: float, fork=False) -> list
     def expire(*_):  # SIGALRM's handler (checks run in a main thread)
         raise CheckTimeout
 
-    exercise, previous = EXERCISES[name], signal.signal(signal.SIGALRM, expire)
-    mesh, out = [Mesh(dp=exercise.nproc)] if exercise.nproc else [], []
+    exercise = EXERCISES[name]
+    previous = signal.signal(signal.SIGALRM, expire)
+    mesh = [Mesh(dp=exercise.nproc)] if exercise.nproc else []
+    out = []
     for path in paths:
-        report, sandbox = Report(path, exercise.hint), None
+        report = Report(path, exercise.hint)
+        sandbox = None
         files = None if mesh else Snapshot()
         try:
             signal.setitimer(signal.ITIMER_REAL, limit_s)
@@ -151,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hplab: interrupted", file=sys.stderr)
         return 130
-    shown, failed = os.path.relpath(path), sum(not r.passed for r in results)
+    shown = os.path.relpath(path)
+    failed = sum(not r.passed for r in results)
     where = f"on {exercise.nproc} processes" if exercise.nproc else "in this process"
     print(
         f"check {args.name} (lab {exercise.lab}) {where}: "

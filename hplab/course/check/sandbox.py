@@ -170,7 +170,8 @@ class RemotePending:
     """An async call's handle: wait() waits there, then copies the results into its tensors."""
 
     def __init__(self, ticket: int, tensors: list[torch.Tensor]):
-        self.ticket, self.tensors = ticket, tensors
+        self.ticket = ticket
+        self.tensors = tensors
 
     def wait(self) -> None:
         if self.ticket is not None:
@@ -187,7 +188,9 @@ class RemoteComm:
     comes back into this process's tensors."""
 
     def __init__(self, size: int, rank: int, name: str):
-        self.size, self.rank, self.name = size, rank, name
+        self.size = size
+        self.rank = rank
+        self.name = name
 
     def __getattr__(self, method: str):
         if method.startswith("_"):
@@ -308,7 +311,9 @@ def _children() -> dict[int, list[int]]:
 
 def _below(root: int) -> set[int]:
     """`root` and every process below it."""
-    found, todo, children = set(), [root], _children()
+    found = set()
+    todo = [root]
+    children = _children()
     while todo:
         pid = todo.pop()
         found.add(pid)
@@ -360,7 +365,10 @@ class Sandbox:
         if not fork:
             server.set_forkserver_preload(FORKSERVER_PRELOAD)
         self._conn, theirs = server.Pipe()
-        self.comm, self.listeners, self._pending, self._tickets = comm, {}, {}, 0
+        self.comm = comm
+        self.listeners = {}
+        self._pending = {}
+        self._tickets = 0
         shape = comm and (comm.size, comm.rank, comm.name)
         self._process = server.Process(
             target=_serve, args=(path, theirs, shape, torch.get_num_threads()), daemon=True
