@@ -445,7 +445,8 @@ def _write(record: dict, directory, state: tuple) -> None:
     try:
         saved = save(directory, *state)
         record["bytes"] = sum(path.stat().st_size for path in saved.iterdir())
-    except (OSError, ValueError) as err:  # e.g. the disk is full; the previous one stays
+    except (OSError, ValueError, SafetensorError) as err:  # e.g. the disk is full (safetensors
+        # says so in its own exception): the previous checkpoint stays
         FAILED_WRITES.append(f"the checkpoint of step {record['step']} was not written ({err})")
     record["write_seconds"] = time.perf_counter() - begin
 

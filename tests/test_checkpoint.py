@@ -122,3 +122,27 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, stage):
     save_version(directory, 3)  # the next save cleans up and succeeds
     assert checkpoint.load(directory)["trainer_state"]["step"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "killed_save.py"]
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError, which the writer did not
+    catch: a traceback from its thread, and the run then printed its summary as if it had
+    saved. Now the save fails in one line and the previous checkpoint is untouched."""
+    from safetensors import SafetensorError
+
+    model = save_version(tmp_path / "ckpt", 1)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+
+    def no_space(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    monkeypatch.setattr(checkpoint, "save_file", no_space)
+    state = (CONFIG, model.state_dict(), fake_optimizer_state(model, 2), {"step": 2})
+    record = {"step": 2, "bytes": 0, "write_seconds": 0.0}
+    checkpoint._write(record, tmp_path / "ckpt", state)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.finish_saves()
+    assert str(err.value).startswith("the checkpoint of step 2 was not written (Error while")
+    assert "No space left on device" in str(err.value) and "\n" not in str(err.value)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no half-written folder
