@@ -181,7 +181,8 @@ def check_init(directory: str) -> tuple[str, int]:
         raise ValueError(f"{config_path} is not valid JSON") from None
     if not isinstance(config, dict) or config.get("model_type") != "gpt2":
         raise ValueError(f"{config_path} does not describe a GPT-2 model (model_type 'gpt2')")
-    name = config.get("hplab", {}).get("config", {}).get("tokenizer")  # an hplab checkpoint's
+    entry = config.get("hplab")  # an hplab checkpoint's own config, with its tokenizer
+    name = entry["config"].get("tokenizer") if _has_config(entry) else None
     if name is None:  # any other GPT-2: the tokenizer with its vocabulary size
         by_vocab = {len(load_tokenizer(name)): name for name in ("hplab-bpe", "gpt2")}
         name = by_vocab.get(config.get("vocab_size"))
@@ -192,10 +193,14 @@ def check_init(directory: str) -> tuple[str, int]:
             f"shipped tokenizer ({known})"
         )
     try:  # its sizes and types as train.py reads them (one line if wrong)
-        config_from_hf(config)
+        model = config_from_hf(config)
     except ValueError as err:
         raise ValueError(f"{config_path} {err}") from None
-    return name, int(config.get("n_positions", SEQ_LEN))
+    return name, model.n_positions
+
+
+def _has_config(entry) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("config"), dict)
 
 
 def is_results_file(path: Path) -> bool:

@@ -38,7 +38,18 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     odd_vocab.mkdir()
     (odd_vocab / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 999}))
     (odd_vocab / "model.safetensors").write_bytes(b"")
+    damaged = []
+    for name, config in (("entry", {"hplab": 5}), ("positions", {"n_positions": "many"})):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(
+            json.dumps({"model_type": "gpt2", "vocab_size": 2048, **config})
+        )
+        (folder / "model.safetensors").write_bytes(b"")
+        damaged.append(str(folder))
     for argv, expected in (
+        ([damaged[0]], "has an 'hplab' entry without a usable config"),
+        ([damaged[1]], "cannot be read as a gpt2 config"),
         ([str(tmp_path / "missing")], "not a GPT-2 directory"),
         ([str(not_gpt2)], "does not describe a GPT-2 model"),
         ([str(odd_vocab)], "vocab_size 999 matches no shipped tokenizer"),
