@@ -144,6 +144,27 @@ def test_after_its_last_restart_the_job_ends_with_one_line(capsys):
     ]
 
 
+def _killed_at_once(argv: list[str]) -> int:
+    """A rank of `launch` (forked) killed before its first step, in every attempt."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+def test_a_restart_loop_of_instant_deaths_backs_off(capsys):
+    """Attempts that die before their first step restart after 1 s, then 2 s (at most 16 s):
+    a loop of instant failures does not spin."""
+    from hplab.runtime.launch import backoff_s, launch
+
+    assert [backoff_s(a) for a in range(6)] == [1, 2, 4, 8, 16, 16]
+    start = time.monotonic()
+    code = launch(1, [], _killed_at_once, "train.py", max_restarts=2, restart=lambda attempt: 0)
+    assert code == 1 and time.monotonic() - start >= 3
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "hplab: error: process 0 was killed by SIGKILL before its first step (out of memory?) "
+        "(2 restarts used: --max-restarts 2)"
+    )
+
+
 def test_a_failure_after_the_last_checkpoint_completes_the_job(capsys):
     """A rank lost after the last save (its checkpoint holds every step): `restart` says
     there is nothing left (None), and the job ends well, with one line."""

@@ -92,7 +92,15 @@ def launch(nproc: int, argv: list[str], run_rank, script: str, max_restarts=0, r
             f"hplab: restart {attempt + 1} of {max_restarts}: {why}; resuming from step {resumed}",
             file=sys.stderr,
         )
+        if step is None:  # it died before its first step: give what killed it time to pass
+            time.sleep(backoff_s(attempt))
     return 1  # (unreachable: count() does not end)
+
+
+def backoff_s(attempt: int) -> float:
+    """How long to wait before restarting an attempt that died before its first step: 1 s,
+    then twice as long each time, at most 16 s (a loop of instant deaths must not spin)."""
+    return float(min(2**attempt, 16))
 
 
 def _used(n: int) -> str:
