@@ -36,6 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from hplab.config import Layout, OptimConfig, validate
+from hplab.models import gpt as gpt_model
 from hplab.models import llama
 from hplab.parallel import cp, fsdp, moe, placement, pp, tp
 from hplab.parallel.collectives import Communicator
@@ -125,7 +126,7 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: Layout) -> nn.Module:
     if layout.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
         is_llama = gpt.config.arch == "llama"
         plan, blocks = (
-            (llama.TP_PLAN, "model.layers") if is_llama else (gpt.TP_PLAN, "transformer.h")
+            (llama.TP_PLAN, "model.layers") if is_llama else (gpt_model.TP_PLAN, "transformer.h")
         )
         plan = tp.with_experts(plan, blocks) if gpt.config.n_experts else plan
         tp.parallelize(gpt, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)
