@@ -1,4 +1,4 @@
-"""Start-up and the device mesh: who is who among the processes.
+"""Start-up: joining the process group, and this rank's device.
 
 Every "device" in hplab is one operating-system process. `torchrun` starts N of them and tells
 each, through environment variables, its global `RANK`, the `WORLD_SIZE` and its `LOCAL_RANK`
@@ -7,15 +7,8 @@ on this machine. Each process then joins one process group over a backend:
 * **NCCL** when every local rank has its own GPU — the real thing;
 * **gloo** on CPU otherwise — the same collectives, over TCP on this machine.
 
-A training layout `dp × cp × tp × pp` arranges the N ranks in a grid. We number it as
-Megatron-LM does, tensor-parallel ranks adjacent (they talk the most, so on a real cluster they
-share a node's fast links), then context parallel, then data parallel, then pipeline parallel:
-
-    rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank
-
-Each rank belongs to one group of each family: its `tp` group (same dp, cp and pp coordinates),
-its `dp` group, and so on. Collectives of a strategy run inside its own family's group only.
-"""
+How the N ranks are arranged in a grid, and which groups they form, is the mesh's
+(`hplab.parallel.mesh`)."""
 
 from __future__ import annotations
 
