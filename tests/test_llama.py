@@ -12,6 +12,7 @@ one process's losses (fp32, 1e-5). The layouts that do not cut it yet are one li
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -278,6 +279,81 @@ def _hugging_face_models_under_tensor_parallel() -> dict:
     return out
 
 
+KV_SWEEP = [
+    (arch, kv, t) for arch in ("llama", "qwen2", "mixtral") for kv in (1, 2, 4) for t in (2, 4)
+]
+
+
+def _hugging_face_k_v_sweep() -> dict:
+    """Each shipped plan on transformers' own models (`llama.TP_PLAN` on LlamaForCausalLM and
+    Qwen2ForCausalLM, `llama.ATTENTION_TP_PLAN` on MixtralForCausalLM) with 1, 2 and 4 K/V
+    heads, cut over tp 2 (a DeviceMesh's "tp" dimension: two groups side by side) and tp 4 (the
+    world), then 3 AdamW steps of an ordinary loop (backward, step, zero_grad: nothing else).
+    Relative errors of the losses and of the first step's gradients (pieces glued back, as one
+    vector) against the uncut model's, by (arch, K/V heads, tp)."""
+    import copy
+
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hplab.models import llama
+    from hplab.parallel import placement, tp
+    from hplab.parallel.collectives import communicator
+
+    def glued_grads(model, comm):  # every gradient as one vector, tp pieces glued back
+        split = {n: placement.of(p).split for n, p in model.named_parameters()}
+        return torch.cat(
+            [
+                (p.grad if split[n] is None else tp.unshard(p.grad, split[n], comm)).flatten()
+                for n, p in sorted(model.named_parameters())
+            ]
+        )
+
+    def train(model, loss_fn, x, y, comm=None):  # losses, and the first step's gradients
+        optimizer, losses, grads = torch.optim.AdamW(model.parameters(), lr=3e-3), [], None
+        for _ in range(3):
+            loss = loss_fn(model(input_ids=x).logits, y)
+            loss.backward()
+            grads = glued_grads(model, comm) if grads is None else grads
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        return losses, grads
+
+    groups = {2: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"], 4: None}
+    out = {}
+    for arch, kv in dict.fromkeys((arch, kv) for arch, kv, _ in KV_SWEEP):
+        config = dataclasses.replace(TINY, n_kv_head=kv, qkv_bias=arch == "qwen2")
+        hf_config = hf.to_hf_config(config)
+        kind = getattr(transformers, hf.architecture(config))
+        if arch == "mixtral":  # its experts: 3-D parameters, left whole
+            settings = {k: v for k, v in hf_config.to_dict().items() if k != "model_type"}
+            hf_config = transformers.MixtralConfig(
+                **settings, num_local_experts=4, num_experts_per_tok=2
+            )
+            kind = transformers.MixtralForCausalLM
+        torch.manual_seed(0)
+        whole = kind(hf_config).float()
+        initial = copy.deepcopy(whole)
+        x, y = tokens(config, seed=0), tokens(config, seed=10)
+        want, want_grads = train(
+            whole, lambda z, t: F.cross_entropy(z.flatten(0, 1), t.flatten()), x, y
+        )
+        plan = llama.ATTENTION_TP_PLAN if arch == "mixtral" else llama.TP_PLAN
+        for t, group in groups.items():
+            cut = tp.parallelize(copy.deepcopy(initial), group, plan)
+            loss = functools.partial(
+                tp.vocab_parallel_cross_entropy, comm=group, vocab_size=config.vocab_size
+            )
+            got, grads = train(cut, loss, x, y, communicator(group, "tp"))
+            out[arch, kv, t] = dict(
+                losses=max(abs(a - b) / abs(b) for a, b in zip(got, want)),
+                grads=float((grads - want_grads).norm() / want_grads.norm()),
+                trained=want[-1] < want[0],
+            )
+    return out
+
+
 def _hugging_face_model_under_context_parallel() -> dict:
     """transformers' LlamaForCausalLM made context-parallel by cp.parallelize over the world:
     each rank hands it only its tokens; its logits, and the gradients averaged over the ranks,
@@ -338,6 +414,8 @@ def _launch(directory: str) -> dict:
                 g["cp"]["send"]["bytes"] for g in metrics["comm_by_group"]
             ]
     compose.clip_grad_norm_ = clip
+    if dist.get_world_size() == 4:
+        out["hugging face, K/V heads"] = _hugging_face_k_v_sweep()
     if dist.get_world_size() == 2:
         out["hugging face"] = _hugging_face_models_under_tensor_parallel()
         out["hugging face, context parallel"] = _hugging_face_model_under_context_parallel()
@@ -465,6 +543,17 @@ def test_the_plan_cuts_hugging_faces_own_llama_and_qwen2(runs, name):
     losses = runs["hugging face"]
     assert losses[name, True] == pytest.approx(losses[name, False], rel=1e-5, abs=0)
     assert losses[name, False][-1] < losses[name, False][0]
+
+
+@pytest.mark.parametrize("case", KV_SWEEP, ids=[f"{a}-kv{k}-tp{t}" for a, k, t in KV_SWEEP])
+def test_every_plan_trains_hugging_faces_models_with_any_k_v_heads_in_a_plain_loop(runs, case):
+    """transformers' Llama, Qwen2 and Mixtral with 1, 2 and 4 K/V heads, cut at tp 2 and 4 and
+    trained in an ordinary loop: where several ranks hold one K/V head (fewer heads than ranks),
+    each rank's gradient is a part of the whole, and the hook tp's layer set sums the parts in
+    backward, so its gradients are one process's and 3 AdamW steps give its losses (fp32: 1e-5)."""
+    errors = runs["hugging face, K/V heads"][case]
+    assert errors["trained"]
+    assert errors["losses"] <= 1e-5 and errors["grads"] <= 1e-5, errors
 
 
 @pytest.mark.parametrize(

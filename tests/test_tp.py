@@ -67,24 +67,6 @@ def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimi
     )
 
 
-def sum_partial_grads(model, comm) -> None:
-    """What the composition does after backward under sequence parallel: parameters whose
-    placement records a Partial gradient over tp hold partial sums; add them over the tp group
-    (one message)."""
-    from hplab.parallel import placement
-
-    grads = [
-        p.grad
-        for p in model.parameters()
-        if "tp" in placement.of(p).partial_grad_over and p.grad is not None
-    ]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat)
-    torch._foreach_copy_(
-        grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)]
-    )
-
-
 @torch.no_grad()
 def full_grads(model, comm) -> dict:
     """Every parameter's full gradient, by name (tp pieces glued back)."""
@@ -240,8 +222,6 @@ def _train_tensor_parallel(model, comm, steps, batches, forward, sequence_parall
     for x, y in batches[:steps]:
         out_logits, loss = forward(model, x, y)
         loss.backward()
-        if sequence_parallel:
-            sum_partial_grads(model, comm)
         if logits is None:
             logits = gather_vocab(out_logits, comm, model.config.vocab_size)
             grads = full_grads(model, comm)
@@ -359,8 +339,6 @@ def _ledger_checks(comm, ledger, sequence_parallel: bool) -> dict:
     ledger.reset()
     _, loss = model(x, y)
     loss.backward()
-    if sequence_parallel:
-        sum_partial_grads(model, comm)
     return {"block_forward": block_forward, "block_backward": block_backward, "model": read()}
 
 
@@ -435,8 +413,9 @@ def _dtensor_checks(comm) -> dict:
 
 
 def _layout_checks(mesh, sequence_parallel: bool, recompute: bool = False) -> dict:
-    """tp × dp in a plain loop built from the markers tp.parallelize leaves: 2 microbatches,
-    gradients averaged over dp, sequence-parallel partial sums added over tp, clipping by the
+    """tp × dp in a plain loop built from the placement records tp.parallelize leaves: 2
+    microbatches, gradients averaged over dp (sequence parallel's partial sums over tp are the
+    hooks' own, in backward: the loop does nothing for them), clipping by the
     global norm (tp pieces summed over tp, replicated parameters counted once), AdamW — and
     recompute (backward re-runs each block's forward, collectives included). Against one
     process training on the whole global batch with torch's own clip_grad_norm_."""
@@ -470,8 +449,6 @@ def _layout_checks(mesh, sequence_parallel: bool, recompute: bool = False) -> di
         for p in model.parameters():
             mesh.dp.all_reduce(p.grad)
             p.grad /= mesh.dp_size
-        if sequence_parallel:
-            sum_partial_grads(model, mesh.tp)
         pieces = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if tp.is_split(p))
         whole = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if not tp.is_split(p))
         norm = mesh.tp.all_reduce_scalar(pieces + (whole if mesh.tp.rank == 0 else 0.0)) ** 0.5
@@ -593,7 +570,10 @@ def test_ledger_tensor_parallel_block(world2):
 
 def test_ledger_sequence_parallel_block(world2):
     """Sequence parallel: all-gather before, reduce-scatter after each TP region (b·s·h each);
-    backward mirrors them and gathers each column layer's tokens once more."""
+    backward mirrors them, gathers each column layer's tokens once more, and sums the gradient
+    of each of the block's 6 whole parameters (2 layer norms' gains and biases, 2 row-parallel
+    biases: h numbers each) over the group, one hook's all-reduce each."""
+    h = CONFIG["n_embd"]
     for rank in world2:
         led = rank["ledger_sp"]
         assert led["block_forward"] == {
@@ -603,6 +583,7 @@ def test_ledger_sequence_parallel_block(world2):
         assert led["block_backward"] == {
             "all_gather": [4, 4 * _bsh_bytes()],
             "reduce_scatter": [2, 2 * _bsh_bytes()],
+            "all_reduce": [6, 6 * h * 4],
         }
 
 
@@ -617,10 +598,11 @@ def test_ledger_whole_model(world2):
         }
         h, S = CONFIG["n_embd"], CONFIG["n_positions"]
         replicated = L * (4 * h + 2 * h) + 2 * h + S * h  # layer norms, row biases, ln_f, wpe
+        whole = 6 * L + 3  # those parameters: each gradient summed by its hook, in backward
         assert rank["ledger_sp"]["model"] == {
             "all_gather": [6 * L + 3, (6 * L + 3) * _bsh_bytes()],
             "reduce_scatter": [4 * L + 2, (4 * L + 2) * _bsh_bytes()],
-            "all_reduce": [3 + 1, 3 * bs_floats + replicated * 4],
+            "all_reduce": [3 + whole, 3 * bs_floats + replicated * 4],
         }
 
 

@@ -39,14 +39,12 @@ from hplab.config import Layout, OptimConfig, validate
 from hplab.models import gpt as gpt_model
 from hplab.models import llama
 from hplab.parallel import cp, fsdp, moe, placement, pp, tp
-from hplab.parallel.collectives import Communicator
 from hplab.parallel.ddp import DDP
 from hplab.parallel.mesh import Mesh
 from hplab.parallel.optim import WrappedOptimizer, stepped_groups
 from hplab.parallel.precision import MasterWeightOptimizer, MixedPrecision
 from hplab.parallel.zero import ZeroOptimizer
 from hplab.plan.formulas import learning_rate
-from hplab.runtime.group import new_group
 
 ADAMW = dict(betas=(0.9, 0.95), foreach=False)  # foreach=False: the same update on shards
 
@@ -61,8 +59,8 @@ class TrainState:
     """One rank's training: the model `parallelize` returned, the optimizer and schedule built
     beside it, and what `train_step` derives from them once: the whole GPT behind the wrappers,
     the precision (fp16's loss scaler), the pipeline executor over the model's stages, and the
-    groups whose gradients `finalize_grads` sums (the tied embedding's, shared K/V heads').
-    Building it creates those groups: every rank builds one, in the same order."""
+    group whose gradients `finalize_grads` sums (the pipeline's tied embedding). Building it
+    creates those groups: every rank builds one, in the same order."""
 
     model: nn.Module  # what runs forward: DDP(gpt), the fully-sharded gpt, or DDP(stages)
     optimizer: torch.optim.Optimizer
@@ -74,7 +72,6 @@ class TrainState:
     precision: MixedPrecision = field(init=False)
     pipeline: pp.PipelineExecutor | None = field(init=False)
     tied_comm: object = field(init=False)
-    kv_comm: object = field(init=False)  # the ranks sharing this rank's K/V heads (fewer heads)
     # called as fn(self) after each optimizer step (taken or skipped), before zero_grad: what
     # observers measure then (hplab.observe.observers)
     on_step_end: list = field(default_factory=list)
@@ -83,7 +80,6 @@ class TrainState:
         stages = pipeline_stages(self.model)
         self.gpt = whole_model(self.model)
         self.precision = MixedPrecision(self.layout.precision)
-        self.kv_comm = kv_replica_group(self.gpt, self.mesh)  # (every rank creates every group)
         self.pipeline = build_pipeline(stages, self.mesh, self.layout) if stages else None
         self.tied_comm = pp.tied_embedding_group(self.mesh) if stages else None
 
@@ -205,21 +201,6 @@ def lr_factor(optim: OptimConfig, step: int) -> float:
     return learning_rate(step, o.lr, o.warmup_steps, o.lr_decay, o.decay_steps, o.min_lr) / o.lr
 
 
-def kv_replica_group(gpt, mesh: Mesh):
-    """The ranks of this rank's tp group that hold its K/V heads alike, when a Llama has fewer
-    K/V heads than tp ranks (`models.llama.kv_heads`), as a Communicator: their gradients are
-    partial sums to add up. None when each rank holds its own."""
-    replicas = max((placement.of(p).kv_replicas for p in gpt.parameters()), default=1)
-    mine = None
-    if replicas > 1:
-        for ranks in mesh.groups["tp"]:
-            for block in (ranks[i : i + replicas] for i in range(0, len(ranks), replicas)):
-                group = new_group(block)  # (every rank creates every group, in the same order)
-                if mesh.rank in block:
-                    mine = Communicator(group, "tp_kv", mesh.ledger, block, mesh.device)
-    return mine
-
-
 def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) -> nn.Module:
     """Over mesh.dp_cp (the dp ranks and their cp ranks: all hold the same weights): ZeRO-3 as
     fully_shard (each block a unit, then the root), else DDP around what this rank holds; none
@@ -296,37 +277,21 @@ def _all_reduce_grads(grads: list[torch.Tensor], comm, scale: float = 1.0) -> No
 
 
 @torch.no_grad()
-def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None, kv_comm=None):
+def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None):
     """Every synchronisation after backward (Megatron's `finalize_model_grads`), in order:
     1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished; under
        expert parallel (no DDP) dense gradients are averaged over dp, experts' over edp (under
-       ZeRO-1/2 its optimizer does both, in 3). Context parallel's ranks hold the same weights
+       ZeRO-1/2 its optimizer does both, in 2). Context parallel's ranks hold the same weights
        and each rank's loss saw its s/cp tokens: all of these average over dp × cp;
-    2. sequence parallel: tp-replicated parameters saw s/tp tokens per rank: sum their grads;
-       K/V heads shared by several tp ranks saw their query heads only: sum over `kv_comm`
-       (ZeRO-2's, which its hooks have already reduce-scattered, in its shards after 3);
-    3. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards;
-    4. the pipeline's tied embedding: first and last stage sum its gradients (same step)."""
+    2. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards;
+    3. the pipeline's tied embedding: first and last stage sum its gradients (same step).
+    Tensor parallel's partial sums (sequence parallel's whole parameters, K/V heads shared by
+    several ranks) need nothing here: their hooks summed them in backward (tp.py)."""
     finish_gradient_sync(model)
     if mesh.ep_size > 1 and not isinstance(optimizer, ZeroOptimizer):  # (ZeRO: two groups)
         moe.sync_gradients(list(model.parameters()), mesh.dp_cp, mesh.edp_cp)
-    params = list(model.parameters())
-    tp_comm = mesh.tp if mesh.tp_size > 1 else None
-    partial_sums = [  # (over which ranks, the parameters whose gradients are partial sums)
-        (comm, [p for p in params if name in placement.of(p).partial_grad_over])
-        for comm, name in ((tp_comm, "tp"), (kv_comm, "tp_kv"))
-    ]
-    sharded = isinstance(optimizer, ZeroOptimizer) and optimizer.stage == 2  # (grads moved)
-    if not sharded:
-        for comm, partial in partial_sums:
-            if comm is not None and (grads := [p.grad for p in partial if p.grad is not None]):
-                _all_reduce_grads(grads, comm)
     if isinstance(optimizer, WrappedOptimizer):  # ZeroOptimizer, MasterWeightOptimizer
         optimizer.reduce_gradients()
-    if sharded:
-        for comm, partial in partial_sums:  # (the same pieces on each tp rank)
-            if comm is not None and (grads := optimizer.shard_grads(partial)):
-                _all_reduce_grads(grads, comm)
     if tied_comm and optimizer is not None:
         for group in stepped_groups(optimizer):
             if group.get("tied"):
@@ -398,7 +363,7 @@ def train_step(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
                 (microbatch_loss * scale / m).backward()
             losses.append(microbatch_loss.detach())
         loss = float(torch.stack(losses).mean())
-    finalize_grads(par.model, mesh, par.optimizer, par.tied_comm, par.kv_comm)
+    finalize_grads(par.model, mesh, par.optimizer, par.tied_comm)
     grads = [
         t.grad for g in stepped_groups(par.optimizer) for t in g["params"] if t.grad is not None
     ]

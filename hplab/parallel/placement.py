@@ -85,8 +85,8 @@ class ParamPlacement:
 
     @property
     def partial_grad_over(self) -> tuple[str, ...]:
-        """The groups over which this rank's gradient is only a part of the whole, still to be
-        summed after backward: "tp" (sequence parallel), "tp_kv" (shared K/V heads)."""
+        """The groups over which this rank's backward computes only a part of the gradient:
+        "tp" (sequence parallel), "tp_kv" (shared K/V heads); tp's hooks sum the parts."""
         over = ("tp",) if isinstance(self.tp_grad, Partial) else ()
         return over + (("tp_kv",) if self.kv_replicas > 1 else ())
 

@@ -36,7 +36,8 @@ parallel cuts those along the *sequence*: each rank keeps s/T tokens of the resi
 becomes a reduce-scatter (sum, keep my tokens), f an all-gather (everyone's tokens, before the
 column-parallel matmul): together what one all-reduce moves, with T times less activation
 memory. Parameters left whole (layer norms, row-parallel biases, position embeddings) see s/T
-tokens per rank: `parallelize` records their gradient as Partial over tp (`placement`).
+tokens per rank, so each rank's gradient is a partial sum: `parallelize` records it as Partial
+over tp (`placement`) and a hook adds each backward's part over the group (section 3).
 
 Collectives per transformer block, every payload b·s·h (b sequences of s tokens, hidden h):
 
@@ -61,6 +62,7 @@ from hplab.config import check_tensor_parallel
 from hplab.parallel import placement
 from hplab.parallel.collectives import Communicator, communicator
 from hplab.parallel.placement import Split
+from hplab.runtime.group import new_group
 
 
 class TensorParallelError(ValueError):
@@ -237,6 +239,41 @@ def cut(p: nn.Parameter | None, split: Split, comm: Communicator) -> nn.Paramete
     return p
 
 
+def sum_gradient_in_backward(p: nn.Parameter | None, comm: Communicator) -> None:
+    """`p` is held alike by every rank of `comm`, but each rank's backward sees only part of its
+    use (sequence parallel: its s/T tokens; a K/V head shared by several ranks: their query
+    heads), so each rank's gradient is a partial sum. A hook adds every backward's part over
+    `comm` before it accumulates into `p.grad`: the gradient is whole when `backward()` returns,
+    in any loop, under DDP, ZeRO or fully_shard alike (each sees the whole gradient)."""
+    if p is not None and p.requires_grad:
+        p.register_hook(functools.partial(_all_reduce, comm=comm))
+
+
+_REPLICA_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # ranks → their group, made once
+
+
+def replica_comm(comm: Communicator, replicas: int) -> Communicator:
+    """The `replicas` consecutive ranks of `comm` that hold this rank's piece alike (a K/V head
+    shared by several ranks), as a Communicator named "tp_kv". Only those ranks create its
+    group (`use_local_synchronization`): a tp group inside a bigger mesh needs no one else."""
+    first = comm.rank // replicas * replicas
+    ranks = comm.ranks[first : first + replicas]
+    if len(ranks) == comm.size:  # every rank holds the same heads: the tp group itself
+        return Communicator(comm.group, "tp_kv", comm.ledger, ranks, comm.device)
+    group = _REPLICA_GROUPS.get(tuple(ranks))
+    if group is None or not _registered(group):  # (a new process group since: make it again)
+        group = _REPLICA_GROUPS[tuple(ranks)] = new_group(ranks, local=True)
+    return Communicator(group, "tp_kv", comm.ledger, ranks, comm.device)
+
+
+def _registered(group) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError):  # destroyed with the process group it belonged to
+        return False
+    return True
+
+
 # --- 4. The parallel layers: `Layer(full_module, comm, sequence_parallel)` keeps my pieces ---
 # Hugging Face's `Conv1D` stores its weight [in, out], not [out, in]: cut along the other dim.
 
@@ -251,6 +288,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = cut(linear.weight, Split(int(self.in_out), fused, None, replicas), comm)
         self.bias = cut(linear.bias, Split(0, fused, None, replicas), comm)
         self.comm = comm
+        if replicas > 1:  # each replica's gradient covers its query heads only: sum them
+            for p in (self.weight, self.bias):
+                sum_gradient_in_backward(p, replica_comm(comm, replicas))
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -410,4 +450,5 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
         unsaid = placement.of(p).tp_grad is None  # (a mixture of experts' is whole, see above)
         if sequence_parallel and not is_split(p) and unsaid:
             placement.update(p, tp_grad=placement.Partial())
+            sum_gradient_in_backward(p, comm)  # (summed in backward: whole in any loop)
     return model

@@ -170,9 +170,10 @@ def current_device() -> torch.device:
     return DEVICE
 
 
-def new_group(ranks: list[int]):
-    """`dist.new_group` with the world's timeout (torch's default for a new group: 30 min)."""
-    return dist.new_group(ranks, timeout=TIMEOUT)
+def new_group(ranks: list[int], local: bool = False):
+    """`dist.new_group` with the world's timeout (torch's default for a new group: 30 min).
+    `local`: only `ranks` call it (torch's `use_local_synchronization`), not every rank."""
+    return dist.new_group(ranks, timeout=TIMEOUT, use_local_synchronization=local)
 
 
 def group_options():
