@@ -8,8 +8,9 @@ hplab's `tiny` GPT on random tokens.
 
 Tolerances: fp32 must equal the single-process reference to 1e-5 relative, measured on the whole
 parameter vector, ||θ - θ_ref|| / ||θ_ref|| (see tests/test_ddp.py for why not tensor by
-tensor). The reference follows ZeRO's rule for a trainable parameter without a gradient: it
-steps with a zero gradient (as in DDP). bf16 params with fp32 masters: the masters must track
+tensor). A trainable parameter without a gradient is skipped, as torch's AdamW skips it (the
+reference is torch's own: the unused parameter, and one frozen after the optimizer was built,
+never move, weight decay included). bf16 params with fp32 masters: the masters must track
 the single-process bf16 + fp32-master run within 2e-2 relative after 3 steps: the gradients
 are bf16 (8 significant bits, relative rounding 2⁻⁸ ≈ 4e-3), and ZeRO sums the ranks' halves
 in bf16 where one process sums the whole batch, a rounding or two apart per step; Adam's
@@ -101,13 +102,11 @@ def decay_groups(model):
 
 
 def reference(model, batches, groups=None):
-    """One process, the whole global batch, AdamW; a trainable param without grad steps 0."""
+    """One process, the whole global batch, torch's AdamW (which skips a parameter that got no
+    gradient: the unused one never moves, weight decay included)."""
     opt = torch.optim.AdamW(groups or model.parameters(), lr=LR, weight_decay=WD, foreach=False)
     for x, y in batches:
         model(x, y)[1].backward()
-        for p in model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad()
     return model, opt
@@ -195,10 +194,12 @@ def _state_checks(out, opt, named, ref_model, ref_opt, stage):
     for p, v in values.items():
         r = ref_params[names[p]]
         worst_value = max(worst_value, float((v - r).norm() / r.norm()))
+        ref_state = ref_opt.state.get(r, {})  # (none for the unused parameter: torch skipped it)
         for key in ("exp_avg", "exp_avg_sq") if p.requires_grad else ():
-            t, rt = states[p][key], ref_opt.state[r][key]
+            t = states[p][key]
+            rt = ref_state.get(key, torch.zeros_like(t))  # skipped: its moments stay 0 here
             worst_state = max(worst_state, float((t - rt).norm() / rt.norm().clamp_min(1e-12)))
-        if p.requires_grad:
+        if p.requires_grad and ref_state:
             steps = float(states[p]["step"]), float(ref_opt.state[r]["step"])
             out[f"s{stage}_step_equal"] = steps[0] == steps[1]
     out[f"s{stage}_full_values"], out[f"s{stage}_full_states"] = worst_value, worst_state
@@ -238,6 +239,28 @@ def _state_checks(out, opt, named, ref_model, ref_opt, stage):
         for s_a, s_b in zip(again.full_state()[1].values(), states.values())
         for a, b in ((s_a[k], s_b[k]) for k in s_b)
     )
+
+
+def _frozen_mid_run(out):
+    """Fine-tuning that freezes a layer after the optimizer was built: from then on the frozen
+    weight gets no gradient, and ZeroOptimizer leaves it alone as torch's AdamW does (stepping
+    it with a zero gradient, weight decay 0.1 moved it 7e-5 a step). Its max change over the
+    two steps after it was frozen, under stages 1 and 2."""
+    x, y = toy_data()[0]
+    for stage in (1, 2):
+        model = toy()
+        opt = ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, stage=stage, lr=LR, weight_decay=0.1
+        )
+        for step in range(3):
+            if step == 1:
+                model.inp.weight.requires_grad_(False)
+                frozen = model.inp.weight.detach().clone()
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        out[f"toy_s{stage}_frozen_mid_run"] = float((model.inp.weight - frozen).abs().max())
+        out[f"toy_s{stage}_others_moved"] = float((model.out.weight - toy().out.weight).abs().max())
 
 
 def _toy_checks(out):
@@ -367,6 +390,7 @@ def _worker(world_size):
     """Every check, on one rank of a `world_size`-process launch; numbers for the tests."""
     out = {}
     _toy_checks(out)
+    _frozen_mid_run(out)
     _gpt_checks(out)
     return out
 
@@ -386,6 +410,14 @@ def results():
             "checksums": [(r["toy_s1_checksum"], r["toy_s2_checksum"]) for r in ranks]
         }
     return out
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_frozen_mid_run_no_longer_moves(results, n, stage):
+    """As torch's optimizers skip a parameter whose .grad is None (weight decay included)."""
+    assert results[n][f"toy_s{stage}_frozen_mid_run"] == 0.0
+    assert results[n][f"toy_s{stage}_others_moved"] > 1e-4  # (the rest still trains)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)

@@ -54,7 +54,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.reduce_gradients()
         for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner.update({k: v for k, v in group.items() if k != "params"})  # e.g. a new lr
-        self.inner.step()
+        self._step_inner()
         self._write_back()
         self.reduced = False
         return loss
@@ -70,6 +70,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def _reduce_gradients(self) -> None:
         raise NotImplementedError
+
+    def _step_inner(self) -> None:
+        self.inner.step()
 
     def _write_back(self) -> None:
         raise NotImplementedError

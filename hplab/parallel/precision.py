@@ -118,9 +118,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self.wrap(optimizer_class, masters, **optimizer_kwargs)
 
     def _reduce_gradients(self) -> None:
-        """Every master's `.grad` := its parameter's gradient in fp32 (zeros if it got none)."""
+        """Every master's `.grad` := its parameter's gradient in fp32; None if it got none, so
+        `inner` skips it, as torch's optimizers skip a parameter without a gradient."""
         for p, master in self.masters.items():
-            master.grad = torch.zeros_like(master) if p.grad is None else p.grad.float()
+            master.grad = None if p.grad is None else p.grad.float()
 
     def _write_back(self) -> None:
         for p, master in self.masters.items():

@@ -57,9 +57,13 @@ its gradient already sums the tokens of its whole ep group, so it is divided by 
 by its group's. Without these keys a group is sharded over `group` and divided by its size.
 
 Any element-wise `torch.optim` optimizer works (SGD, Adam, AdamW); LAMB or Adafactor, which
-look at whole tensors, would not. A trainable parameter without a gradient steps with a zero
-gradient (as in DDP). Frozen parameters are broadcast and left out. Every rank must run the
-same graph (the same buckets complete in the same order).
+look at whole tensors, would not. A parameter that got no gradient in a step (unused, or frozen
+after the optimizer was built) is left alone, as torch's optimizers skip one whose `.grad` is
+None: its elements of the shard and of the optimizer state are put back after the inner step
+(no weight decay, no moment update). One difference remains: Adam's step count is the
+shard's, so a parameter that sits out some steps and trains again later resumes with the
+shard's bias correction, not its own. Frozen parameters are broadcast and left out. Every rank
+must run the same graph (the same buckets complete in the same order).
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class FlatBucket:
         placement.derive(params[0], self.master, **whole)
         self.grad_shard: torch.Tensor | None = None
         self.ready: set = set()  # stage 2: params whose gradient arrived since the last send
+        self.arrived: set = set()  # params with a gradient this step (the others sit it out)
         self.reducing: list = []  # (input, output, Pending) of in-flight reduce-scatters
 
     @torch.no_grad()
@@ -130,6 +135,7 @@ class FlatBucket:
         for p, where in self.slices:
             if p.grad is not None:
                 flat[where].copy_(p.grad.reshape(-1))
+                self.arrived.add(p)
                 if free_grads:
                     p.grad = None
         flat.div_(self.divisor)
@@ -142,6 +148,17 @@ class FlatBucket:
             pending.wait()
             self.grad_shard = out if self.grad_shard is None else self.grad_shard.add_(out)
         self.reducing = []
+
+    def idle(self) -> list[slice]:
+        """The pieces of this rank's shard whose parameters got no gradient this step, on this
+        rank or any other (their averaged gradient is all zeros)."""
+        pieces = []
+        for p, where in self.slices:
+            lo = max(where.start, self.lo) - self.lo
+            hi = min(where.stop, self.hi) - self.lo
+            if p not in self.arrived and lo < hi and not self.master.grad[lo:hi].any():
+                pieces.append(slice(lo, hi))
+        return pieces
 
     def start_all_gather(self):
         """Every rank's new master shard into the flat param buffer (rounded to its dtype)."""
@@ -339,20 +356,21 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
                 else b.grad_shard.to(b.master.device, torch.float32)
             )
 
-    def shard_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """After `reduce_gradients()`: the pieces of `params`' averaged gradients that this
-        rank's master shards hold (views into their `.grad`), in bucket order, for a sum the
-        gradients still owe over another group (sequence parallel's over tp). Under stage 2
-        this is the only copy left: backward's hooks freed the parameters' own."""
-        wanted = set(params)
-        pieces = []
+    @torch.no_grad()
+    def _step_inner(self) -> None:
+        """`inner.step()`, then the pieces of parameters without a gradient put back as they
+        were: the master shard and each optimizer state of its shape (Adam's moments)."""
+        kept = []
         for b in self.buckets:
-            for p, where in b.slices:
-                lo = max(where.start, b.lo)
-                hi = min(where.stop, b.hi)
-                if p in wanted and lo < hi:
-                    pieces.append(b.master.grad[lo - b.lo : hi - b.lo])
-        return pieces
+            if idle := b.idle():
+                state = self.inner.state.get(b.master, {})
+                tensors = [b.master] + [t for t in state.values() if torch.is_tensor(t) and t.dim()]
+                kept += [(t, piece, t[piece].clone()) for t in tensors for piece in idle]
+        self.inner.step()
+        for t, piece, before in kept:
+            t[piece] = before  # (state born in this step starts at zeros: zero grads keep it so)
+        for b in self.buckets:
+            b.arrived.clear()
 
     def _write_back(self) -> None:
         """Every rank's new shards into every rank's flat buffers, all in flight at once."""
@@ -368,6 +386,7 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
             b.master.grad = None
             b.grad_shard = None
             b.ready.clear()
+            b.arrived.clear()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """For the MemoryLedger (a master that is a view of the params counts once, as params)."""
