@@ -671,6 +671,22 @@ def test_command_line_errors_are_one_line(capsys):
     assert "no such file" in capsys.readouterr().err
 
 
+def test_a_folder_or_a_device_for_the_file_is_one_line(tmp_path, capsys):
+    """A folder names the exercise file in it (or the one it holds); a device is no file."""
+    assert main(["memory", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"hplab: error: {tmp_path} is a folder, not your exercise file: "
+        "name a file in it, lab00_memory.py"
+    )
+    (tmp_path / "lab00_memory.py").write_text("")
+    assert main(["memory", str(tmp_path)]) == 2
+    assert f"did you mean {tmp_path / 'lab00_memory.py'}?" in capsys.readouterr().err
+    assert main(["memory", "/dev/null"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "/dev/null is not a regular file" in err and "\n" not in err
+
+
 def test_a_file_that_exits_fails_with_one_line(tmp_path, capsys):
     exits = tmp_path / "exits.py"
     exits.write_text("import sys\nsys.exit(0)\n")

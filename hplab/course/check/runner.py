@@ -114,13 +114,25 @@ def _merge(per_rank: list[list[Result]]) -> list[Result]:
     ]
 
 
+def check_exercise_file(path: Path, file: str) -> None:
+    """ValueError, one line, unless `path` is a regular file (a folder names the file in it)."""
+    if path.is_dir():
+        inside = path / file
+        hint = f"did you mean {inside}?" if inside.is_file() else f"name a file in it, {file}"
+        raise ValueError(f"{path} is a folder, not your exercise file: {hint}")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path} is not a regular file (a pipe or a device?): name a .py file")
+    if not path.exists():
+        raise ValueError(f"no such file: {path}")
+
+
 def run_check(name: str, paths: list[str | Path], limit_s: float = FILE_LIMIT_S, fork=False):
     """Per file, its Results, all checked in one launch (ValueError: unknown exercise or file)."""
     if name not in EXERCISES:
         raise ValueError(f"unknown exercise {name!r}: choose one of {', '.join(EXERCISES)}")
     nproc, paths = EXERCISES[name].nproc, [str(Path(p).resolve()) for p in paths]
-    if missing := [p for p in paths if not Path(p).is_file()]:
-        raise ValueError(f"no such file: {missing[0]}")
+    for path in map(Path, paths):
+        check_exercise_file(path, EXERCISES[name].file)
     if nproc == 0:
         return check_files(name, paths, limit_s, fork)
     files = Snapshot()  # (the ranks and their sandboxes have all ended when it is compared)
