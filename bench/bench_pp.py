@@ -102,7 +102,7 @@ def torch_1f1b():
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import build_model
     from hplab.parallel import pp
-    from hplab.parallel.compose import finalize_grads, make_sharded_optimizer
+    from hplab.parallel.compose import make_sharded_optimizer, sync_gradients
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.precision import MixedPrecision
 
@@ -128,7 +128,7 @@ def torch_1f1b():
             runner.step(target=y)
         else:
             runner.step()
-        finalize_grads(stage, mesh, opt, tied)  # the embedding's two copies: one gradient
+        sync_gradients(stage, mesh, opt, tied)  # the embedding's two copies: one gradient
         opt.step()
         opt.zero_grad()
 

@@ -5,7 +5,7 @@ docs/strategies.md): `hplab.DDP`, `hplab.ZeroOptimizer`, `hplab.fully_shard` (Ze
 `hplab.tp`, `hplab.pp`, `hplab.cp`, `hplab.moe`; `hplab.parallelize(model, mesh, layout)` (a
 `hplab.Layout`, checked by `hplab.validate`) composes them for a whole layout and returns the
 model, `hplab.build_optimizer` and `hplab.build_lr_scheduler` build what steps it beside it,
-`hplab.TrainState` holds the four for `hplab.train_step`, and `hplab.finalize_grads` does every
+`hplab.TrainState` holds the four for `hplab.train_step`, and `hplab.sync_gradients` does every
 sync after backward; `print(hplab.placement(model))` shows where each parameter lives. Names
 are imported on first use, so `import hplab` stays cheap (torch loads when needed). The
 course's tools live in `hplab.course` (the library never imports it); `hplab.lab`, `hplab.viz`,
@@ -32,7 +32,7 @@ _PUBLIC = {
             "build_lr_scheduler",
             "TrainState",
             "mark_no_decay",
-            "finalize_grads",
+            "sync_gradients",
             "train_step",
         ],
         "hplab.config": ["Layout", "ModelConfig", "OptimConfig", "LayoutError", "validate"],

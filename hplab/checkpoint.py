@@ -252,7 +252,9 @@ def load_pretrained(directory: str | Path) -> dict:
             if index.exists()
             else ["model.safetensors"]
         )
-        hf_state = {name: t for f in files for name, t in load_file(shard(directory, f)).items()}
+        hf_state = {
+            name: t for f in files for name, t in load_file(weights_file(directory, f)).items()
+        }
     except CheckpointError:
         raise
     except (ValueError, TypeError, KeyError, OSError, SafetensorError) as err:
@@ -282,7 +284,7 @@ def load_pretrained(directory: str | Path) -> dict:
     return {"config": config, "model": {name: model[name].float() for name in shapes}}
 
 
-def shard(directory: Path, name) -> Path:
+def weights_file(directory: Path, name) -> Path:
     """A file a sharded model's index names: a safetensors file inside `directory`."""
     if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
         raise CheckpointError(
@@ -321,13 +323,21 @@ def check_compatible(saved, wanted, advice="resume with the same --model and siz
 # meet on rank 0.
 
 
-def _tensor_parallel(p, t: torch.Tensor, mesh, glue: bool) -> torch.Tensor:
-    """On the CPU: `t` with its tensor-parallel slices glued (a collective over tp), or this
-    rank's slice cut from the full `t`; `t` itself where `p` is not split."""
+def _glued(p, t: torch.Tensor, mesh) -> torch.Tensor:
+    """On the CPU: `t` (of p's shape here) with every tp rank's piece glued into the full tensor
+    (a collective over tp); `t` itself where `p` is not split."""
     split = placement.of(p).split  # (None: whole over tp)
     if split is None or t.dim() == 0:
         return t.detach().cpu().clone()
-    return (tp.unshard if glue else tp.shard)(t.to(mesh.device), split, mesh.tp).cpu()
+    return tp.gather_full(t.to(mesh.device), split, mesh.tp).cpu()
+
+
+def _cut(p, t: torch.Tensor, mesh) -> torch.Tensor:
+    """On the CPU: this rank's tp piece of the full tensor `t`; `t` itself where `p` is whole."""
+    split = placement.of(p).split
+    if split is None or t.dim() == 0:
+        return t.detach().cpu().clone()
+    return tp.piece_of(t.to(mesh.device), split, mesh.tp).cpu()
 
 
 def _stepped(optimizer, p):
@@ -343,7 +353,7 @@ def gather_full_state(par) -> tuple[dict, dict]:
     state under its single-device name. A collective; the result is complete on rank 0."""
     mesh = par.mesh
     optimizer = par.optimizer
-    params = [(name, p) for name, p in par.gpt.named_parameters() if p.requires_grad]
+    params = [(name, p) for name, p in par.decoder.named_parameters() if p.requires_grad]
     if isinstance(optimizer, ZeroOptimizer):
         values, states = optimizer.full_state()
     else:
@@ -354,10 +364,9 @@ def gather_full_state(par) -> tuple[dict, dict]:
             full = functools.partial(fsdp.gather_full, p) if fsdp.is_shard(p) else lambda t: t
             values[p] = full(q.detach().float())
             states[p] = {k: full(t) for k, t in inner.state.get(q, {}).items()}
-    model_state = {name: _tensor_parallel(p, values[p], mesh, True) for name, p in params}
+    model_state = {name: _glued(p, values[p], mesh) for name, p in params}
     optimizer_state = {
-        name: {k: _tensor_parallel(p, t, mesh, True) for k, t in states[p].items()}
-        for name, p in params
+        name: {k: _glued(p, t, mesh) for k, t in states[p].items()} for name, p in params
     }
     if mesh.pp_size > 1 or mesh.ep_size > 1:  # to rank 0 in one gather: each stage from its
         # (dp 0, tp 0) rank, the experts that dp ranks 1 .. ep-1 hold (E/ep each) from them
@@ -378,12 +387,10 @@ def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
     """The reverse: every rank gets the full dicts and keeps the pieces it holds."""
     mesh = par.mesh
     optimizer = par.optimizer
-    params = [(name, p) for name, p in par.gpt.named_parameters() if p.requires_grad]
-    values = {p: _tensor_parallel(p, model_state[name].float(), mesh, False) for name, p in params}
+    params = [(name, p) for name, p in par.decoder.named_parameters() if p.requires_grad]
+    values = {p: _cut(p, model_state[name].float(), mesh) for name, p in params}
     states = {
-        p: {
-            k: _tensor_parallel(p, t, mesh, False) for k, t in optimizer_state.get(name, {}).items()
-        }
+        p: {k: _cut(p, t, mesh) for k, t in optimizer_state.get(name, {}).items()}
         for name, p in params
     }
     if isinstance(optimizer, ZeroOptimizer):
@@ -425,7 +432,7 @@ def save_run(par, directory, flags: dict, step: int, losses: list, background=Fa
         }
         if scaler is not None:
             trainer_state.update(loss_scale=scaler.scale, good_steps=scaler.good_steps)
-        state = (par.gpt.config, model_state, optimizer_state, trainer_state)
+        state = (par.decoder.config, model_state, optimizer_state, trainer_state)
         writer = threading.Thread(target=_write, args=(record, directory, state), daemon=True)
         WRITING.append(writer)
         writer.start()

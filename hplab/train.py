@@ -169,7 +169,7 @@ def run_claimed(args) -> dict | None:
     mesh = Mesh(pp=layout.pp, dp=layout.dp, cp=layout.cp, tp=layout.tp, ep=layout.ep, device=device)
     par = build_training(job, args.seed, mesh, device)
     if args.compile:
-        for block in par.gpt.blocks:  # (their hooks stay eager)
+        for block in par.decoder.blocks:  # (their hooks stay eager)
             block.forward = torch.compile(block.forward)
     first_step = checkpoint.restore(par, job.saved, bool(args.resume)) if job.saved else 0
     earlier = job.saved["trainer_state"]["losses"] if args.resume else []

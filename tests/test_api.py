@@ -22,7 +22,7 @@ PUBLIC = [
     "build_optimizer",
     "build_lr_scheduler",
     "TrainState",
-    "finalize_grads",
+    "sync_gradients",
     "Mesh",
     "placement",
     "init_distributed",
@@ -59,6 +59,6 @@ def test_public_names_are_the_building_blocks():
     assert hplab.build_lr_scheduler is compose.build_lr_scheduler
     assert hplab.TrainState is compose.TrainState
     assert hplab.FSDPModule is fsdp.FSDPModule
-    assert hplab.finalize_grads is compose.finalize_grads
+    assert hplab.sync_gradients is compose.sync_gradients
     with pytest.raises(AttributeError):
         hplab.DataParallelEngine  # noqa: B018 — the engine classes are gone

@@ -58,7 +58,9 @@ def attention_worker():
         ledger.reset()
         style, split, dtype = *key[:2], torch.bfloat16 if "bf16" in key else torch.float32
         attend = cp.ring_attention if style == "ring" else cp.ulysses_attention
-        mine = [cp.shard(t.to(dtype), comm.rank, comm.size, split, dim=2) for t in full_inputs()]
+        mine = [
+            cp.tokens_of(t.to(dtype), comm.rank, comm.size, split, dim=2) for t in full_inputs()
+        ]
         q, k, v = (t.requires_grad_() for t in mine[:3])
         y = attend(q, k, v, comm, split)
         forward_sends = dict(ledger.by_group_dict()).get("cp", {})
@@ -138,7 +140,7 @@ def train(layout: dict) -> dict:
     par = TrainState(model, optimizer, build_lr_scheduler(optimizer, optim), mesh, c, optim)
     share = BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
-    meter = AttentionMeter(par.gpt, mesh.cp, c.cp_style, c.cp_split) if c.cp > 1 else None
+    meter = AttentionMeter(par.decoder, mesh.cp, c.cp_style, c.cp_split) if c.cp > 1 else None
     norms, clip, losses = [], compose.clip_grad_norm_, []
     compose.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]
     try:
@@ -166,7 +168,7 @@ def dist_size() -> int:
 
 
 def gathered(results: list[dict], key, name):
-    return cp.unshard([r[key][name] for r in results], key[1], dim=2)
+    return cp.join_tokens([r[key][name] for r in results], key[1], dim=2)
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -302,7 +304,9 @@ def test_split_and_inverse():
     assert cp.positions(16, 1, 4, "zigzag").tolist() == [2, 3, 12, 13]
     assert cp.positions(16, 1, 4, "contiguous").tolist() == [4, 5, 6, 7]
     for split in CP_SPLITS:
-        assert torch.equal(cp.unshard([cp.shard(x, r, 4, split) for r in range(4)], split), x)
+        assert torch.equal(
+            cp.join_tokens([cp.tokens_of(x, r, 4, split) for r in range(4)], split), x
+        )
 
 
 def test_layouts_that_do_not_split_are_refused_in_one_sentence():

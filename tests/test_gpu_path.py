@@ -241,7 +241,7 @@ def test_offloaded_gradients_are_reduced_through_the_group_device():
     shard.grad = torch.ones(2)
     optimizer = torch.optim.SGD([{"params": [shard], "tied": True}], lr=0.1)
     mesh = types.SimpleNamespace(ep_size=1, tp_size=1, cp_size=2, cp=cp_comm)
-    compose.finalize_grads(torch.nn.Linear(1, 1), mesh, optimizer, tied_comm)
+    compose.sync_gradients(torch.nn.Linear(1, 1), mesh, optimizer, tied_comm)
     assert shard.grad.tolist() == [2.0, 2.0]  # cp: ×2 ÷ 2; tied: ×2
     assert tied_comm.calls == [("all_reduce", "lazy")] and cp_comm.calls[-1][1] == "lazy"
 

@@ -140,7 +140,7 @@ INF_AT_STEP = 1
 
 
 def local_parameters(engine) -> list:
-    return [p for p in engine.gpt.parameters() if p.requires_grad]
+    return [p for p in engine.decoder.parameters() if p.requires_grad]
 
 
 def train_half(mesh, args, inject_inf: bool) -> dict:

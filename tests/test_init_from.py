@@ -107,8 +107,8 @@ def _logits_after_loading(directory: str, flags: list[str]) -> torch.Tensor | No
     checkpoint.load_full_state(par, start["model"], optimizer_state={})
     with torch.no_grad():
         if args.pp == 1:
-            logits = par.gpt(IDS)[0]
-            return tp.unshard(logits, tp.Split(-1), mesh.tp) if args.tp > 1 else logits
+            logits = par.decoder(IDS)[0]
+            return tp.gather_full(logits, tp.Split(-1), mesh.tp) if args.tp > 1 else logits
         (stage,) = par.pipeline.stages.values()
         if stage.is_first:
             dist.send(stage(IDS), 1)

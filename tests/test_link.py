@@ -246,7 +246,7 @@ def _train(mesh, layout: dict, with_link) -> tuple[list, dict]:
         mine = tokens[mesh.dp_rank * share : (mesh.dp_rank + 1) * share]
         losses.append(train_step(engine, mine[:, :-1], mine[:, 1:]))
     link.use(None)
-    state = {n: p.detach().clone() for n, p in engine.gpt.named_parameters()}
+    state = {n: p.detach().clone() for n, p in engine.decoder.named_parameters()}
     return losses, state
 
 

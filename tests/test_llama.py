@@ -304,7 +304,7 @@ def _hugging_face_k_v_sweep() -> dict:
         split = {n: placement.of(p).split for n, p in model.named_parameters()}
         return torch.cat(
             [
-                (p.grad if split[n] is None else tp.unshard(p.grad, split[n], comm)).flatten()
+                (p.grad if split[n] is None else tp.gather_full(p.grad, split[n], comm)).flatten()
                 for n, p in sorted(model.named_parameters())
             ]
         )
@@ -376,14 +376,14 @@ def _hugging_face_model_under_context_parallel() -> dict:
         mine = cp.parallelize(copy.deepcopy(whole), None, style, split)
         reference = whole(input_ids=x, use_cache=False).logits
         F.cross_entropy(reference.flatten(0, 1), y.flatten()).backward()
-        xs, ys = (cp.shard(t, rank, n, split) for t in (x, y))
+        xs, ys = (cp.tokens_of(t, rank, n, split) for t in (x, y))
         logits = mine(input_ids=xs, use_cache=False).logits
         F.cross_entropy(logits.flatten(0, 1), ys.flatten()).backward()
         grads = torch.cat([p.grad.flatten() for p in mine.parameters()])
         dist.all_reduce(grads)
         want = torch.cat([p.grad.flatten() for p in whole.parameters()])
         out[style, split] = dict(
-            logits=err(logits, cp.shard(reference, rank, n, split)), grads=err(grads / n, want)
+            logits=err(logits, cp.tokens_of(reference, rank, n, split)), grads=err(grads / n, want)
         )
     return out
 

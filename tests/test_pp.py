@@ -655,7 +655,7 @@ def run_torch_pipelining(n_layer, p, schedule, m):
 
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import build_model
-    from hplab.parallel.compose import finalize_grads, make_sharded_optimizer
+    from hplab.parallel.compose import make_sharded_optimizer, sync_gradients
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.precision import MixedPrecision
 
@@ -678,7 +678,7 @@ def run_torch_pipelining(n_layer, p, schedule, m):
             runner.step(target=y, losses=mb_losses)
         else:
             runner.step()
-        finalize_grads(stage, mesh, opt, tied)  # the embedding's two copies: one gradient
+        sync_gradients(stage, mesh, opt, tied)  # the embedding's two copies: one gradient
         opt.step()
         opt.zero_grad()
         local = float(torch.stack(mb_losses).mean()) if mb_losses else 0.0

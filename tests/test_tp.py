@@ -73,7 +73,9 @@ def full_grads(model, comm) -> dict:
     from hplab.parallel import placement, tp
 
     return {
-        name: tp.unshard(p.grad, placement.of(p).split, comm) if tp.is_split(p) else p.grad.clone()
+        name: tp.gather_full(p.grad, placement.of(p).split, comm)
+        if tp.is_split(p)
+        else p.grad.clone()
         for name, p in model.named_parameters()
         if p.grad is not None
     }
@@ -85,7 +87,9 @@ def full_state_dict(model, comm) -> dict:
     from hplab.parallel import placement, tp
 
     return {
-        name: tp.unshard(p, placement.of(p).split, comm) if tp.is_split(p) else p.detach().clone()
+        name: tp.gather_full(p, placement.of(p).split, comm)
+        if tp.is_split(p)
+        else p.detach().clone()
         for name, p in model.named_parameters(remove_duplicate=False)
     }
 
@@ -97,7 +101,7 @@ def load_full_state_dict(model, state_dict: dict, comm) -> None:
 
     for name, p in model.named_parameters():
         split = placement.of(p).split
-        p.copy_(tp.shard(state_dict[name], split, comm) if tp.is_split(p) else state_dict[name])
+        p.copy_(tp.piece_of(state_dict[name], split, comm) if tp.is_split(p) else state_dict[name])
 
 
 def gather_vocab(logits, comm, vocab_size: int):

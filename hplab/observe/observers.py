@@ -152,11 +152,11 @@ def held_tensors(par) -> dict[str, list]:
     blocks = [
         model.memory_tensors() if isinstance(model, DDP) else fsdp.memory_tensors(model),
         opt.memory_tensors() if isinstance(opt, WrappedOptimizer) else {},
-        model_state_tensors(par.gpt, inner),
+        model_state_tensors(par.decoder, inner),
     ]
     held = {kind: [t for block in blocks for t in block.get(kind, ())] for kind in KINDS}
     if par.layout.zero == 3 and par.precision.mixed:  # fully_shard computes in half precision
-        shards = {id(p) for p in par.gpt.parameters()}  # from fp32 shards: they are the masters
+        shards = {id(p) for p in par.decoder.parameters()}  # from fp32 shards: they are the masters
         held["master"] += [t for t in held["params"] if id(t) in shards]
         held["params"] = [t for t in held["params"] if id(t) not in shards]
     if par.layout.offload:  # the optimizer's side: what it steps, their gradients, its state
@@ -395,11 +395,11 @@ class Observers:
         self.par = par
         self.pipeline = PipelineTrace(par.pipeline) if par.pipeline is not None else None
         self.memory = MemoryWatch(par)  # (inside the pipeline trace: its F includes counting)
-        self.recorder = Recorder(par.gpt, trace_dir, par.mesh.rank, steps)
-        self.routing = RoutingStats(par.gpt)  # tokens per expert, per step (none if dense)
+        self.recorder = Recorder(par.decoder, trace_dir, par.mesh.rank, steps)
+        self.routing = RoutingStats(par.decoder)  # tokens per expert, per step (none if dense)
         layout = par.layout
         self.attention = (
-            AttentionMeter(par.gpt, par.mesh.cp, layout.cp_style, layout.cp_split)
+            AttentionMeter(par.decoder, par.mesh.cp, layout.cp_style, layout.cp_split)
             if layout.cp > 1
             else None
         )

@@ -21,7 +21,7 @@ them, and a `TrainState` holds the four for the step:
     loss = train_step(state, x, y)
 
 `train_step`, one step of any layout: forward + backward per microbatch (or the pipeline
-schedule), `finalize_grads`, fp16 unscale and overflow skip, clip, step, lr step, zero_grad.
+schedule), `sync_gradients`, fp16 unscale and overflow skip, clip, step, lr step, zero_grad.
 """
 
 from __future__ import annotations
@@ -57,18 +57,18 @@ def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Optimi
 @dataclass
 class TrainState:
     """One rank's training: the model `parallelize` returned, the optimizer and schedule built
-    beside it, and what `train_step` derives from them once: the whole GPT behind the wrappers,
+    beside it, and what `train_step` derives from them once: the whole decoder behind the wrappers,
     the precision (fp16's loss scaler), the pipeline executor over the model's stages, and the
-    group whose gradients `finalize_grads` sums (the pipeline's tied embedding). Building it
+    group whose gradients `sync_gradients` sums (the pipeline's tied embedding). Building it
     creates those groups: every rank builds one, in the same order."""
 
-    model: nn.Module  # what runs forward: DDP(gpt), the fully-sharded gpt, or DDP(stages)
+    model: nn.Module  # what runs forward: DDP(model), the fully-sharded model, or DDP(stages)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     mesh: Mesh
     layout: Layout
     optim: OptimConfig = field(default_factory=OptimConfig)
-    gpt: nn.Module = field(init=False)  # the underlying model (single-device parameter names)
+    decoder: nn.Module = field(init=False)  # the model itself (single-device parameter names)
     precision: MixedPrecision = field(init=False)
     pipeline: pp.PipelineExecutor | None = field(init=False)
     tied_comm: object = field(init=False)
@@ -78,7 +78,7 @@ class TrainState:
 
     def __post_init__(self):
         stages = pipeline_stages(self.model)
-        self.gpt = whole_model(self.model)
+        self.decoder = whole_model(self.model)
         self.precision = MixedPrecision(self.layout.precision)
         self.pipeline = build_pipeline(stages, self.mesh, self.layout) if stages else None
         self.tied_comm = pp.tied_embedding_group(self.mesh) if stages else None
@@ -110,32 +110,31 @@ def parameter_groups(params, tied: nn.Parameter | None = None, weight_decay: flo
 
 
 def parallelize(model: nn.Module, mesh: Mesh, layout: Layout) -> nn.Module:
-    """Compose `layout` around `model` (the whole GPT, on mesh.device), the strategies in
-    torchtitan's order, and return what this rank runs forward: DDP(gpt), the fully-sharded
-    gpt, the gpt itself (ZeRO-1/2, experts) or, under a pipeline, this rank's stages (in an
-    nn.ModuleList, in DDP without ZeRO). It transforms the model only: the optimizer is
+    """Compose `layout` around `model` (the whole decoder, GPT-2 or Llama, on mesh.device), the
+    strategies in torchtitan's order, and return what this rank runs forward: DDP(model), the
+    fully-sharded model, the model itself (ZeRO-1/2, experts) or, under a pipeline, this rank's
+    stages (in an nn.ModuleList, in DDP without ZeRO). It transforms the model only: the optimizer is
     `build_optimizer`'s. Weight decay's exceptions are marked before, while the model is whole
     (`mark_no_decay`: tensor parallel replaces the embedding)."""
-    gpt = model
     precision = MixedPrecision(layout.precision)
-    validate(layout, gpt.config, mesh.world_size)  # every rule, before any cutting
+    validate(layout, model.config, mesh.world_size)  # every rule, before any cutting
     if layout.tp > 1:  # tensor parallel: every rank keeps its slices of every layer
-        is_llama = gpt.config.arch == "llama"
+        is_llama = model.config.arch == "llama"
         plan, blocks = (
             (llama.TP_PLAN, "model.layers") if is_llama else (gpt_model.TP_PLAN, "transformer.h")
         )
-        plan = tp.with_experts(plan, blocks) if gpt.config.n_experts else plan
-        tp.parallelize(gpt, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)
+        plan = tp.with_experts(plan, blocks) if model.config.n_experts else plan
+        tp.parallelize(model, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)
     if layout.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
-        cp.parallelize(gpt, mesh.cp, layout.cp_style, layout.cp_split)
+        cp.parallelize(model, mesh.cp, layout.cp_style, layout.cp_split)
     stages = []
     if layout.pp > 1:  # the pipeline split: this rank's stages (the other layers are freed)
-        stages = pp.build_stages(gpt, mesh.pp_rank, layout.pp, layout.virtual_stages)
-        pp.free_unowned_parameters(gpt, stages)
-    gpt.recompute = layout.recompute  # none, selective or full: a mode the blocks read
-    moe.parallelize(gpt, mesh.ep, mesh.dp, mesh.cp)  # experts: this rank's E/ep (within dp)
-    owned = nn.ModuleList(stages) if stages else gpt  # what this rank holds and steps
-    return data_parallel(gpt, owned, mesh, layout, precision)
+        stages = pp.build_stages(model, mesh.pp_rank, layout.pp, layout.virtual_stages)
+        pp.free_unowned_parameters(model, stages)
+    model.recompute = layout.recompute  # none, selective or full: a mode the blocks read
+    moe.parallelize(model, mesh.ep, mesh.dp, mesh.cp)  # experts: this rank's E/ep (within dp)
+    owned = nn.ModuleList(stages) if stages else model  # what this rank holds and steps
+    return data_parallel(model, owned, mesh, layout, precision)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -152,9 +151,9 @@ def pipeline_stages(model: nn.Module) -> list[pp.Stage]:
 
 
 def whole_model(model: nn.Module) -> nn.Module:
-    """The GPT behind what `parallelize` returned (its single-device parameter names)."""
+    """The decoder behind what `parallelize` returned (its single-device parameter names)."""
     stages = pipeline_stages(model)
-    return stages[0].gpt if stages else unwrap(model)
+    return stages[0].decoder if stages else unwrap(model)
 
 
 def build_pipeline(stages: list[pp.Stage], mesh: Mesh, layout: Layout) -> pp.PipelineExecutor:
@@ -201,30 +200,30 @@ def lr_factor(optim: OptimConfig, step: int) -> float:
     return learning_rate(step, o.lr, o.warmup_steps, o.lr_decay, o.decay_steps, o.min_lr) / o.lr
 
 
-def data_parallel(gpt, owned: nn.Module, mesh: Mesh, layout: Layout, precision) -> nn.Module:
+def data_parallel(model, owned: nn.Module, mesh: Mesh, layout: Layout, precision) -> nn.Module:
     """Over mesh.dp_cp (the dp ranks and their cp ranks: all hold the same weights): ZeRO-3 as
     fully_shard (each block a unit, then the root), else DDP around what this rank holds; none
-    under ZeRO-1/2 (its optimizer syncs) or expert parallel (finalize_grads syncs experts over
+    under ZeRO-1/2 (its optimizer syncs) or expert parallel (sync_gradients averages experts over
     their own replicas)."""
-    if layout.zero == 3:  # (no pipeline: owned is gpt; its parameters become fp32 shards)
+    if layout.zero == 3:  # (no pipeline: owned is model; its parameters become fp32 shards)
         policy = MixedPrecisionPolicy(param_dtype=precision.compute_dtype)
         offload = CPUOffloadPolicy() if layout.offload else OffloadPolicy()
-        for block in [*gpt.blocks, gpt]:  # the blocks first, then the root
+        for block in [*model.blocks, model]:  # the blocks first, then the root
             fsdp.fully_shard(block, mesh.dp_cp, mp_policy=policy, offload_policy=offload)
-        set_prefetch(gpt, layout.prefetch)
-        return gpt
+        set_prefetch(model, layout.prefetch)
+        return model
     owned.to(precision.param_dtype)  # half-precision copies; fp32 masters in the optimizer
     if layout.zero or layout.ep > 1:
         return owned
     return DDP(owned, mesh.dp_cp, layout.bucket_mb)
 
 
-def set_prefetch(gpt: nn.Module, prefetch: str) -> None:
+def set_prefetch(model: nn.Module, prefetch: str) -> None:
     """`--prefetch {both,forward,backward,none}` as FSDP2's explicit lists: in forward the root
     (it runs first) gathers the first block, each block the next; in backward the root (its
     head's gradient comes first) gathers the last block, each block the one before it."""
-    forward_order = [gpt, *gpt.blocks]
-    backward_order = [gpt, *reversed(gpt.blocks)]
+    forward_order = [model, *model.blocks]
+    backward_order = [model, *reversed(model.blocks)]
     for unit, after in zip(forward_order, forward_order[1:] + [None]):
         ahead = prefetch in ("both", "forward") and after is not None
         unit.set_modules_to_forward_prefetch([after] if ahead else [])
@@ -233,12 +232,14 @@ def set_prefetch(gpt: nn.Module, prefetch: str) -> None:
         unit.set_modules_to_backward_prefetch([after] if ahead else [])
 
 
-def make_sharded_optimizer(gpt, owned, stages, mesh, layout: Layout, optim: OptimConfig, precision):
+def make_sharded_optimizer(
+    model, owned, stages, mesh, layout: Layout, optim: OptimConfig, precision
+):
     """AdamW over this rank's parameters, grouped by where their copies live: as ZeRO-1/2 over
     dp × cp (experts over their replicas, dp/ep × cp), over fp32 masters (mixed precision
     without ZeRO), or plain (ZeRO-3: the fp32 shards)."""
-    ends = any(s.is_first or s.is_last for s in stages) and gpt.config.tie_word_embeddings
-    tied = gpt.lm_head.weight if ends else None  # (the embedding's too: on both ends)
+    ends = any(s.is_first or s.is_last for s in stages) and model.config.tie_word_embeddings
+    tied = model.lm_head.weight if ends else None  # (the embedding's too: on both ends)
     groups = parameter_groups(owned.parameters(), tied, optim.weight_decay)
     settings = dict(lr=optim.lr, weight_decay=optim.weight_decay, **ADAMW)
     if layout.zero in (1, 2):
@@ -277,7 +278,7 @@ def _all_reduce_grads(grads: list[torch.Tensor], comm, scale: float = 1.0) -> No
 
 
 @torch.no_grad()
-def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None):
+def sync_gradients(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None):
     """Every synchronisation after backward (Megatron's `finalize_model_grads`), in order:
     1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished; under
        expert parallel (no DDP) dense gradients are averaged over dp, experts' over edp (under
@@ -291,7 +292,7 @@ def finalize_grads(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None)
     if mesh.ep_size > 1 and not isinstance(optimizer, ZeroOptimizer):  # (ZeRO: two groups)
         moe.sync_gradients(list(model.parameters()), mesh.dp_cp, mesh.edp_cp)
     if isinstance(optimizer, WrappedOptimizer):  # ZeroOptimizer, MasterWeightOptimizer
-        optimizer.reduce_gradients()
+        optimizer.sync_gradients()
     if tied_comm and optimizer is not None:
         for group in stepped_groups(optimizer):
             if group.get("tied"):
@@ -344,7 +345,7 @@ def train_step(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
     mesh = par.mesh
     scale = par.precision.loss_scale
     m = layout.microbatches
-    x, y = context_shard(par, x, y)
+    x, y = context_tokens(par, x, y)
     if x.shape[0] % m:
         raise ValueError(
             f"this rank's batch of {x.shape[0]} sequences does not split into "
@@ -363,7 +364,7 @@ def train_step(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
                 (microbatch_loss * scale / m).backward()
             losses.append(microbatch_loss.detach())
         loss = float(torch.stack(losses).mean())
-    finalize_grads(par.model, mesh, par.optimizer, par.tied_comm)
+    sync_gradients(par.model, mesh, par.optimizer, par.tied_comm)
     grads = [
         t.grad for g in stepped_groups(par.optimizer) for t in g["params"] if t.grad is not None
     ]
@@ -382,11 +383,11 @@ def train_step(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
     return mesh.dp.all_reduce_scalar(loss) / mesh.dp_size
 
 
-def context_shard(par: TrainState, x: torch.Tensor, y: torch.Tensor):
+def context_tokens(par: TrainState, x: torch.Tensor, y: torch.Tensor):
     """This rank's tokens of its dp share [b, s] of the batch (all of them without cp)."""
     c = par.layout
     rank = par.mesh.cp_rank
-    return (x, y) if c.cp == 1 else tuple(cp.shard(t, rank, c.cp, c.cp_split) for t in (x, y))
+    return (x, y) if c.cp == 1 else tuple(cp.tokens_of(t, rank, c.cp, c.cp_split) for t in (x, y))
 
 
 @torch.no_grad()
@@ -395,9 +396,9 @@ def evaluate(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
     balance loss). Each cp, dp and microbatch share has as many tokens: averaging means is exact."""
     m = par.layout.microbatches
     mesh = par.mesh
-    microbatches = list(zip(*(t.chunk(m) for t in context_shard(par, x, y))))
+    microbatches = list(zip(*(t.chunk(m) for t in context_tokens(par, x, y))))
     if par.pipeline is not None:  # only the last stage has losses
         loss = mesh.pp.all_reduce_scalar(sum(par.pipeline.forward_only(microbatches))) / m
     else:  # (ZeRO-3: each unit is gathered for its forward and freed after it, as in training)
-        loss = sum(float(par.gpt.loss_fn(par.model(xm)[0], ym)) for xm, ym in microbatches) / m
+        loss = sum(float(par.decoder.loss_fn(par.model(xm)[0], ym)) for xm, ym in microbatches) / m
     return mesh.dp.all_reduce_scalar(mesh.cp.all_reduce_scalar(loss) / mesh.cp_size) / mesh.dp_size

@@ -56,16 +56,16 @@ def positions(seq_len: int, rank: int, size: int, split: str = "zigzag") -> torc
     return torch.cat([torch.arange(c * width, (c + 1) * width) for c in chunks])
 
 
-def shard(x: torch.Tensor, rank: int, size: int, split: str = "zigzag", dim: int = 1):
+def tokens_of(x: torch.Tensor, rank: int, size: int, split: str = "zigzag", dim: int = 1):
     """This rank's tokens of `x` (the whole sequence along `dim`)."""
     return x.index_select(dim, positions(x.shape[dim], rank, size, split).to(x.device))
 
 
-def unshard(shards: list[torch.Tensor], split: str = "zigzag", dim: int = 1) -> torch.Tensor:
+def join_tokens(pieces: list[torch.Tensor], split: str = "zigzag", dim: int = 1) -> torch.Tensor:
     """The inverse: every rank's tokens (in rank order) put back into sequence order."""
-    seq_len = sum(s.shape[dim] for s in shards)
-    order = torch.cat([positions(seq_len, r, len(shards), split) for r in range(len(shards))])
-    return torch.cat(shards, dim).index_select(dim, order.argsort().to(shards[0].device))
+    seq_len = sum(t.shape[dim] for t in pieces)
+    order = torch.cat([positions(seq_len, r, len(pieces), split) for r in range(len(pieces))])
+    return torch.cat(pieces, dim).index_select(dim, order.argsort().to(pieces[0].device))
 
 
 # --- 2. One block of attention, its log-sum-exp, and the merge -----------------------------
@@ -279,7 +279,7 @@ def ulysses_attention(q, k, v, comm: Communicator, split: str = "zigzag") -> tor
 def parallelize(model, group, style: str = "ring", split: str = "zigzag"):
     """Make hplab's GPT or Llama, or a transformers decoder, context-parallel over `group`, in
     place: every attention runs `style`, and the positions (GPT-2's embedding, a Llama's RoPE)
-    are this rank's tokens' true ones (the caller hands each rank its tokens with `shard` and
+    are this rank's tokens' true ones (the caller hands each rank its tokens with `tokens_of` and
     averages gradients over the group)."""
     comm = communicator(group, "cp")
     if not hasattr(model, "attentions"):  # transformers' own model

@@ -7,9 +7,9 @@ scheduler, `zero_grad()` and the loop's `step()` work as with any optimizer — 
 arithmetic to `self.inner`, an ordinary torch optimizer (AdamW, SGD, ...) over the tensors it
 really steps. `WrappedOptimizer` is what the two share:
 
-    reduce_gradients()   the stepped tensors' fp32 `.grad` (ZeRO: reduce-scattered shards),
+    sync_gradients()   the stepped tensors' fp32 `.grad` (ZeRO: reduce-scattered shards),
                          once per step; a loop may call it first to unscale or clip there
-    step()               reduce_gradients(), this optimizer's hyperparameters (a scheduled lr)
+    step()               sync_gradients(), this optimizer's hyperparameters (a scheduled lr)
                          handed to `inner`, `inner.step()`, then the new values written back
     stepped_groups       `inner`'s param groups: what the global-norm clip and the checkpoint
                          read, with the same extra keys (`tied`) as these (where each
@@ -24,7 +24,7 @@ import torch
 class WrappedOptimizer(torch.optim.Optimizer):
     """A torch Optimizer over the model's parameters whose `inner` optimizer steps other
     tensors (masters, shards). Subclasses build `inner` with `wrap` and say how gradients
-    reach the stepped tensors (`_reduce_gradients`) and new values the parameters (`_write_back`).
+    reach the stepped tensors (`_sync_gradients`) and new values the parameters (`_write_back`).
     """
 
     def wrap(self, optimizer_class, stepped_groups: list[dict], **optimizer_kwargs) -> None:
@@ -34,41 +34,41 @@ class WrappedOptimizer(torch.optim.Optimizer):
         for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             for key, value in inner.items():
                 group.setdefault(key, value)
-        self.reduced = False  # reduce_gradients has run for this step
+        self.synced = False  # sync_gradients has run for this step
 
     @property
     def stepped_groups(self) -> list[dict]:
         return self.inner.param_groups
 
     @torch.no_grad()
-    def reduce_gradients(self) -> None:
+    def sync_gradients(self) -> None:
         """Every stepped tensor's fp32 `.grad` from the parameters' gradients (once a step)."""
-        if not self.reduced:
-            self._reduce_gradients()
-            self.reduced = True
+        if not self.synced:
+            self._sync_gradients()
+            self.synced = True
 
     @torch.no_grad()
     def step(self, closure=None):
         with torch.enable_grad():
             loss = closure() if closure is not None else None
-        self.reduce_gradients()
+        self.sync_gradients()
         for group, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner.update({k: v for k, v in group.items() if k != "params"})  # e.g. a new lr
         self._step_inner()
         self._write_back()
-        self.reduced = False
+        self.synced = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # the parameters' own .grad
         self._zero_stepped_grads()
-        self.reduced = False
+        self.synced = False
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What it holds beyond the model's own tensors, by kind (hplab.observe.memory's KINDS)."""
         raise NotImplementedError
 
-    def _reduce_gradients(self) -> None:
+    def _sync_gradients(self) -> None:
         raise NotImplementedError
 
     def _step_inner(self) -> None:

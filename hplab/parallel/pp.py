@@ -16,12 +16,12 @@ are plain data, built in `hplab/parallel/schedule.py`, whose names this file re-
 microbatch's loss is divided by m, so the accumulated gradients are those of the mean loss over
 the whole batch.
 
-This file reads in three parts: 1. **stages**, the GPT split by layers (the tied embedding /
+This file reads in three parts: 1. **stages**, the decoder split by layers (the tied embedding /
 LM-head copies kept equal by summing their gradients, as Megatron-LM); 2. **split backward**
 (ZB-H1): B the stage input's gradient, W the weight gradients later, for any layer; 3. the
 **executor**, which runs this rank's action list with point-to-point messages (observers, such
 as `hplab.observe.observers`'s trace, watch each action from outside). Data parallel, the
-tied-embedding sum (`compose.finalize_grads`) and the optimizer step are the caller's.
+tied-embedding sum (`compose.sync_gradients`) and the optimizer step are the caller's.
 """
 
 from __future__ import annotations
@@ -66,30 +66,30 @@ class Stage(nn.Module):
     Its registered submodules are only the pieces it owns, so `stage.parameters()` is the
     chunk's own weights (on the last chunk a tied `lm_head.weight` is the embedding's)."""
 
-    def __init__(self, gpt, chunk: int, num_chunks: int, layers: range):
+    def __init__(self, decoder, chunk: int, num_chunks: int, layers: range):
         super().__init__()
-        self.__dict__["gpt"] = gpt  # the model the pieces come from (not registered here)
+        self.__dict__["decoder"] = decoder  # the model the pieces come from (not registered here)
         self.chunk = chunk
         self.layers = layers
         self.is_first = chunk == 0
         self.is_last = chunk == num_chunks - 1
         if self.is_first:  # what `embed` uses (GPT-2: wte, wpe; a Llama: embed_tokens)
-            self.embedding = gpt.embedding_part()
-        self.blocks = nn.ModuleList(gpt.blocks[i] for i in layers)
+            self.embedding = decoder.embedding_part()
+        self.blocks = nn.ModuleList(decoder.blocks[i] for i in layers)
         if self.is_last:  # what `head` uses: the final norm and the LM head
-            self.final = gpt.head_part()
+            self.final = decoder.head_part()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first chunk) or an activation in; an activation or logits out."""
         if self.is_first:
-            x = self.gpt.embed(x)
+            x = self.decoder.embed(x)
         for block in self.blocks:
-            x = self.gpt.run_block(block, x)
-        return self.gpt.head(x) if self.is_last else x
+            x = self.decoder.run_block(block, x)
+        return self.decoder.head(x) if self.is_last else x
 
     def aux_loss(self):
         """This chunk's auxiliary losses of its last forward (experts' balance; 0 if dense)."""
-        return self.gpt.aux_loss(self.blocks)
+        return self.decoder.aux_loss(self.blocks)
 
 
 class AuxLossRidesAlong(torch.autograd.Function):
@@ -110,12 +110,14 @@ class AuxLossRidesAlong(torch.autograd.Function):
         return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
 
 
-def build_stages(gpt, rank: int, p: int, virtual_stages: int = 1) -> list[Stage]:
+def build_stages(decoder, rank: int, p: int, virtual_stages: int = 1) -> list[Stage]:
     """The chunks this pipeline rank runs, in chunk order."""
     num_chunks = p * virtual_stages
-    layers = split_layers(gpt.config.n_layer, num_chunks)
+    layers = split_layers(decoder.config.n_layer, num_chunks)
     return [
-        Stage(gpt, c, num_chunks, layers[c]) for c in range(num_chunks) if chunk_owner(c, p) == rank
+        Stage(decoder, c, num_chunks, layers[c])
+        for c in range(num_chunks)
+        if chunk_owner(c, p) == rank
     ]
 
 
@@ -125,10 +127,10 @@ def stage_parameters(stages: list[Stage]) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def free_unowned_parameters(gpt, stages: list[Stage]) -> None:
+def free_unowned_parameters(decoder, stages: list[Stage]) -> None:
     """A pipeline rank keeps only its own layers of the whole model it built, and frees the rest."""
     owned = {id(p) for p in stage_parameters(stages)}
-    for p in gpt.parameters():
+    for p in decoder.parameters():
         if id(p) not in owned:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             p.requires_grad_(False)
@@ -371,7 +373,7 @@ class PipelineExecutor:
             step.losses.append(aux.detach())
             out = AuxLossRidesAlong.apply(out, aux, self.loss_scale / len(step.inputs))
         if stage.is_last:
-            loss = stage.gpt.loss_fn(out, step.targets[mb])  # vocab-parallel under TP
+            loss = stage.decoder.loss_fn(out, step.targets[mb])  # vocab-parallel under TP
             step.losses.append(loss.detach())
             out = loss * self.loss_scale / len(step.inputs)  # 1/m of the batch's mean
         step.stage_in[mb, a.chunk] = x
@@ -406,7 +408,7 @@ class PipelineExecutor:
     def message_shape(self, tokens: torch.Tensor) -> tuple[int, ...]:
         """[b, s/sequence_shards, h]: one microbatch's activations between stages."""
         b, s = tokens.shape
-        return b, s // self.sequence_shards, next(iter(self.stages.values())).gpt.config.n_embd
+        return b, s // self.sequence_shards, next(iter(self.stages.values())).decoder.config.n_embd
 
     def post_receive(self, a: Action, step: _Step) -> None:
         shape = self.message_shape(step.inputs[0])
@@ -434,5 +436,5 @@ class PipelineExecutor:
                     x = self.stages[c](x)
                     losses.append(float(self.stages[c].aux_loss()))  # (experts; else 0)
             if last in self.stages:  # x: the logits
-                losses.append(float(self.stages[last].gpt.loss_fn(x, y)))
+                losses.append(float(self.stages[last].decoder.loss_fn(x, y)))
         return losses

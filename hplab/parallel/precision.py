@@ -98,7 +98,7 @@ class MixedPrecision:
 class MasterWeightOptimizer(WrappedOptimizer):
     """Any torch optimizer, stepping fp32 master copies of half-precision parameters:
     `MasterWeightOptimizer(params, torch.optim.AdamW, lr=...)`. Each step puts the gradients on
-    the masters in fp32 (`reduce_gradients`, unless the caller did first, e.g. to unscale or clip
+    the masters in fp32 (`sync_gradients`, unless the caller did first, e.g. to unscale or clip
     them), steps them with `self.inner` (its param groups mirror these, extra keys included) and
     rounds the new values into the parameters. The fp32 gradients exist only during the step.
     """
@@ -117,7 +117,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         ]
         self.wrap(optimizer_class, masters, **optimizer_kwargs)
 
-    def _reduce_gradients(self) -> None:
+    def _sync_gradients(self) -> None:
         """Every master's `.grad` := its parameter's gradient in fp32; None if it got none, so
         `inner` skips it, as torch's optimizers skip a parameter without a gradient."""
         for p, master in self.masters.items():

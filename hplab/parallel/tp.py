@@ -203,8 +203,8 @@ class LinearWithSequenceGather(torch.autograd.Function):
 # placement record (hplab/parallel/placement.py), where the clip and the checkpoint read it.
 
 
-def shard(full: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
-    """This rank's piece of `full` (padded with zeros first if `split` says so)."""
+def piece_of(full: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
+    """This rank's piece of `full` (padded with zeros first if `split` says so): no message."""
     if split.full_size is not None:  # F.pad's pairs run from the last dimension back
         after = full.dim() - 1 - split.dim % full.dim()
         full = F.pad(full, (0, 0) * after + (0, -full.shape[split.dim] % comm.size))
@@ -213,7 +213,7 @@ def shard(full: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
     return torch.cat([_split(b, comm, dim, split.replicas) for b in blocks], dim).clone()
 
 
-def unshard(local: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
+def gather_full(local: torch.Tensor, split: Split, comm: Communicator) -> torch.Tensor:
     """The full tensor, rebuilt on every rank from every rank's piece (one all-gather)."""
     per_rank = _all_gather(local.detach(), comm, split.dim).chunk(comm.size, split.dim)
     per_rank = per_rank[:: split.replicas]  # one of each piece
@@ -234,8 +234,8 @@ def cut(p: nn.Parameter | None, split: Split, comm: Communicator) -> nn.Paramete
     """Keep only this rank's piece of parameter `p`, in place: the Parameter object stays the
     same, so a module tied to it (the LM head holds the embedding's) holds the piece too."""
     if p is not None and not is_split(p):
-        placement.update(p, split=split, global_shape=tuple(p.shape))  # read by unshard, clip
-        p.data = shard(p.data, split, comm)
+        placement.update(p, split=split, global_shape=tuple(p.shape))  # read by gather_full, clip
+        p.data = piece_of(p.data, split, comm)
     return p
 
 

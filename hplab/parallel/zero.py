@@ -166,7 +166,7 @@ class FlatBucket:
         return mine, self.comm.all_gather(self.flat, mine, async_op=True)
 
     # -- checkpoints: a shard made whole, and cut again --
-    def unshard(self, shard: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    def gather_full(self, shard: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         """{param: its full tensor (cpu)} from every rank's `shard` (a collective)."""
         full = torch.empty(self.padded, dtype=shard.dtype, device=self.flat.device)
         self.comm.all_gather(full, shard.detach().to(self.flat.device, copy=True))
@@ -191,9 +191,9 @@ class ShardedState:
         values = {p: p.detach().float().cpu().clone() for p in self.frozen}
         states = {p: {} for p in self.frozen}
         for b in self.buckets:
-            values.update(b.unshard(b.master))
+            values.update(b.gather_full(b.master))
             state = self.inner.state.get(b.master, {})
-            full = {k: b.unshard(t) for k, t in state.items() if torch.is_tensor(t) and t.dim()}
+            full = {k: b.gather_full(t) for k, t in state.items() if torch.is_tensor(t) and t.dim()}
             for p in b.params:
                 states[p] = {
                     k: full[k][p] if k in full else (t.cpu().clone() if torch.is_tensor(t) else t)
@@ -341,7 +341,7 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
             b.finish_reduce_scatter()
 
     # -- the step: reduce-scatter, step the shard, all-gather ---------------------------------
-    def _reduce_gradients(self) -> None:
+    def _sync_gradients(self) -> None:
         """Every master shard's fp32 `.grad` := this rank's 1/n of the averaged gradient."""
         for b in self.buckets:
             if self.stage == 1:
