@@ -217,7 +217,7 @@ def kv_heads(attention, comm, sequence_parallel=False):
     """k_proj and v_proj cut into whole K/V heads. With fewer K/V heads than ranks, each is held
     alike by the consecutive ranks whose query heads read it (`Split.replicas`): rank r keeps
     head r // (T / n_kv_head), and its gradient, a partial sum over its own query heads, is
-    summed over those ranks in backward by a hook (`tp.sum_gradient_in_backward`)."""
+    summed over those ranks in backward by the hook tp.parallelize sets on it."""
     replicas = max(1, comm.size // (attention.k_proj.out_features // attention.head_dim))
     for name in ("k_proj", "v_proj"):
         cut = tp.ColumnParallelLinear(

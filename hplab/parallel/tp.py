@@ -288,9 +288,6 @@ class ColumnParallelLinear(nn.Module):
         self.weight = cut(linear.weight, Split(int(self.in_out), fused, None, replicas), comm)
         self.bias = cut(linear.bias, Split(0, fused, None, replicas), comm)
         self.comm = comm
-        if replicas > 1:  # each replica's gradient covers its query heads only: sum them
-            for p in (self.weight, self.bias):
-                sum_gradient_in_backward(p, replica_comm(comm, replicas))
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -441,6 +438,7 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
             f"the plan names {missing[0]!r}, but {type(model).__name__}"
             f" has no module matching it (it has {names[1:4]}, ...)"
         )
+    already_cut = {p for p in model.parameters() if is_split(p)}
     for pattern, style in plan.items():
         for name in matches[pattern]:
             old = model.get_submodule(name)
@@ -451,4 +449,7 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
         if sequence_parallel and not is_split(p) and unsaid:
             placement.update(p, tp_grad=placement.Partial())
             sum_gradient_in_backward(p, comm)  # (summed in backward: whole in any loop)
+        replicas = placement.of(p).kv_replicas  # a K/V head held by several ranks, cut now
+        if replicas > 1 and p not in already_cut:
+            sum_gradient_in_backward(p, replica_comm(comm, replicas))
     return model
