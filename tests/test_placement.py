@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,9 +77,8 @@ def test_a_plain_model_is_replicated_everywhere():
 
 
 def test_the_record_is_typed_in_dtensors_words():
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-
     from hplab.parallel import placement
+    from hplab.parallel.placement import Partial, Replicate, Shard
 
     p = nn.Parameter(torch.zeros(4, 2))
     assert placement.of(p) == placement.ParamPlacement() and placement.of(p).tp == Replicate()
@@ -91,6 +92,34 @@ def test_the_record_is_typed_in_dtensors_words():
     assert vars(p) == {}  # nothing on the parameter itself
 
 
+def test_the_three_placements_are_dtensors_own_by_name_meaning_and_print():
+    """hplab's Shard, Replicate and Partial (small classes: DTensor takes 2.5 s to import) print
+    as DTensor's do and turn into DTensor's own."""
+    from torch.distributed.tensor import placement_types as torch_placements
+
+    from hplab.parallel import placement
+
+    for mine, theirs in (
+        (placement.Shard(1), torch_placements.Shard(1)),
+        (placement.Replicate(), torch_placements.Replicate()),
+        (placement.Partial(), torch_placements.Partial()),
+    ):
+        assert mine.dtensor() == theirs
+        assert (str(mine), repr(mine)) == (str(theirs), repr(theirs))
+
+
+def test_no_building_block_imports_dtensor_or_torchs_fsdp_at_start():
+    """A process that imports hplab's training command loads neither torch.distributed.tensor
+    nor torch.distributed.fsdp (2.5 s each on a laptop CPU, paid by every rank of every run)."""
+    code = (
+        "import sys, hplab.train, hplab.course.check.runner; "
+        "print([m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp') "
+        "if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def _rows(model) -> dict:
     return {row[0]: row[1:] for row in hplab.placement(model).rows}
 
@@ -102,7 +131,7 @@ def _worker():
     from hplab.models.gpt import PRESETS, build_model, config_from_preset
     from hplab.models.llama import TP_PLAN
     from hplab.parallel import placement, tp
-    from hplab.parallel.compose import mark_no_decay
+    from hplab.training import mark_no_decay
 
     out = {}
     config = dataclasses.replace(PRESETS["llama-tiny"], n_layer=1, n_kv_head=1)
