@@ -56,14 +56,9 @@ def hplab_engine(schedule, v):
     from hplab.cli import build_parser, layout_of, optim_of
     from hplab.models.gpt import build_model
     from hplab.observe.observers import MemoryWatch, PipelineTrace
-    from hplab.parallel.compose import (
-        TrainState,
-        build_lr_scheduler,
-        build_optimizer,
-        mark_no_decay,
-        parallelize,
-    )
+    from hplab.parallel.compose import parallelize
     from hplab.parallel.mesh import Mesh
+    from hplab.training import TrainState, build_lr_scheduler, build_optimizer, mark_no_decay
 
     args = build_parser().parse_args(
         [
@@ -102,9 +97,10 @@ def torch_1f1b():
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import build_model
     from hplab.parallel import pp
-    from hplab.parallel.compose import make_sharded_optimizer, sync_gradients
+    from hplab.parallel.compose import sync_gradients
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.precision import MixedPrecision
+    from hplab.training import make_sharded_optimizer
 
     mesh = Mesh(pp=WORLD)
     model = build_model(model_config(), seed=0).to(mesh.device)
@@ -138,8 +134,8 @@ def torch_1f1b():
 def _worker():
     import torch.distributed as dist
 
-    from hplab.parallel.compose import train_step
     from hplab.runtime.group import current_device
+    from hplab.training import train_step
 
     device = current_device()  # a GPU per rank where there are enough, else the CPU
     data = [(x.to(device), y.to(device)) for x, y in batches(WARMUP_STEPS + TIMED_STEPS)]

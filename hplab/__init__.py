@@ -25,14 +25,12 @@ _PUBLIC = {
         "hplab.parallel.mesh": ["Mesh"],
         "hplab.observe.placement_table": ["placement"],
         "hplab.runtime.group": ["init_distributed"],
-        "hplab.parallel.compose": [
-            "finish_gradient_sync",
-            "parallelize",
+        "hplab.parallel.compose": ["finish_gradient_sync", "parallelize", "sync_gradients"],
+        "hplab.training": [
             "build_optimizer",
             "build_lr_scheduler",
             "TrainState",
             "mark_no_decay",
-            "sync_gradients",
             "train_step",
         ],
         "hplab.config": ["Layout", "ModelConfig", "OptimConfig", "LayoutError", "validate"],
@@ -56,6 +54,7 @@ _MODULES = {
     "preflight",
     "sample",
     "check",
+    "training",
 }
 _STRATEGIES = {
     "ddp",

@@ -316,7 +316,7 @@ def check_compatible(saved, wanted, advice="resume with the same --model and siz
 
 
 # --- from a layout's pieces to the single-device state, and back ------------------------------
-# `par` is the run's hplab.parallel.compose.TrainState (the model `parallelize` returned, its
+# `par` is the run's hplab.training.TrainState (the model `parallelize` returned, its
 # optimizer and schedule). A rank's own parameters
 # (requires_grad: not a pipeline rank's freed layers) are rebuilt in two steps: data-parallel
 # shards (ZeroOptimizer, fully_shard) gathered over dp, then tensor-parallel slices over tp; stages

@@ -49,21 +49,21 @@ from hplab.data import get_batch, global_batch_indices, shard_for_rank
 from hplab.models.gpt import build_model
 from hplab.observe import metrics
 from hplab.observe.observers import Observers
-from hplab.parallel.compose import (
-    TrainState,
-    build_lr_scheduler,
-    build_optimizer,
-    evaluate,
-    mark_no_decay,
-    parallelize,
-    train_step,
-)
+from hplab.parallel.compose import parallelize
 from hplab.parallel.mesh import Mesh
 from hplab.preflight import RunComplete, preflight, release_save_folders
 from hplab.runtime import faults, link
 from hplab.runtime.errors import explained
 from hplab.runtime.group import init_distributed, shutdown
 from hplab.runtime.launch import launch, note_error, note_step, supervised
+from hplab.training import (
+    TrainState,
+    build_lr_scheduler,
+    build_optimizer,
+    evaluate,
+    mark_no_decay,
+    train_step,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +247,7 @@ def train(par, job, args, steps_to_run: range, watch, earlier: list) -> tuple[li
 
 def validation_loss(par, validation, args) -> float:
     """The mean loss of the --eval-batches fixed validation batches, batch k = samples
-    [k·B, (k+1)·B), each dp rank its shard of each, forward only (compose.evaluate); its
+    [k·B, (k+1)·B), each dp rank its shard of each, forward only (training.evaluate); its
     messages stay out of the training traffic the metrics count."""
     mesh = par.mesh
     B = args.batch_size

@@ -48,6 +48,7 @@ def test_public_names_are_the_building_blocks():
     import torch
 
     import hplab
+    from hplab import training
     from hplab.parallel import compose, ddp, fsdp, zero
 
     assert hplab.DDP is ddp.DDP and issubclass(hplab.DDP, torch.nn.Module)
@@ -55,9 +56,9 @@ def test_public_names_are_the_building_blocks():
     assert issubclass(hplab.ZeroOptimizer, torch.optim.Optimizer)
     assert hplab.fully_shard is fsdp.fully_shard
     assert hplab.parallelize is compose.parallelize
-    assert hplab.build_optimizer is compose.build_optimizer
-    assert hplab.build_lr_scheduler is compose.build_lr_scheduler
-    assert hplab.TrainState is compose.TrainState
+    assert hplab.build_optimizer is training.build_optimizer
+    assert hplab.build_lr_scheduler is training.build_lr_scheduler
+    assert hplab.TrainState is training.TrainState
     assert hplab.FSDPModule is fsdp.FSDPModule
     assert hplab.sync_gradients is compose.sync_gradients
     with pytest.raises(AttributeError):

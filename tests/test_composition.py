@@ -168,14 +168,9 @@ def train(settings: dict, meshes: dict, experts: bool | None = None) -> dict:
 
     from hplab.config import OptimConfig
     from hplab.models.gpt import build_model
-    from hplab.parallel.compose import (
-        TrainState,
-        build_lr_scheduler,
-        build_optimizer,
-        parallelize,
-        train_step,
-    )
+    from hplab.parallel.compose import parallelize
     from hplab.parallel.mesh import Mesh
+    from hplab.training import TrainState, build_lr_scheduler, build_optimizer, train_step
 
     c = layout_of(settings)
     key = (c.dp, c.tp, c.pp, c.cp, c.ep)
@@ -218,7 +213,7 @@ def run_one_process() -> dict:
 def torch_reference(config: dict) -> dict:
     """Plain PyTorch: the model on the whole batch, AdamW, clip_grad_norm_."""
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import make_optimizer
+    from hplab.training import make_optimizer
 
     model = build_model(GPTConfig(**config), 0)
     optimizer = make_optimizer(model.parameters(), TRAINING["lr"], TRAINING["weight_decay"])

@@ -113,19 +113,14 @@ def train(layout: dict) -> dict:
     the global gradient norm of each step: AdamW and clipping hide a gradient's scale from the
     losses, so a missing average over cp shows only there. With cp, what the AttentionMeter
     saw."""
+    from hplab import training
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import GPTConfig, build_model
     from hplab.observe.observers import AttentionMeter
-    from hplab.parallel import compose
-    from hplab.parallel.compose import (
-        TrainState,
-        build_lr_scheduler,
-        build_optimizer,
-        parallelize,
-        train_step,
-    )
+    from hplab.parallel.compose import parallelize
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.optim import stepped_groups
+    from hplab.training import TrainState, build_lr_scheduler, build_optimizer, train_step
 
     mesh = Mesh(
         pp=layout.get("pp", 1),
@@ -141,14 +136,14 @@ def train(layout: dict) -> dict:
     share = BATCH // mesh.dp_size
     mine = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
     meter = AttentionMeter(par.decoder, mesh.cp, c.cp_style, c.cp_split) if c.cp > 1 else None
-    norms, clip, losses = [], compose.clip_grad_norm_, []
-    compose.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]
+    norms, clip, losses = [], training.clip_grad_norm_, []
+    training.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]
     try:
         for x, y in batches():
             with meter.step() if meter else contextlib.nullcontext():
                 losses.append(train_step(par, x[mine], y[mine]))
     finally:
-        compose.clip_grad_norm_ = clip
+        training.clip_grad_norm_ = clip
     stepped = sum(t.numel() for g in stepped_groups(par.optimizer) for t in g["params"])
     whole = sum(p.numel() for p in build_model(GPTConfig(**CONFIG), 0).parameters())
     return {"losses": losses + norms, "meter": meter and meter.per_step, "share": stepped / whole}

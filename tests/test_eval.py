@@ -130,15 +130,9 @@ def test_eighteen_batches_fit_the_split():  # the limit above is the split's rea
 def _in_two_processes(directory: str) -> dict:
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import (
-        TrainState,
-        build_lr_scheduler,
-        build_optimizer,
-        evaluate,
-        parallelize,
-        train_step,
-    )
+    from hplab.parallel.compose import parallelize
     from hplab.parallel.mesh import Mesh
+    from hplab.training import TrainState, build_lr_scheduler, build_optimizer, evaluate, train_step
 
     out = {}
     for name, layout in LAYOUTS.items():

@@ -62,13 +62,8 @@ def train_state(mesh, args):
     """What train.py builds for `args`: the model parallelized, its optimizer and schedule
     beside it, the four in a TrainState."""
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import (
-        TrainState,
-        build_lr_scheduler,
-        build_optimizer,
-        mark_no_decay,
-        parallelize,
-    )
+    from hplab.parallel.compose import parallelize
+    from hplab.training import TrainState, build_lr_scheduler, build_optimizer, mark_no_decay
 
     layout, optim = typed(args)
     model = build_model(GPTConfig(**CONFIG), 0)
@@ -95,7 +90,7 @@ def batches(n_steps: int, start: int = 0):
 def reference(n_steps: int) -> tuple[list[float], list[dict]]:
     """One process, the whole global batch: losses and the parameters after every step."""
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import make_optimizer
+    from hplab.training import make_optimizer
 
     model = build_model(GPTConfig(**CONFIG), 0)
     optimizer = make_optimizer(model.parameters(), TRAINING["lr"], TRAINING["weight_decay"])
@@ -115,7 +110,7 @@ def train(mesh, args, steps: int = STEPS, start: int = 0, state=None):
     """Build the engine for `args` on `mesh`, optionally load a full state, train `steps`
     steps on this rank's share; return the losses and the engine."""
     from hplab.checkpoint import load_full_state
-    from hplab.parallel.compose import train_step
+    from hplab.training import train_step
 
     engine = train_state(mesh, args)
     if state is not None:
@@ -149,7 +144,7 @@ def train_half(mesh, args, inject_inf: bool) -> dict:
     rank 0 also how much the full model moved at that step."""
     import math
 
-    from hplab.parallel.compose import train_step
+    from hplab.training import train_step
 
     engine = train_state(mesh, args)
     share = GLOBAL_BATCH // mesh.dp_size

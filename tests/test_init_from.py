@@ -69,7 +69,7 @@ def one_process(directory: str, steps: int) -> list[float]:
     settings), the batches train.py reads at steps 0, 1, ...; the loss of each step."""
     from hplab.data import get_batch, global_batch_indices
     from hplab.models.gpt import build_model
-    from hplab.parallel.compose import make_optimizer
+    from hplab.training import make_optimizer
 
     args = train.parse_args([*COMMON, "--init-from", directory])
     job = train.preflight(args, 1)

@@ -224,13 +224,8 @@ def _queueing(mesh) -> dict:
 def _train(mesh, layout: dict, with_link) -> tuple[list, dict]:
     from hplab.config import Layout
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import (
-        TrainState,
-        build_lr_scheduler,
-        build_optimizer,
-        parallelize,
-        train_step,
-    )
+    from hplab.parallel.compose import parallelize
+    from hplab.training import TrainState, build_lr_scheduler, build_optimizer, train_step
 
     link.use(with_link)
     c = Layout(**layout)

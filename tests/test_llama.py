@@ -391,13 +391,12 @@ def _hugging_face_model_under_context_parallel() -> dict:
 def _launch(directory: str) -> dict:
     import torch.distributed as dist
 
-    from hplab import train
-    from hplab.parallel import compose
+    from hplab import train, training
 
-    clip, out = compose.clip_grad_norm_, {}
+    clip, out = training.clip_grad_norm_, {}
     for name, flags in RUNS[dist.get_world_size()].items():
         norms = out[f"{name}: gradient norms"] = []
-        compose.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]
+        training.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]
         flags = [flag.format(saved=f"{directory}/saved") for flag in flags]
         metrics = train.run(train.parse_args(TRAIN + flags))  # (rank 0's; None elsewhere)
         out[name] = metrics and [s["loss"] for s in metrics["steps"]]
@@ -413,7 +412,7 @@ def _launch(directory: str) -> dict:
             out[f"{name}: ring bytes"] = [
                 g["cp"]["send"]["bytes"] for g in metrics["comm_by_group"]
             ]
-    compose.clip_grad_norm_ = clip
+    training.clip_grad_norm_ = clip
     if dist.get_world_size() == 4:
         out["hugging face, K/V heads"] = _hugging_face_k_v_sweep()
     if dist.get_world_size() == 2:
@@ -549,7 +548,7 @@ def test_the_plan_cuts_hugging_faces_own_llama_and_qwen2(runs, name):
 def test_every_plan_trains_hugging_faces_models_with_any_k_v_heads_in_a_plain_loop(runs, case):
     """transformers' Llama, Qwen2 and Mixtral with 1, 2 and 4 K/V heads, cut at tp 2 and 4 and
     trained in an ordinary loop: where several ranks hold one K/V head (fewer heads than ranks),
-    each rank's gradient is a part of the whole, and the hook tp's layer set sums the parts in
+    each rank's gradient is a part of the whole, and the hook tp.parallelize sets sums the parts in
     backward, so its gradients are one process's and 3 AdamW steps give its losses (fp32: 1e-5)."""
     errors = runs["hugging face, K/V heads"][case]
     assert errors["trained"]

@@ -231,17 +231,16 @@ TRAIN_RUNS = {
 def _launch(directory: str):
     """One launch: the layer under ep 4 and ep 2 (4 ranks), then train.py's own run() for
     each of TRAIN_RUNS[world]; rank 0 returns everything (the metrics of each run)."""
-    from hplab import train
-    from hplab.parallel import compose
+    from hplab import train, training
 
-    world, clip = dist.get_world_size(), compose.clip_grad_norm_
+    world, clip = dist.get_world_size(), training.clip_grad_norm_
     out = {"layer": _expert_parallel((4, 2)) if world == 4 else None}
     for name, flags in TRAIN_RUNS[world].items():
         flags = [flag.format(saved=f"{directory}/saved") for flag in flags]
         norms = out[f"{name}: gradient norms"] = []
-        compose.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]
+        training.clip_grad_norm_ = lambda *args: norms.append(clip(*args)) or norms[-1]
         out[name] = train.run(train.parse_args(TRAIN + flags))
-    compose.clip_grad_norm_ = clip
+    training.clip_grad_norm_ = clip
     return out
 
 

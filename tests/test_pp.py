@@ -534,7 +534,7 @@ def reference_run(n_layer, batch, microbatches=1, clip=0.0):
     (gradient accumulation of loss / microbatches); also checked against one backward on the
     whole batch (`whole_batch_loss`)."""
     from hplab.models.gpt import build_model
-    from hplab.parallel.compose import make_optimizer
+    from hplab.training import make_optimizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: threads only fight the busy machine
@@ -599,15 +599,15 @@ def run_hplab(n_layer, pp_size, dp, schedule, m, v=1, extra=()):
     from hplab.cli import layout_of, optim_of
     from hplab.models.gpt import build_model
     from hplab.observe.observers import MemoryWatch, PipelineTrace
-    from hplab.parallel.compose import (
+    from hplab.parallel.compose import parallelize
+    from hplab.parallel.mesh import Mesh
+    from hplab.training import (
         TrainState,
         build_lr_scheduler,
         build_optimizer,
         mark_no_decay,
-        parallelize,
         train_step,
     )
-    from hplab.parallel.mesh import Mesh
 
     mesh = Mesh(dp=dp, pp=pp_size)
     args = make_args(
@@ -655,9 +655,10 @@ def run_torch_pipelining(n_layer, p, schedule, m):
 
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import build_model
-    from hplab.parallel.compose import make_sharded_optimizer, sync_gradients
+    from hplab.parallel.compose import sync_gradients
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.precision import MixedPrecision
+    from hplab.training import make_sharded_optimizer
 
     mesh = Mesh(pp=p)
     model = build_model(config(n_layer), seed=0)

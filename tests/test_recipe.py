@@ -85,7 +85,7 @@ def test_lambda_lr_over_the_formula_reaches_the_masters_of_mixed_precision():
 
 def test_parameter_groups_decay_only_the_matrices_of_linear_layers():
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import mark_no_decay, parameter_groups
+    from hplab.training import mark_no_decay, parameter_groups
 
     model = build_model(GPTConfig(**CONFIG), 0)
     names = {p: n for n, p in model.named_parameters()}
@@ -195,16 +195,16 @@ def _in_two_processes(directory: str) -> dict:
     from hplab.checkpoint import gather_full_state
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import GPTConfig, build_model
-    from hplab.parallel.compose import (
+    from hplab.parallel.compose import parallelize
+    from hplab.parallel.mesh import Mesh
+    from hplab.parallel.optim import WrappedOptimizer
+    from hplab.training import (
         TrainState,
         build_lr_scheduler,
         build_optimizer,
         mark_no_decay,
-        parallelize,
         train_step,
     )
-    from hplab.parallel.mesh import Mesh
-    from hplab.parallel.optim import WrappedOptimizer
 
     out = {}
     for name, layout in LAYOUTS.items():

@@ -388,7 +388,7 @@ class AttentionMeter:
 
 
 class Observers:
-    """Everything train.py measures in a run of `par` (its TrainState, compose.py): attach
+    """Everything train.py measures in a run of `par` (its TrainState, hplab/training.py): attach
     them before the first step, run each step inside `step(i)`, then `per_rank()`."""
 
     def __init__(self, par, trace_dir: str | None, steps: range):

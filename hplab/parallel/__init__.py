@@ -12,7 +12,7 @@ on torch.distributed. Read in this order:
     pp.py           pipeline parallel: stages, messages, the executor that runs a schedule
     cp.py           context parallel: ring attention (contiguous, zig-zag) and Ulysses
     moe.py          mixture of experts and expert parallel (all-to-all dispatch)
-    compose.py      the one place where they are put together, and one training step
+    compose.py      the one place where they are put together (the step: hplab/training.py)
 
 `placement.py` (where each parameter lives: one typed record each, which sync, clipping,
 checkpoints and weight decay read), `sync.py` (one wrapper averages a gradient), `buckets.py`

@@ -76,7 +76,6 @@ import math
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -121,9 +120,7 @@ class _Param:
 class _Unit:
     """The parameters one `fully_shard` call manages: gathered, freed and reduced together."""
 
-    def __init__(
-        self, module: nn.Module, comm, mp_policy: MixedPrecisionPolicy, offload: bool, reshard: bool
-    ):
+    def __init__(self, module: nn.Module, comm, mp_policy, offload: bool, reshard: bool):
         self.module = module
         self.comm = comm
         self.reshard_after_forward = reshard
@@ -364,8 +361,8 @@ def fully_shard(
     mesh=None,
     *,
     reshard_after_forward: bool = True,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen, as torch's)
-    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    mp_policy=None,
+    offload_policy=None,
 ) -> FSDPModule:
     """FSDP2's `fully_shard`: shard the parameters of `module` not already managed by an inner
     `fully_shard` call over `mesh` (a 1-D DeviceMesh, a torch ProcessGroup, an hplab
@@ -373,7 +370,11 @@ def fully_shard(
     Returns `module`, now an FSDPModule: its parameters are fp32 shards.
     `reshard_after_forward=False`: keep them gathered from forward to backward.
     `mp_policy`, `offload_policy`: torch's own dataclasses (param_dtype, reduce_dtype,
-    cast_forward_inputs; CPUOffloadPolicy()), as in the module's docstring."""
+    cast_forward_inputs; CPUOffloadPolicy()), as in the module's docstring; None: their
+    defaults (imported here, when needed: torch.distributed.fsdp takes 2.5 s to import)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
     if reshard_after_forward not in (True, False) or mp_policy.output_dtype is not None:
         raise ValueError(
             "hplab.fully_shard: reshard_after_forward takes True or False and "
