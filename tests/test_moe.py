@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hplab
 from hplab.models.gpt import MLP, GPTConfig
 from hplab.observe.observers import RoutingStats
 from hplab.parallel import moe
@@ -169,7 +170,18 @@ def _expert_parallel(ep_sizes):
         )
         ((out * w[mine]).sum(-1).mean() + layer.aux_loss).backward()
         moe.sync_gradients(list(layer.parameters()), comms["dp"], comms["edp"])
+        refusals = {}  # a wrapper that would average the experts over all of dp
+        for name, wrap in (
+            ("DDP", lambda m: hplab.DDP(m, comms["dp"])),
+            ("fully_shard", lambda m: hplab.fully_shard(m, comms["dp"])),
+            ("ZeroOptimizer", lambda m: hplab.ZeroOptimizer(m.parameters(), torch.optim.SGD)),
+        ):
+            try:
+                wrap(on_process_groups)
+            except ValueError as refusal:
+                refusals[name] = str(refusal)
         results[ep_size] = dict(
+            refusals=refusals,
             out=out.detach(),
             x_grad=xa.grad,
             grads=grads(layer),
@@ -286,6 +298,17 @@ def test_expert_parallel_layer_equals_one_process(runs):
                 sum(result["sent"]), received, H, E
             )
             assert result["a2a"]["bus_bytes"] == result["a2a"]["bytes"] * (ep - 1) / ep
+
+
+def test_no_wrapper_averages_shared_out_experts_over_all_of_dp(runs):
+    """DDP, fully_shard and a ZeroOptimizer over the whole dp group would average expert e of one
+    rank with expert e' of another (silently wrong): each refuses in one line, naming what
+    averages them right, before any collective."""
+    for result in (r["layer"][ep] for r in runs[0] for ep in (4, 2)):
+        refusals = result["refusals"]
+        assert set(refusals) == {"DDP", "fully_shard", "ZeroOptimizer"}, refusals
+        for line in refusals.values():
+            assert "\n" not in line and "experts" in line and "edp" in line, line
 
 
 def losses(metrics) -> list[float]:

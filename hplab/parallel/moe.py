@@ -180,7 +180,9 @@ def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> nn.Module:
     data-parallel group, of which ep is a part) and `cp` (the ranks that share each sequence);
     a sequence-wise one over `cp` only. Each group is what `communicator()` takes (an hplab
     Communicator, a torch ProcessGroup or a DeviceMesh of one dimension), or None: no such
-    group. Returns `model`."""
+    group. Returns `model`. Averaging the gradients is the caller's, after backward:
+    `sync_gradients(params, dp, edp)`, as hplab's trainer does (DDP, fully_shard, and a
+    ZeroOptimizer without an edp group for the experts, refuse experts shared out over ep)."""
     ep = group_or_none(ep, "ep")
     dp = group_or_none(dp, "dp")
     cp = group_or_none(cp, "cp")
@@ -194,6 +196,8 @@ def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> nn.Module:
         mine = range(ep.rank * local, (ep.rank + 1) * local)
         layer.experts = nn.ModuleDict({str(e): layer.experts[str(e)] for e in mine})
         layer.ep = ep
+        for p in layer.experts.parameters():  # (no wrapper may average them over all of dp)
+            placement.update(p, expert_parallel=ep.size)
     return model
 
 

@@ -120,6 +120,7 @@ class ParamPlacement:
     sharded_over: str = ""  # the group dp's shard is cut over: "dp", "dp_cp", "edp_cp"
     zero: FlatShard | None = None  # ZeRO-1/2: its optimizer state (stage 2: grads) sharded
     expert: bool = False  # an expert's: on its ep rank only, replicated over edp
+    expert_parallel: int = 1  # over how many ranks its layer's experts are shared out (ep)
     no_decay: bool = False  # no weight decay (biases, norms, embeddings: by role)
     synced_by: str | None = None  # the wrapper that averages its gradient over dp
     global_shape: tuple[int, ...] | None = None  # before any cut (None: its own shape)

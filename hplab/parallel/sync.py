@@ -25,6 +25,15 @@ def claim_gradient_sync(params, by: str, allowed=(), claim: bool = True) -> None
     already does. `claim=False` checks only (ZeRO-1, which is correct after DDP but not on
     fully_shard's shards)."""
     params = list(params)
+    if by in ("hplab.DDP", "hplab.fully_shard") and any(
+        placement.of(p).expert_parallel > 1 for p in params
+    ):
+        raise DoubleSyncError(
+            f"{by}: these parameters include experts that expert parallel shares out (each rank "
+            "holds E/ep of them), and averaging them over the whole group mixes different "
+            "experts: average with moe.sync_gradients(params, dp, edp) after backward, or use "
+            "ZeroOptimizer with the experts in a param group whose shard_over is their edp group"
+        )
     for p in params:
         other = placement.of(p).synced_by
         if other and other not in allowed:

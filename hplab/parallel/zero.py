@@ -219,6 +219,15 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
         self.buckets = []
         inner_groups = []
         for g in self.param_groups:
+            if "shard_over" not in g and any(
+                placement.of(p).expert_parallel > 1 for p in g["params"]
+            ):
+                raise ZeroError(
+                    "ZeroOptimizer: a param group holds experts that expert parallel shares out "
+                    "(E/ep on each rank), which a shard over the whole group would mix: give "
+                    "them a group of their own with shard_over=<their edp group> and "
+                    "average_over=<the dp size>"
+                )
             comm = communicator(g.get("shard_over", self.comm), "dp")
             divisor = g.get("average_over", comm.size)
             frozen = [p for p in g["params"] if not p.requires_grad]
