@@ -23,6 +23,9 @@ once per microbatch; `reshard_after_forward=False` gathers once per step, not tw
 """
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -551,3 +554,31 @@ def test_prefetch_gathers_the_next_block_while_this_one_computes(prefetched):
         for name, passes in expected.items():
             assert out[f"{name}_order"] == " ".join(passes), name
             assert out[f"{name}_flag_order"] == " ".join(passes), name
+
+
+def test_a_reference_to_a_parameter_taken_before_fully_shard_stays_readable():
+    """fully_shard computes with a full-size parameter of its own (whose storage is freed
+    between uses), never with the user's original, which keeps its values: reading it is no
+    crash (it was a segmentation fault when the original itself was made the stand-in)."""
+    code = """
+import os, torch, torch.nn as nn, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+import hplab
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+kept = model[0].weight
+before = kept.detach().clone()
+hplab.fully_shard(model)
+model(torch.randn(3, 4)).sum().backward()
+print(torch.equal(kept.detach(), before))
+"""
+    port = str(29500 + os.getpid() % 400)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PORT": port},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr[-2000:]

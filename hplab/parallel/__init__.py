@@ -15,7 +15,8 @@ on torch.distributed. Read in this order:
     compose.py      the one place where they are put together (the step: hplab/training.py)
 
 `placement.py` (where each parameter lives: one typed record each, which sync, clipping,
-checkpoints and weight decay read), `sync.py` (one wrapper averages a gradient), `buckets.py`
+checkpoints and weight decay read), `grad_hooks.py` (gradient hooks that follow a parameter to
+fully_shard's stand-in), `sync.py` (one wrapper averages a gradient), `buckets.py`
 (gradients grouped into messages) and `optim.py` (optimizers that step other tensors than the
 model's) are shared by the strategies above.
 """

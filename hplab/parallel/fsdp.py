@@ -79,7 +79,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hplab.parallel import placement
+from hplab.parallel import grad_hooks, placement
 from hplab.parallel.collectives import communicator
 from hplab.parallel.sync import claim_gradient_sync
 
@@ -88,8 +88,8 @@ _MANAGED = WeakIdKeyDictionary()  # an owned shard → its _Param (how to gather
 
 class _Param:
     """One managed parameter: its owned shard (fp32 Parameter, registered in the module), its
-    full-size Parameter for compute (the original Parameter object, so the gradient hooks it
-    carries still run; its storage freed between uses) and where it is registered."""
+    full-size Parameter for compute (storage freed between uses; it carries the original's
+    gradient hooks) and where it is registered."""
 
     def __init__(self, p: nn.Parameter, places, comm, dtype, device, shard_device):
         self.shape = p.shape
@@ -101,9 +101,11 @@ class _Param:
         placement.derive(p, self.shard, dp=placement.Shard(0), sharded_over=comm.name)
         _MANAGED[self.shard] = self  # (`is_shard`, `gather_full`)
         self.buffer = torch.empty((comm.size * self.rows, *self.rest), dtype=dtype, device=device)
-        p.grad = None
-        p.data = self.buffer[: self.d0].view(p.shape)  # (in the compute dtype, gathered later)
-        self.full = p
+        self.full = nn.Parameter(
+            self.buffer[: self.d0].view(p.shape), requires_grad=p.requires_grad
+        )
+        if self.full.requires_grad:
+            grad_hooks.carry(p, self.full)  # (tensor parallel's sums run on what computes)
         self.buffer.untyped_storage().resize_(0)
         self.places = places  # [(module, attribute name)], two or more for a tied parameter
 

@@ -59,7 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hplab.config import check_tensor_parallel
-from hplab.parallel import placement
+from hplab.parallel import grad_hooks, placement
 from hplab.parallel.collectives import Communicator, communicator
 from hplab.parallel.placement import Split
 from hplab.runtime.group import new_group
@@ -245,8 +245,8 @@ def sum_gradient_in_backward(p: nn.Parameter | None, comm: Communicator) -> None
     heads), so each rank's gradient is a partial sum. A hook adds every backward's part over
     `comm` before it accumulates into `p.grad`: the gradient is whole when `backward()` returns,
     in any loop, under DDP, ZeRO or fully_shard alike (each sees the whole gradient)."""
-    if p is not None and p.requires_grad:
-        p.register_hook(functools.partial(_all_reduce, comm=comm))
+    if p is not None and p.requires_grad:  # (fully_shard's full-size parameter gets it too)
+        grad_hooks.add(p, functools.partial(_all_reduce, comm=comm))
 
 
 _REPLICA_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # ranks → their group, made once
