@@ -167,6 +167,13 @@ class Layout:
         "(none: each block waits for its own)",
         choices=PREFETCH,
     )
+    receives_ahead: int = option(
+        0,
+        "pipeline: post each receive this many computations before it is needed, so that its "
+        "message crosses the link while the rank computes (0: just before it is needed)",
+        type=int,
+        choices=(0, 1, 2),
+    )
 
     @property
     def world_size(self) -> int:

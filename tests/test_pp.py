@@ -387,7 +387,7 @@ def exec_reference(layers):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def exec_run(mesh, schedule, layers, tp_plan=False):
+def exec_run(mesh, schedule, layers, tp_plan=False, ahead=0):
     """Run one step with the executor alone (grads None before), record during which kind of
     action (F, B, W) each weight gradient was accumulated, then a second step on top (grads
     must double: the executor accumulates, it never zeroes)."""
@@ -403,7 +403,8 @@ def exec_run(mesh, schedule, layers, tp_plan=False):
     assert all(p.grad is None for p in params.values())
     plans = pp.build_schedule(schedule, mesh.pp_size, EXEC_M)
     plan = plans[mesh.pp_rank]
-    executor = pp.PipelineExecutor(stages, plan, mesh.pp, pp.message_links(mesh, plans))
+    links = pp.message_links(mesh, plans)
+    executor = pp.PipelineExecutor(stages, plan, mesh.pp, links, post_receives_ahead=ahead)
     watched = PipelineTrace(executor)
     compute = [a.kind for a in plan if a.kind in pp.COMPUTE]
     during = {}
@@ -440,6 +441,9 @@ def _executor_worker():
     for layers in ("nn.Linear", "F.linear", "function", "function+recompute"):
         for schedule in ("1f1b", "zb-h1"):
             out[(schedule, layers)] = exec_run(mesh, schedule, layers)
+    for schedule in ("gpipe", "1f1b", "zb-h1"):  # receives posted ahead: the same numbers
+        for ahead in (0, 2):
+            out[(schedule, "ahead", ahead)] = exec_run(mesh, schedule, "nn.Linear", ahead=ahead)
     mesh = Mesh(tp=2, pp=2)
     for schedule in ("1f1b", "zb-h1"):
         out[(schedule, "tp")] = exec_run(mesh, schedule, "nn.Linear", tp_plan=True)
@@ -497,6 +501,37 @@ def test_executor_gradients_equal_one_process(executor_runs):
                         else torch.as_tensor(first[n] if n in first else last[n])
                     )
                     assert rel(got, g) < TOL, (schedule, layers, n)
+
+
+def test_receives_posted_ahead_change_when_messages_cross_not_what_they_carry(executor_runs):
+    """`post_receives_ahead=2`: each receive posted two computations before it is needed (the
+    message crosses while the rank computes); the gradients are bit for bit the same."""
+    for res in executor_runs:
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
+            early, late = (res[(schedule, "ahead", a)]["grads"] for a in (2, 0))
+            assert early.keys() == late.keys()
+            assert all((early[n] == late[n]).all() for n in late), schedule
+
+
+def test_receives_ahead_moves_each_receive_past_computations_keeping_their_order():
+    plan = pp.build_schedule("1f1b", 2, 4)[1]
+    for ahead in (0, 1, 3):
+        moved = pp.receives_ahead(plan, ahead)
+        assert sorted(map(str, moved)) == sorted(map(str, plan))  # the same actions
+        assert [a for a in moved if a.kind[:4] != "recv"] == [
+            a for a in plan if a.kind[:4] != "recv"
+        ]
+        assert [a for a in moved if a.kind[:4] == "recv"] == [
+            a for a in plan if a.kind[:4] == "recv"
+        ]
+        for a in (a for a in plan if a.kind.startswith("recv")):  # computations it moved past
+            before = [x for x in plan[: plan.index(a)] if x.kind in pp.COMPUTE]
+            now = [x for x in moved[: moved.index(a)] if x.kind in pp.COMPUTE]
+            assert len(before) - len(now) <= ahead
+        assert (moved != plan) == (ahead > 0)  # (some receive did move)
+    assert pp.receives_ahead(plan, 0) == plan
+    first_needed = next(a for a in plan if a.kind.startswith("recv"))
+    assert pp.receives_ahead(plan, 1)[0] == first_needed  # (nothing to compute before it)
 
 
 def test_executor_accumulates_into_existing_gradients(executor_runs):

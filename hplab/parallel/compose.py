@@ -95,6 +95,7 @@ def build_pipeline(stages: list[pp.Stage], mesh: Mesh, layout: Layout) -> pp.Pip
         pp.message_links(mesh, plans),
         MixedPrecision(layout.precision).param_dtype,
         layout.tp if layout.sequence_parallel else 1,
+        layout.receives_ahead,
     )
 
 

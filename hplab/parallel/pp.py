@@ -44,6 +44,7 @@ from hplab.parallel.schedule import (  # pp.build_schedule, ...: the labs' names
     chunk_owner,  # noqa: F401
     message_key,  # noqa: F401
     one_f_one_b_order,  # noqa: F401
+    receives_ahead,
     schedule_text,  # noqa: F401
 )
 from hplab.plan.formulas import SCHEDULES, bubble_formula  # noqa: F401  (pp.bubble_formula: labs)
@@ -296,7 +297,9 @@ class _Step:
 class PipelineExecutor:
     """Runs one rank's action list for one training step over `comm`, the pipeline group.
     Sends are asynchronous (isend), awaited at the end of the step; a receive is posted (irecv)
-    where the list says and awaited by the computation that needs it. With W actions each
+    `post_receives_ahead` computations before the list says (`schedule.receives_ahead`: its
+    message crosses the link while this rank computes; 0: just before it is needed) and
+    awaited by the computation that needs it. With W actions each
     backward is split (the first stage's input is token ids: its B is empty, its W the whole
     backward). `observers` (see hplab.observe.observers) watch from outside: each is called as
     `observer(kind, action, stage)` and returns a context manager wrapped around the whole
@@ -312,9 +315,10 @@ class PipelineExecutor:
         links,
         dtype=torch.float32,
         sequence_shards: int = 1,
+        post_receives_ahead: int = 0,
     ):
         self.stages = {s.chunk: s for s in stages}
-        self.plan = plan
+        self.plan = receives_ahead(plan, post_receives_ahead)  # (0: just before it is needed)
         self.comm = comm
         self.links = links
         self.dtype = dtype

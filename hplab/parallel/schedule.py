@@ -181,6 +181,25 @@ def add_communication(orders: list[list[tuple]], p: int, v: int) -> list[list[Ac
     return full
 
 
+def receives_ahead(plan: list[Action], computations: int = 1) -> list[Action]:
+    """`plan` with each receive posted `computations` computations earlier (never before the
+    plan's start or an earlier receive: receives keep their order), so that its message
+    crosses the link while this rank computes, as Megatron-LM's overlapped p2p communication and
+    torch.distributed.pipelining post receives ahead. Posting early never blocks: a receive is
+    waited for only when the computation that needs it comes. 0: the plan as it is."""
+    out: list[Action] = []
+    for a in plan:
+        at = len(out)
+        passed = 0
+        while a.kind.startswith("recv") and at > 0 and passed < computations:
+            if out[at - 1].kind.startswith("recv"):
+                break
+            at -= 1
+            passed += out[at].kind in COMPUTE
+        out.insert(at, a)
+    return out
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """The action list of every rank for schedule `name` with p ranks, m microbatches and
     (interleaved only) v chunks per rank."""
