@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hplab.config import ModelConfig
+from hplab.models import tp_styles
 from hplab.parallel import tp
 from hplab.parallel.moe import MoE
 from hplab.presets import HPLAB_PRESETS
@@ -404,7 +405,7 @@ TP_PLAN = {  # for tp.parallelize: this file's GPT; the order matters: wte befor
     "lm_head": tp.ColumnParallelLinear,  # its weight is wte's piece: this rank's V/T logits
     "transformer.wpe": tp.SequenceParallelPositions,
     **_BLOCKS,
-    "transformer.h.*.attn": tp.divide("n_head"),  # this rank's heads
+    "transformer.h.*.attn": tp_styles.divide("n_head"),  # this rank's heads
     "": vocab_parallel_loss,
 }
 
@@ -415,5 +416,5 @@ HF_TP_PLAN = {  # for tp.parallelize: HF's GPT2LMHeadModel, handed s/T ids under
     "lm_head": tp.ColumnParallelLinear,
     "transformer.wpe": functools.partial(tp.SequenceParallelPositions, given_slice=True),
     **_BLOCKS,  # HF cuts c_attn's output into q, k, v of width split_size:
-    "transformer.h.*.attn": tp.divide("num_heads", "embed_dim", "split_size"),
+    "transformer.h.*.attn": tp_styles.divide("num_heads", "embed_dim", "split_size"),
 }

@@ -26,7 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hplab.config import Layout, validate
 from hplab.models import gpt as gpt_model
-from hplab.models import llama
+from hplab.models import llama, tp_styles
 from hplab.parallel import cp, fsdp, moe, pp, tp
 from hplab.parallel.ddp import DDP
 from hplab.parallel.mesh import Mesh
@@ -49,7 +49,7 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: Layout) -> nn.Module:
         plan, blocks = (
             (llama.TP_PLAN, "model.layers") if is_llama else (gpt_model.TP_PLAN, "transformer.h")
         )
-        plan = tp.with_experts(plan, blocks) if model.config.n_experts else plan
+        plan = tp_styles.with_experts(plan, blocks) if model.config.n_experts else plan
         tp.parallelize(model, mesh.tp, plan, sequence_parallel=layout.sequence_parallel)
     if layout.cp > 1:  # context parallel: this rank's tokens; attention by ring or Ulysses
         cp.parallelize(model, mesh.cp, layout.cp_style, layout.cp_split)

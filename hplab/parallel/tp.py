@@ -383,42 +383,9 @@ def vocab_parallel_cross_entropy(logits, targets, comm, vocab_size: int) -> torc
 
 # --- 5. Plans: module names (fnmatch patterns; "" is the model itself) → styles ---------------
 # A style: any callable (module, comm, sequence_parallel) → the module that takes its place (a
-# layer above), or a fix that changes the module in place and returns it. Where to cut is data.
-
-
-def divide(*names: str):
-    """A fix: counts of what is now split (heads, widths) become this rank's share."""
-
-    def style(module, comm, sequence_parallel=False):
-        for name in names:
-            setattr(module, name, getattr(module, name) // comm.size)
-        return module
-
-    return style
-
-
-def experts_see_every_token(moe, comm, sequence_parallel=False):
-    """Under sequence parallel a mixture of experts routes all s tokens on every rank (gathered
-    first; this rank keeps its s/T of the output): its gradients are whole (Replicate)."""
-    if sequence_parallel:
-        moe.register_forward_pre_hook(lambda _, a: (ReplicatedSequence.apply(a[0], comm, True),))
-        moe.register_forward_hook(lambda _, a, out: ReplicatedSequence.apply(out, comm, False))
-        for p in moe.parameters():
-            placement.update(p, tp_grad=placement.Replicate())
-    return moe
-
-
-def with_experts(plan: dict, blocks: str) -> dict:
-    """`plan` where each `blocks.*.mlp` is a mixture of experts: every expert's MLP cut as the
-    dense one, without sequence parallel inside (the layer sees every token)."""
-
-    def each(cut):
-        return lambda m, c, _: cut(m, c, False)
-
-    return {
-        p.replace(".mlp.", ".mlp.experts.*."): each(cut) if ".mlp." in p else cut
-        for p, cut in plan.items()
-    } | {f"{blocks}.*.mlp": experts_see_every_token}
+# layer above), or a fix that changes the module in place and returns it. Where to cut is data:
+# each model's plan lives with the model (hplab/models/), the styles they share in
+# hplab/models/tp_styles.py.
 
 
 def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = False):
