@@ -406,6 +406,7 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
             f" has no module matching it (it has {names[1:4]}, ...)"
         )
     already_cut = {p for p in model.parameters() if is_split(p)}
+    kv_comms = {}  # replicas → the Communicator over this rank's K/V replicas (one per count)
     for pattern, style in plan.items():
         for name in matches[pattern]:
             old = model.get_submodule(name)
@@ -418,5 +419,7 @@ def parallelize(model: nn.Module, group, plan: dict, sequence_parallel: bool = F
             sum_gradient_in_backward(p, comm)  # (summed in backward: whole in any loop)
         replicas = placement.of(p).kv_replicas  # a K/V head held by several ranks, cut now
         if replicas > 1 and p not in already_cut:
-            sum_gradient_in_backward(p, replica_comm(comm, replicas))
+            if replicas not in kv_comms:
+                kv_comms[replicas] = replica_comm(comm, replicas)
+            sum_gradient_in_backward(p, kv_comms[replicas])
     return model
