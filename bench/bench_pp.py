@@ -97,7 +97,6 @@ def torch_1f1b():
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import build_model
     from hplab.parallel import pp
-    from hplab.parallel.compose import sync_gradients
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.precision import MixedPrecision
     from hplab.training import make_sharded_optimizer
@@ -124,7 +123,7 @@ def torch_1f1b():
             runner.step(target=y)
         else:
             runner.step()
-        sync_gradients(stage, mesh, opt, tied)  # the embedding's two copies: one gradient
+        pp.sum_tied_gradient([stage], tied)  # the embedding's two copies: one gradient
         opt.step()
         opt.zero_grad()
 

@@ -55,8 +55,8 @@ class TrainState:
     """One rank's training: the model `parallelize` returned, the optimizer and schedule built
     beside it, and what `train_step` derives from them once: the whole decoder behind the wrappers,
     the precision (fp16's loss scaler), the pipeline executor over the model's stages, and the
-    group whose gradients `sync_gradients` sums (the pipeline's tied embedding). Building it
-    creates those groups: every rank builds one, in the same order."""
+    group in which it sums the tied embedding's gradients. Building it creates those groups:
+    every rank builds one, in the same order."""
 
     model: nn.Module  # what runs forward: DDP(model), the fully-sharded model, or DDP(stages)
     optimizer: torch.optim.Optimizer
@@ -76,8 +76,10 @@ class TrainState:
         stages = pipeline_stages(self.model)
         self.decoder = whole_model(self.model)
         self.precision = MixedPrecision(self.layout.precision)
-        self.pipeline = build_pipeline(stages, self.mesh, self.layout) if stages else None
         self.tied_comm = pp.tied_embedding_group(self.mesh) if stages else None
+        self.pipeline = (
+            build_pipeline(stages, self.mesh, self.layout, self.tied_comm) if stages else None
+        )
 
 
 def mark_no_decay(model: nn.Module) -> None:
@@ -206,7 +208,7 @@ def train_step(par: TrainState, x: torch.Tensor, y: torch.Tensor) -> float:
                 (microbatch_loss * scale / m).backward()
             losses.append(microbatch_loss.detach())
         loss = float(torch.stack(losses).mean())
-    sync_gradients(par.model, mesh, par.optimizer, par.tied_comm)
+    sync_gradients(par.model, par.optimizer)
     grads = [
         t.grad for g in stepped_groups(par.optimizer) for t in g["params"] if t.grad is not None
     ]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hplab.parallel import collectives, compose, cp, schedule
+from hplab.parallel import collectives, cp, schedule
 from hplab.parallel.collectives import Call
 from hplab.runtime import clock
 from hplab.runtime.errors import CommTimeout, explained, explained_call
@@ -218,35 +218,7 @@ def test_the_pipeline_keeps_one_communicator_each_way():
     assert links == {(0, 1): ("group 1", (0, 1)), (1, 0): ("group 2", (1, 0))}
 
 
-# --- 3. no host tensor reaches an NCCL collective ----------------------------------------------
-
-
-def lazy_device():
-    pytest.importorskip("torch._lazy")
-    import torch._lazy.ts_backend
-
-    torch._lazy.ts_backend.init()
-    return "lazy:0"
-
-
-def test_offloaded_gradients_are_reduced_through_the_group_device():
-    """ZeRO-Offload keeps its shards' gradients on the host; context parallel and the pipeline's
-    tied embedding then reduce them: through a copy on the communicator's device."""
-    device = lazy_device()
-    cp_comm, tied_comm = Recording(device=device), Recording(device=device)
-    grads = [torch.ones(3), torch.full((2,), 3.0)]
-    compose._all_reduce_grads(grads, cp_comm, scale=0.5)
-    assert [g.tolist() for g in grads] == [[1, 1, 1], [3, 3]] and grads[0].device.type == "cpu"
-    shard = torch.nn.Parameter(torch.zeros(2))
-    shard.grad = torch.ones(2)
-    optimizer = torch.optim.SGD([{"params": [shard], "tied": True}], lr=0.1)
-    mesh = types.SimpleNamespace(ep_size=1, tp_size=1, cp_size=2, cp=cp_comm)
-    compose.sync_gradients(torch.nn.Linear(1, 1), mesh, optimizer, tied_comm)
-    assert shard.grad.tolist() == [2.0, 2.0]  # cp: ×2 ÷ 2; tied: ×2
-    assert tied_comm.calls == [("all_reduce", "lazy")] and cp_comm.calls[-1][1] == "lazy"
-
-
-# --- 4. a timeout or a lost peer on NCCL: hplab's one line ------------------------------------
+# --- 3. a timeout or a lost peer on NCCL: hplab's one line ------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -321,7 +293,7 @@ def test_a_raw_collective_outside_a_communicator_is_explained_too():
     assert raw == []
 
 
-# --- 5. clocks of the device's work ------------------------------------------------------------
+# --- 4. clocks of the device's work ------------------------------------------------------------
 
 
 class Scripted:
@@ -380,7 +352,7 @@ def test_the_peak_is_measured_on_the_runs_own_device():
             lab.peak_of(run)
 
 
-# --- 6. GPU traces: NCCL's kernels are the collectives, the others the computation -------------
+# --- 5. GPU traces: NCCL's kernels are the collectives, the others the computation -------------
 
 
 def test_a_gpu_trace_is_read_with_its_kernels(tmp_path):

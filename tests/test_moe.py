@@ -163,16 +163,17 @@ def _expert_parallel(ep_sizes):
                     process_groups[family] = group
         layer = make_layer(aux_coef=0.1, z_coef=0.01)
         returned = moe.parallelize(layer, comms["ep"], comms["dp"])
+        ddp = hplab.DDP(layer, comms["dp"], expert_group=comms["edp"])  # the experts: over edp
         xa = x[mine].clone().requires_grad_()
-        out = layer(xa)
+        out = ddp(xa)
         on_process_groups = moe.parallelize(
             make_layer(aux_coef=0.1, z_coef=0.01), process_groups["ep"], process_groups["dp"]
         )
-        ((out * w[mine]).sum(-1).mean() + layer.aux_loss).backward()
-        moe.sync_gradients(list(layer.parameters()), comms["dp"], comms["edp"])
+        ((out * w[mine]).sum(-1).mean() + layer.aux_loss).backward()  # averaged in backward
         refusals = {}  # a wrapper that would average the experts over all of dp
         for name, wrap in (
             ("DDP", lambda m: hplab.DDP(m, comms["dp"])),
+            ("DDP over the wrong group", lambda m: hplab.DDP(m, None, expert_group=comms["dp"])),
             ("fully_shard", lambda m: hplab.fully_shard(m, comms["dp"])),
             ("ZeroOptimizer", lambda m: hplab.ZeroOptimizer(m.parameters(), torch.optim.SGD)),
         ):
@@ -301,12 +302,14 @@ def test_expert_parallel_layer_equals_one_process(runs):
 
 
 def test_no_wrapper_averages_shared_out_experts_over_all_of_dp(runs):
-    """DDP, fully_shard and a ZeroOptimizer over the whole dp group would average expert e of one
+    """DDP without its expert_group (or with a group that is not the experts' replicas),
+    fully_shard and a ZeroOptimizer over the whole dp group would average expert e of one
     rank with expert e' of another (silently wrong): each refuses in one line, naming what
     averages them right, before any collective."""
+    wrappers = {"DDP", "DDP over the wrong group", "fully_shard", "ZeroOptimizer"}
     for result in (r["layer"][ep] for r in runs[0] for ep in (4, 2)):
         refusals = result["refusals"]
-        assert set(refusals) == {"DDP", "fully_shard", "ZeroOptimizer"}, refusals
+        assert set(refusals) == wrappers, refusals
         for line in refusals.values():
             assert "\n" not in line and "experts" in line and "edp" in line, line
 

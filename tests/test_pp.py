@@ -404,7 +404,10 @@ def exec_run(mesh, schedule, layers, tp_plan=False, ahead=0):
     plans = pp.build_schedule(schedule, mesh.pp_size, EXEC_M)
     plan = plans[mesh.pp_rank]
     links = pp.message_links(mesh, plans)
-    executor = pp.PipelineExecutor(stages, plan, mesh.pp, links, post_receives_ahead=ahead)
+    tied = pp.tied_embedding_group(mesh)
+    executor = pp.PipelineExecutor(
+        stages, plan, mesh.pp, links, post_receives_ahead=ahead, tied=tied
+    )
     watched = PipelineTrace(executor)
     compute = [a.kind for a in plan if a.kind in pp.COMPUTE]
     during = {}
@@ -430,6 +433,56 @@ def exec_run(mesh, schedule, layers, tp_plan=False, ahead=0):
     }
 
 
+def plain_loop_run(mesh, wrapper: str, m: int = EXEC_M) -> dict:
+    """The stages, the executor and a data-parallel wrapper in an ordinary loop, as a user
+    writes it without hplab's trainer: `run`, `step`, `zero_grad`, nothing in between (the
+    executor sums the tied embedding's two copies; DDP, or ZeRO-2, averages over dp)."""
+    import hplab
+    from hplab.models.gpt import build_model
+    from hplab.training import ADAMW
+
+    model = build_model(config(EXEC_LAYERS), seed=0)
+    stages = pp.build_stages(model, mesh.pp_rank, mesh.pp_size)
+    pp.free_unowned_parameters(model, stages)
+    params = pp.stage_parameters(stages)
+    settings = dict(lr=1e-3, weight_decay=0.1, **ADAMW)
+    if wrapper == "DDP":
+        hplab.DDP(torch.nn.ModuleList(stages), mesh.dp)
+        opt = torch.optim.AdamW(params, **settings)
+    else:  # ZeRO-2 frees gradients in backward, but keeps the tied one for the executor's sum
+        opt = hplab.ZeroOptimizer(params, torch.optim.AdamW, mesh.dp, stage=2, **settings)
+    plans = pp.build_schedule("1f1b", mesh.pp_size, m)
+    links = pp.message_links(mesh, plans)
+    executor = pp.PipelineExecutor(
+        stages, plans[mesh.pp_rank], mesh.pp, links, tied=pp.tied_embedding_group(mesh)
+    )
+    for x, y in global_batches(PER_MICROBATCH * m * mesh.dp_size):
+        half = slice(mesh.dp_rank * PER_MICROBATCH * m, (mesh.dp_rank + 1) * PER_MICROBATCH * m)
+        executor.run(list(x[half].chunk(m)), list(y[half].chunk(m)))
+        opt.step()
+        opt.zero_grad()
+    return own_params(model)
+
+
+def pipeline_refusals(mesh) -> dict[str, str]:
+    """What refuses a stage holding a copy of the tied embedding, in one line each."""
+    import hplab
+    from hplab.models.gpt import build_model
+
+    refusals = {}
+    stages = pp.build_stages(build_model(config(EXEC_LAYERS), seed=0), mesh.pp_rank, 2)
+    plan = pp.build_schedule("1f1b", 2, EXEC_M)[mesh.pp_rank]
+    for name, make in (
+        ("executor without tied", lambda: pp.PipelineExecutor(stages, plan, mesh.pp, {})),
+        ("fully_shard", lambda: hplab.fully_shard(stages[0], mesh.dp)),
+    ):
+        try:
+            make()
+        except ValueError as refusal:
+            refusals[name] = str(refusal)
+    return refusals
+
+
 def _executor_worker():
     import torch.distributed as dist
 
@@ -438,6 +491,9 @@ def _executor_worker():
     torch.set_num_threads(1)
     out = {}
     mesh = Mesh(dp=2, pp=2)  # the two dp replicas run the same data: twice the check
+    for wrapper in ("DDP", "ZeRO-2"):
+        out[("plain loop", wrapper)] = plain_loop_run(mesh, wrapper)
+    out["refusals"] = pipeline_refusals(mesh)
     for layers in ("nn.Linear", "F.linear", "function", "function+recompute"):
         for schedule in ("1f1b", "zb-h1"):
             out[(schedule, layers)] = exec_run(mesh, schedule, layers)
@@ -478,9 +534,9 @@ def test_zb_h1_defers_every_weight_gradient_to_w(executor_runs):
 
 
 def test_executor_gradients_equal_one_process(executor_runs):
-    """After one step (grads None before), each rank's gradients are one process's: the
-    tied embedding's two copies (first and last stage) sum to the true gradient. ZB-H1 equals
-    1F1B; under tensor parallel (slices: compared with 1F1B on the same rank) too."""
+    """After one step (grads None before), each rank's gradients are one process's, the tied
+    embedding's on both of its copies (first and last stage: the executor summed their parts).
+    ZB-H1 equals 1F1B; under tensor parallel (slices: compared with 1F1B on the same rank) too."""
     for layers in EXEC_LAYER_KINDS:
         for res in executor_runs:
             zb, f1b = res[("zb-h1", layers)]["grads"], res[("1f1b", layers)]["grads"]
@@ -495,12 +551,8 @@ def test_executor_gradients_equal_one_process(executor_runs):
                 first = executor_runs[stage0][(schedule, layers)]["grads"]
                 last = executor_runs[stage1][(schedule, layers)]["grads"]
                 for n, g in ref.items():
-                    got = (
-                        torch.as_tensor(first[n]) + torch.as_tensor(last[n])
-                        if n in first and n in last
-                        else torch.as_tensor(first[n] if n in first else last[n])
-                    )
-                    assert rel(got, g) < TOL, (schedule, layers, n)
+                    copies = [torch.as_tensor(grads[n]) for grads in (first, last) if n in grads]
+                    assert copies and all(rel(got, g) < TOL for got in copies), (schedule, n)
 
 
 def test_receives_posted_ahead_change_when_messages_cross_not_what_they_carry(executor_runs):
@@ -537,7 +589,32 @@ def test_receives_ahead_moves_each_receive_past_computations_keeping_their_order
 def test_executor_accumulates_into_existing_gradients(executor_runs):
     for res in executor_runs:
         for key, run in res.items():
-            assert run["twice"] < TOL, key
+            if "twice" in run:
+                assert run["twice"] < TOL, key
+
+
+def test_an_ordinary_loop_around_the_executor_trains_one_processs_model(executor_runs):
+    """pp 2 × dp 2, 1F1B, AdamW for 3 steps with hplab.DDP or ZeroOptimizer(stage=2) and no
+    call between `run` and `step`: each rank's weights (the tied embedding's two copies
+    included) are one process's on the whole batch."""
+    _, ref = reference_run(EXEC_LAYERS, PER_MICROBATCH * EXEC_M * 2, EXEC_M * 2)
+    for wrapper in ("DDP", "ZeRO-2"):
+        for first, last in ((0, 2), (1, 3)):  # the ranks of one pipeline (dp 0, dp 1)
+            a, b = (executor_runs[r][("plain loop", wrapper)] for r in (first, last))
+            tied = set(a) & set(b)
+            assert tied == {"transformer.wte.weight"}, tied  # (the LM head's, by its first name)
+            assert all((a[n] == b[n]).all() for n in tied), wrapper  # the copies agree
+            assert worst_param_error(a | b, ref) < TOL, wrapper
+
+
+def test_a_stage_with_a_tied_copy_is_refused_without_its_group(executor_runs):
+    """The executor needs the first and last stage's group to sum the tied gradient, and
+    fully_shard would keep only a shard of that gradient: each refuses in one line."""
+    for res in executor_runs:
+        refusals = res["refusals"]
+        assert set(refusals) == {"executor without tied", "fully_shard"}, refusals
+        assert all("\n" not in line and "tied" in line for line in refusals.values())
+        assert "tied_embedding_group" in refusals["executor without tied"]
 
 
 # =========================================================================================
@@ -690,7 +767,6 @@ def run_torch_pipelining(n_layer, p, schedule, m):
 
     from hplab.config import Layout, OptimConfig
     from hplab.models.gpt import build_model
-    from hplab.parallel.compose import sync_gradients
     from hplab.parallel.mesh import Mesh
     from hplab.parallel.precision import MixedPrecision
     from hplab.training import make_sharded_optimizer
@@ -714,7 +790,7 @@ def run_torch_pipelining(n_layer, p, schedule, m):
             runner.step(target=y, losses=mb_losses)
         else:
             runner.step()
-        sync_gradients(stage, mesh, opt, tied)  # the embedding's two copies: one gradient
+        pp.sum_tied_gradient([stage], tied)  # the embedding's two copies: one gradient
         opt.step()
         opt.zero_grad()
         local = float(torch.stack(mb_losses).mean()) if mb_losses else 0.0

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 import torch.nn as nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hplab.config import Layout, validate
 from hplab.models import gpt as gpt_model
@@ -30,9 +28,8 @@ from hplab.models import llama, tp_styles
 from hplab.parallel import cp, fsdp, moe, pp, tp
 from hplab.parallel.ddp import DDP
 from hplab.parallel.mesh import Mesh
-from hplab.parallel.optim import WrappedOptimizer, stepped_groups
+from hplab.parallel.optim import WrappedOptimizer
 from hplab.parallel.precision import MixedPrecision
-from hplab.parallel.zero import ZeroOptimizer
 
 
 def parallelize(model: nn.Module, mesh: Mesh, layout: Layout) -> nn.Module:
@@ -82,9 +79,12 @@ def whole_model(model: nn.Module) -> nn.Module:
     return stages[0].decoder if stages else unwrap(model)
 
 
-def build_pipeline(stages: list[pp.Stage], mesh: Mesh, layout: Layout) -> pp.PipelineExecutor:
+def build_pipeline(
+    stages: list[pp.Stage], mesh: Mesh, layout: Layout, tied=None
+) -> pp.PipelineExecutor:
     """The executor that runs this rank's stages through the schedule's action list, with one
-    communicator each way between pipeline neighbours (NCCL's order: `pp.message_links`)."""
+    communicator each way between pipeline neighbours (NCCL's order: `pp.message_links`) and
+    `tied`, the first and last stage's group (`pp.tied_embedding_group`), where it is needed."""
     plans = pp.build_schedule(
         layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages
     )
@@ -96,14 +96,14 @@ def build_pipeline(stages: list[pp.Stage], mesh: Mesh, layout: Layout) -> pp.Pip
         MixedPrecision(layout.precision).param_dtype,
         layout.tp if layout.sequence_parallel else 1,
         layout.receives_ahead,
+        tied if pp.tied_weight(stages) is not None else None,
     )
 
 
 def data_parallel(model, owned: nn.Module, mesh: Mesh, layout: Layout, precision) -> nn.Module:
     """Over mesh.dp_cp (the dp ranks and their cp ranks: all hold the same weights): ZeRO-3 as
-    fully_shard (each block a unit, then the root), else DDP around what this rank holds; none
-    under ZeRO-1/2 (its optimizer syncs) or expert parallel (sync_gradients averages experts over
-    their own replicas)."""
+    fully_shard (each block a unit, then the root), else DDP around what this rank holds (the
+    experts over their own replicas, mesh.edp_cp); none under ZeRO-1/2 (its optimizer syncs)."""
     if layout.zero == 3:  # (no pipeline: owned is model; its parameters become fp32 shards)
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy  # (2.5 s)
 
@@ -114,9 +114,10 @@ def data_parallel(model, owned: nn.Module, mesh: Mesh, layout: Layout, precision
         set_prefetch(model, layout.prefetch)
         return model
     owned.to(precision.param_dtype)  # half-precision copies; fp32 masters in the optimizer
-    if layout.zero or layout.ep > 1:
+    if layout.zero:
         return owned
-    return DDP(owned, mesh.dp_cp, layout.bucket_mb)
+    experts = mesh.edp_cp if layout.ep > 1 else None
+    return DDP(owned, mesh.dp_cp, layout.bucket_mb, expert_group=experts)
 
 
 def set_prefetch(model: nn.Module, prefetch: str) -> None:
@@ -140,39 +141,19 @@ def finish_gradient_sync(model: nn.Module) -> None:
     fsdp.finish_gradient_sync(model)
 
 
-def _all_reduce_grads(grads: list[torch.Tensor], comm, scale: float = 1.0) -> None:
-    """Sum `grads` over `comm` as one message, times `scale`, in place. The message is built on
-    the communicator's device: offloaded optimizer shards keep their gradients on the host,
-    and NCCL reduces only GPU tensors."""
-    flat = _flatten_dense_tensors(grads).to(comm.device)
-    comm.all_reduce(flat)
-    summed = flat.mul_(scale).to(grads[0].device)  # (one copy back, where they live)
-    torch._foreach_copy_(grads, _unflatten_dense_tensors(summed, grads))
-
-
-@torch.no_grad()
-def sync_gradients(model: nn.Module, mesh: Mesh, optimizer=None, tied_comm=None):
+def sync_gradients(model: nn.Module, optimizer=None) -> None:
     """Every synchronisation after backward (Megatron's `finalize_model_grads`), in order:
-    1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished; under
-       expert parallel (no DDP) dense gradients are averaged over dp, experts' over edp (under
-       ZeRO-1/2 its optimizer does both, in 2). Context parallel's ranks hold the same weights
-       and each rank's loss saw its s/cp tokens: all of these average over dp × cp;
-    2. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards;
-    3. the pipeline's tied embedding: first and last stage sum its gradients (same step).
-    Tensor parallel's partial sums (sequence parallel's whole parameters, K/V heads shared by
-    several ranks) need nothing here: their hooks summed them in backward (tp.py)."""
+    1. data parallel: DDP's last buckets (or ZeRO-3's reduce-scatters) are finished, the
+       experts' over their replicas. Context parallel's ranks hold the same weights and each
+       rank's loss saw its s/cp tokens: all of these average over dp × cp;
+    2. ZeRO-1/2 (and fp32 masters): the optimizer reduces its gradients into its shards.
+    Each wrapper also does this by itself (DDP and fully_shard when backward ends, the
+    optimizers at `step()`); the trainer calls it to measure the gradients before the step.
+    Partial sums need nothing here: tensor parallel's hooks summed them in backward (tp.py),
+    the pipeline executor the tied embedding's two copies after its backwards (pp.py)."""
     finish_gradient_sync(model)
-    if mesh.ep_size > 1 and not isinstance(optimizer, ZeroOptimizer):  # (ZeRO: two groups)
-        moe.sync_gradients(list(model.parameters()), mesh.dp_cp, mesh.edp_cp)
     if isinstance(optimizer, WrappedOptimizer):  # ZeroOptimizer, MasterWeightOptimizer
         optimizer.sync_gradients()
-    if tied_comm and optimizer is not None:
-        for group in stepped_groups(optimizer):
-            if group.get("tied"):
-                for t in group["params"]:
-                    if t.grad is None:
-                        t.grad = torch.zeros_like(t)
-                    _all_reduce_grads([t.grad], tied_comm)
 
 
 @contextlib.contextmanager

@@ -44,6 +44,11 @@ without a gradient keep `.grad = None` (the optimizer skips them) and their slot
 zeros; like PyTorch's DDP, every rank must use the same parameters in a step. A tied parameter
 (GPT's embedding and LM head) is reduced once; frozen ones (requires_grad=False) have no slot.
 
+**Experts.** Under expert parallel (hplab/parallel/moe.py) each rank holds E/ep experts; an
+expert's replicas are the dp/ep ranks with the same ones (its *edp* group). Its gradient
+already sums the tokens its whole ep group sent it, so its buckets are all-reduced over edp
+and divided by dp's size, like every other bucket: `DDP(model, dp, expert_group=edp)`.
+
 **One wrapper averages a gradient.** DDP's hooks and ZeRO-2's (or fully_shard's) would both
 reduce the same gradient in the same backward, the second reading a half-reduced or already
 averaged one: `hplab.parallel.sync` refuses the second wrapper when it is built, in one line. DDP
@@ -53,6 +58,7 @@ with ZeRO-1 is correct (ZeRO-1 reduces at `step()`, after DDP has averaged), onl
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.nn as nn
@@ -60,14 +66,16 @@ from torch._utils import _unflatten_dense_tensors
 
 from hplab.parallel.buckets import bucket_params
 from hplab.parallel.collectives import communicator
-from hplab.parallel.sync import claim_gradient_sync
+from hplab.parallel.sync import check_expert_group, claim_gradient_sync, shared_out
 
 
 class Bucket:
-    """A flat gradient buffer for a few parameters, and the state of its all-reduce."""
+    """A flat gradient buffer for a few parameters, and the state of its all-reduce over
+    `comm` (the dp group; for experts, their replicas')."""
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], comm):
         self.params = params
+        self.comm = comm
         self.buffer = params[0].new_zeros(sum(p.numel() for p in params))
         self.views = _unflatten_dense_tensors(self.buffer, params)  # each param's slot: a view
         self.ready: set[int] = set()  # ids of its params whose gradient is in for this backward
@@ -86,17 +94,28 @@ def move_grad_in(p: nn.Parameter, view: torch.Tensor) -> None:
 class DDP(nn.Module):
     """Data parallel over `group` (a torch ProcessGroup, an hplab Communicator such as
     `mesh.dp`, or None for the world), with gradient buckets of `bucket_mb` MiB (0: one
-    message per parameter). `.module` is the wrapped model."""
+    message per parameter). Experts that expert parallel shared out (`moe.parallelize`) are
+    averaged over `expert_group`, their replicas (edp: the dp ranks with this rank's experts).
+    `.module` is the wrapped model."""
 
-    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25):
+    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25, expert_group=None):
         super().__init__()
-        claim_gradient_sync(module.parameters(), "hplab.DDP")
-        self.module = module
         self.comm = communicator(group, "dp")
+        experts = communicator(expert_group, "edp") if expert_group is not None else None
+        check_expert_group(module, self.comm, experts)
+        claim_gradient_sync(module.parameters(), "hplab.DDP", expert_group=expert_group)
+        self.module = module
+        comm_of = {id(p): experts if shared_out(p) else self.comm for p in module.parameters()}
         for t in [*module.parameters(), *module.buffers()]:  # start equal: rank 0's values
-            self.comm.broadcast(t.data, src=0)
+            comm_of.get(id(t), self.comm).broadcast(t.data, src=0)
         self.params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
-        self.buckets = [Bucket(group) for group in bucket_params(self.params, bucket_mb)]
+        # buckets in backward's order (`bucket_params`), each of one group's parameters
+        runs = [list(run) for _, run in itertools.groupby(self.params, lambda p: comm_of[id(p)])]
+        self.buckets = [
+            Bucket(params, comm_of[id(run[0])])
+            for run in reversed(runs)
+            for params in bucket_params(run, bucket_mb)
+        ]
         self.slot_of = {
             id(p): (b, view) for b in self.buckets for p, view in zip(b.params, b.views)
         }
@@ -129,8 +148,8 @@ class DDP(nn.Module):
             b = self.buckets[self.next_to_launch]
             if not force and len(b.ready) < len(b.params):
                 return
-            b.buffer.div_(self.comm.size)  # average = sum of (grad / n)
-            b.pending = self.comm.all_reduce(b.buffer, async_op=True)
+            b.buffer.div_(self.comm.size)  # average = sum of (grad / n), n = dp (experts too)
+            b.pending = b.comm.all_reduce(b.buffer, async_op=True)
             self.next_to_launch += 1
 
     # -- when backward ends (by itself), or when the caller says so --

@@ -37,8 +37,9 @@ parallel), rank r keeps experts [r·E/ep, (r+1)·E/ep). A layer *dispatches* its
 sorted by expert, to their experts' ranks with all-to-alls and *combines* the results with the
 gates (`run_experts`, step by step); autograd runs through the exchanges (an all-to-all's
 backward is the reverse all-to-all). An expert's replicas live on the ranks with the same ep
-coordinate (the expert-data-parallel group, dp/ep ranks): `sync_gradients` averages expert
-gradients there and everything else over the whole dp group.
+coordinate (the expert-data-parallel group, dp/ep ranks): `hplab.DDP(model, dp,
+expert_group=edp)` averages expert gradients there, in backward, and everything else over the
+whole dp group (ZeroOptimizer: the experts in a param group with `shard_over=edp`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ import math
 
 import torch
 import torch.nn as nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hplab.config import check_balance, check_experts, check_top_k
 from hplab.parallel import placement
@@ -180,9 +180,9 @@ def parallelize(model: nn.Module, ep=None, dp=None, cp=None) -> nn.Module:
     data-parallel group, of which ep is a part) and `cp` (the ranks that share each sequence);
     a sequence-wise one over `cp` only. Each group is what `communicator()` takes (an hplab
     Communicator, a torch ProcessGroup or a DeviceMesh of one dimension), or None: no such
-    group. Returns `model`. Averaging the gradients is the caller's, after backward:
-    `sync_gradients(params, dp, edp)`, as hplab's trainer does (DDP, fully_shard, and a
-    ZeroOptimizer without an edp group for the experts, refuse experts shared out over ep)."""
+    group. Returns `model`. Averaging the gradients is data parallel's:
+    `hplab.DDP(model, dp, expert_group=edp)` (DDP without it, fully_shard, and a ZeroOptimizer
+    without an edp group for the experts, refuse experts shared out over ep)."""
     ep = group_or_none(ep, "ep")
     dp = group_or_none(dp, "dp")
     cp = group_or_none(cp, "cp")
@@ -209,15 +209,3 @@ def group_or_none(group, name: str):
 
 def is_expert(p: torch.Tensor) -> bool:
     return placement.of(p).expert
-
-
-@torch.no_grad()
-def sync_gradients(params, dp, edp) -> None:
-    """Average the dense gradients over `dp`, the experts' over `edp` (their replicas). Both
-    divide by dp's size: an expert's gradient already sums its ep group's tokens."""
-    for comm, expert in ((dp, False), (edp, True)):
-        grads = [p.grad for p in params if p.grad is not None and is_expert(p) == expert]
-        if grads:
-            flat = _flatten_dense_tensors(grads).div_(dp.size)
-            comm.all_reduce(flat)
-            torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))

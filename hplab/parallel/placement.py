@@ -15,6 +15,8 @@ parameters get weight decay. So the facts are written down once, here, as a `Par
     dp   Replicate(), Shard(0) (fully_shard)    FlatShard: ZeRO's piece of a flat bucket
     cp   Replicate() (cp cuts tokens, not weights)
     ep   experts: each rank holds E/ep of them, each replicated over its edp ranks
+    pp   the tied embedding / LM head: one copy on the first stage, one on the last
+         (`pipeline_ends`; its gradient Partial over the two)
                                                 `no_decay` (by role), `synced_by` (the one
                                                 wrapper that averages its gradient over dp)
 
@@ -121,6 +123,7 @@ class ParamPlacement:
     zero: FlatShard | None = None  # ZeRO-1/2: its optimizer state (stage 2: grads) sharded
     expert: bool = False  # an expert's: on its ep rank only, replicated over edp
     expert_parallel: int = 1  # over how many ranks its layer's experts are shared out (ep)
+    pipeline_ends: bool = False  # tied embedding / LM head: a copy on the first and last stage
     no_decay: bool = False  # no weight decay (biases, norms, embeddings: by role)
     synced_by: str | None = None  # the wrapper that averages its gradient over dp
     global_shape: tuple[int, ...] | None = None  # before any cut (None: its own shape)
@@ -137,9 +140,11 @@ class ParamPlacement:
     @property
     def partial_grad_over(self) -> tuple[str, ...]:
         """The groups over which this rank's backward computes only a part of the gradient:
-        "tp" (sequence parallel), "tp_kv" (shared K/V heads); tp's hooks sum the parts."""
+        "tp" (sequence parallel), "tp_kv" (shared K/V heads): tp's hooks sum the parts;
+        "pp_ends" (the tied embedding): the pipeline executor sums them after its backward."""
         over = ("tp",) if isinstance(self.tp_grad, Partial) else ()
-        return over + (("tp_kv",) if self.kv_replicas > 1 else ())
+        over += ("tp_kv",) if self.kv_replicas > 1 else ()
+        return over + (("pp_ends",) if self.pipeline_ends else ())
 
     @property
     def copies_over(self) -> tuple[str, ...]:

@@ -20,8 +20,9 @@ This file reads in three parts: 1. **stages**, the decoder split by layers (the 
 LM-head copies kept equal by summing their gradients, as Megatron-LM); 2. **split backward**
 (ZB-H1): B the stage input's gradient, W the weight gradients later, for any layer; 3. the
 **executor**, which runs this rank's action list with point-to-point messages (observers, such
-as `hplab.observe.observers`'s trace, watch each action from outside). Data parallel, the
-tied-embedding sum (`compose.sync_gradients`) and the optimizer step are the caller's.
+as `hplab.observe.observers`'s trace, watch each action from outside) and, when its backwards
+are done, sums the tied embedding's two gradients. Data parallel and the optimizer step are
+the caller's.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from torch.autograd.graph import GradientEdge
 
 from hplab.config import check_pipeline_depth
 from hplab.models.gpt import cross_entropy as loss_fn  # noqa: F401 (for torch's pipelining)
-from hplab.parallel.collectives import Communicator
+from hplab.parallel import placement
+from hplab.parallel.collectives import Communicator, communicator
 from hplab.parallel.schedule import (  # pp.build_schedule, ...: the labs' names
     COMPUTE,  # noqa: F401
     Action,  # noqa: F401
@@ -112,14 +114,45 @@ class AuxLossRidesAlong(torch.autograd.Function):
 
 
 def build_stages(decoder, rank: int, p: int, virtual_stages: int = 1) -> list[Stage]:
-    """The chunks this pipeline rank runs, in chunk order."""
+    """The chunks this pipeline rank runs, in chunk order. A tied embedding / LM head split
+    over two ranks is recorded as such (`placement.pipeline_ends`): its gradient is owed a sum."""
     num_chunks = p * virtual_stages
     layers = split_layers(decoder.config.n_layer, num_chunks)
-    return [
+    stages = [
         Stage(decoder, c, num_chunks, layers[c])
         for c in range(num_chunks)
         if chunk_owner(c, p) == rank
     ]
+    if p > 1 and decoder.config.tie_word_embeddings and tied_weight(stages) is not None:
+        placement.update(decoder.lm_head.weight, pipeline_ends=True)
+    return stages
+
+
+def tied_weight(stages: list[Stage]) -> nn.Parameter | None:
+    """The embedding the first chunk shares with the LM head of the last, if a stage here holds
+    it (the first chunk's rank and the last one's each keep a copy)."""
+    decoder = stages[0].decoder if stages else None
+    ends = any(s.is_first or s.is_last for s in stages)
+    return decoder.lm_head.weight if ends and decoder.config.tie_word_embeddings else None
+
+
+@torch.no_grad()
+def sum_tied_gradient(stages: list[Stage], comm, before: torch.Tensor | None = None) -> None:
+    """The first stage's embedding and the last stage's LM head are two copies of one weight;
+    each backward gave its copy a part of the gradient: sum the two over `comm`
+    (`tied_embedding_group`), so both copies take the same step (Megatron-LM's embedding
+    all-reduce). `before`: what the gradient held before these backwards (accumulating over
+    several steps without zero_grad), already a sum: only what was added since is summed. A
+    copy without a gradient sends zeros: the other end is waiting for it."""
+    weight = tied_weight(stages)
+    if weight is None or comm is None or comm.size == 1:
+        return
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    added = weight.grad if before is None else weight.grad.sub_(before)
+    comm.all_reduce(added)
+    if before is not None:
+        added.add_(before)
 
 
 def stage_parameters(stages: list[Stage]) -> list[nn.Parameter]:
@@ -162,8 +195,8 @@ def message_links(mesh, plans: list[list[Action]]) -> dict[tuple[int, int], Comm
 
 def tied_embedding_group(mesh):
     """A communicator between the first and the last rank of this rank's pipeline, for the tied
-    embedding / LM-head gradient (Megatron's "embedding group"). Every rank creates every group
-    (torch.distributed requires it); ranks outside any group get None."""
+    embedding / LM-head gradient (Megatron's "embedding group"; `sum_tied_gradient`). Every rank
+    creates every group (torch.distributed requires it); ranks outside any group get None."""
     mine = None
     for ends in ([ranks[0], ranks[-1]] for ranks in mesh.groups["pp"] if len(ranks) > 1):
         group = new_group(ends)
@@ -305,7 +338,9 @@ class PipelineExecutor:
     `observer(kind, action, stage)` and returns a context manager wrapped around the whole
     step ("run"), each wait for a message ("recv"), computation (F, B, W) and "send". Under
     sequence parallel (`sequence_shards` = tp) a stage's activations hold this tensor-parallel
-    rank's s/tp tokens, and so do the messages: tp times smaller, as in Megatron."""
+    rank's s/tp tokens, and so do the messages: tp times smaller, as in Megatron. `tied`: the
+    group of the first and last stage's ranks (`tied_embedding_group`), required where this
+    rank holds a copy of a tied embedding (`run` sums its gradient), else None."""
 
     def __init__(
         self,
@@ -316,7 +351,15 @@ class PipelineExecutor:
         dtype=torch.float32,
         sequence_shards: int = 1,
         post_receives_ahead: int = 0,
+        tied=None,
     ):
+        if tied is None and any(placement.of(p).pipeline_ends for p in stage_parameters(stages)):
+            raise ValueError(
+                "PipelineExecutor: this rank's stages hold a copy of the tied embedding / LM head, "
+                "whose gradient the first and last stage must sum after backward: pass "
+                "tied=pp.tied_embedding_group(mesh) (a group of those two ranks)"
+            )
+        self.tied = None if tied is None else communicator(tied, "pp")
         self.stages = {s.chunk: s for s in stages}
         self.plan = receives_ahead(plan, post_receives_ahead)  # (0: just before it is needed)
         self.comm = comm
@@ -338,8 +381,11 @@ class PipelineExecutor:
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[float]:
         """One step: the losses of the microbatches whose last chunk is here, and the auxiliary
         losses of the experts' chunks here (their sum over the pipeline is the step's loss).
-        Gradients are left accumulated in `.grad` for the caller to sync and step."""
+        Gradients are left accumulated in `.grad` (the tied embedding's summed over its two
+        copies) for the caller to average over data parallel and step."""
         step = _Step(inputs, targets)
+        tied = tied_weight(list(self.stages.values())) if self.tied else None
+        before = None if tied is None or tied.grad is None else tied.grad.clone()
         with self.observed("run", None):
             for a in self.plan:
                 step.sends = [s for s in step.sends if not s[1].is_completed()]  # delivered
@@ -355,6 +401,7 @@ class PipelineExecutor:
                     step.stage_in.pop((a.microbatch, a.chunk))
             for _, pending in step.sends:
                 pending.wait()
+            sum_tied_gradient(list(self.stages.values()), self.tied, before)
         return [float(loss) for loss in step.losses]
 
     def wait_for_input(self, a: Action, step: _Step) -> torch.Tensor | None:

@@ -56,6 +56,9 @@ lives only on its expert-data-parallel ranks (dp/ep of them), so its shards are 
 its gradient already sums the tokens of its whole ep group, so it is divided by dp's size, not
 by its group's. Without these keys a group is sharded over `group` and divided by its size.
 
+A pipeline's tied embedding (its gradient summed over the first and last stage after
+backward, `pp.sum_tied_gradient`) keeps its gradient until `step()` under stage 2 as well.
+
 Any element-wise `torch.optim` optimizer works (SGD, Adam, AdamW); LAMB or Adafactor, which
 look at whole tensors, would not. A parameter that got no gradient in a step (unused, or frozen
 after the optimizer was built) is left alone, as torch's optimizers skip one whose `.grad` is
@@ -182,6 +185,10 @@ class FlatBucket:
         return flat
 
 
+def holds_tied_embedding(bucket: FlatBucket) -> bool:
+    return any(placement.of(p).pipeline_ends for p in bucket.params)
+
+
 class ZeroOptimizer(ShardedState, WrappedOptimizer):
     """ZeRO-1/2: `optimizer_class` steps only this rank's fp32 shard of each bucket. `group`:
     the dp group (an hplab Communicator, a torch ProcessGroup or None for the world), which a
@@ -243,8 +250,11 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.wrap(optimizer_class, inner_groups, **optimizer_kwargs)
         self.callback_queued = False
-        if stage == 2:
-            for p in self.bucket_of:
+        # a bucket holding a pipeline's tied embedding waits for step(), as under stage 1: the
+        # pipeline sums its two copies' gradients after backward, and needs them whole
+        self.at_step = [b for b in self.buckets if stage == 1 or holds_tied_embedding(b)]
+        for p, b in self.bucket_of.items():
+            if b not in self.at_step:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
     # -- stage 2: each bucket reduce-scattered as soon as backward completes it --------------
@@ -270,7 +280,7 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
     def _sync_gradients(self) -> None:
         """Every master shard's fp32 `.grad` := this rank's 1/n of the averaged gradient."""
         for b in self.buckets:
-            if self.stage == 1:
+            if b in self.at_step:
                 b.start_reduce_scatter(free_grads=False)  # p.grad stay, as torch keeps them
             elif b.ready or any(p.grad is not None for p in b.params):  # still owed
                 b.start_reduce_scatter(free_grads=True)
@@ -304,7 +314,7 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
             pending.wait()
         for b in self.buckets:  # the fp32 master grads exist only during the step
             b.master.grad = None
-            if self.stage == 1:  # recomputed from p.grad by the next step
+            if b in self.at_step:  # recomputed from p.grad by the next step
                 b.grad_shard = None
 
     def _zero_stepped_grads(self) -> None:
