@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hplab.observe.memory import held_by
 from hplab.runtime.launch import run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -208,7 +209,7 @@ def _toy_checks(out):
             buckets=len(ours.buckets),
             unused_grad_none=ours.module.unused.weight.grad is None,
             grad_bytes=sum(p.numel() * p.element_size() for p in ours.params),
-            memory={k: sum(t.numel() for t in v) for k, v in ours.memory_tensors().items()},
+            memory={k: sum(t.numel() for t in v) for k, v in held_by(ours).items()},
         )
 
     # bug (c): the sync finishes by itself; calling finish_gradient_sync() again is harmless

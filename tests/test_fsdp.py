@@ -179,7 +179,7 @@ def _worker(n):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     from hplab.models.gpt import build_model, config_from_preset
-    from hplab.observe.memory import storage_bytes
+    from hplab.observe.memory import held_by, storage_bytes
     from hplab.parallel.collectives import CommLedger, Communicator
     from hplab.parallel.fsdp import (
         FSDPModule,
@@ -187,7 +187,6 @@ def _worker(n):
         gather_full,
         is_shard,
         local_shard,
-        memory_tensors,
     )
 
     rank, out = dist.get_rank(), {}
@@ -213,7 +212,7 @@ def _worker(n):
             seen["fsdp_modules"] = all(  # FSDP2's way: the class now mixes in FSDPModule
                 isinstance(m, FSDPModule) for m in [model, *blocks_of(model)]
             )
-            mem = memory_tensors(model)
+            mem = held_by(model)
             seen["param_bytes"] = storage_bytes(mem["params"])
             seen["grad_bytes"] = storage_bytes(mem["grads"])
             grad_probe(model, "fp32_grads")

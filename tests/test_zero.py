@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hplab.observe.memory import MemoryLedger
+from hplab.observe.memory import MemoryLedger, held_by
 from hplab.parallel import placement
 from hplab.parallel.collectives import CommLedger, Communicator
 from hplab.parallel.zero import ZeroError, ZeroOptimizer
@@ -324,7 +324,7 @@ def _gpt_checks(out):
         ledger, seen = CommLedger(), {}
 
         def after_last_step(opt):  # after step(), before zero_grad(): everything exists
-            seen["memory"] = MemoryLedger().measure(opt.memory_tensors())
+            seen["memory"] = MemoryLedger().measure(held_by(opt))
 
         model = gpt()
         zero_loop(

@@ -31,7 +31,9 @@ from collections.abc import Iterable
 
 import torch
 
-from hplab.parallel.optim import optimizer_state_tensors
+from hplab.parallel.ddp import DDP
+from hplab.parallel.precision import MasterWeightOptimizer
+from hplab.parallel.zero import ZeroOptimizer
 
 KINDS = ("params", "grads", "optim", "master")
 
@@ -51,8 +53,48 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set | None = Non
     return sum(key[3] for key in new)
 
 
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The per-parameter state tensors of a torch optimizer (exp_avg, exp_avg_sq, ...)."""
+    states = optimizer.state.values() if optimizer is not None else ()
+    return [v for state in states for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+def held_by(block) -> dict[str, list]:
+    """What a building block holds beyond the model's own tensors, by kind, read from outside
+    it: DDP its gradient buckets (each `.grad` a view of one); ZeRO-1/2 its flat buckets,
+    gradient shards and fp32 master shards (a master that is a view of the params counts once,
+    as params); the fp32-master optimizer its masters; any other module its parameters (a
+    fully-sharded one's shards), buffers and the full-size parameters fully_shard gathered
+    now (0 bytes between uses). A plain optimizer: nothing of its own."""
+    if isinstance(block, DDP):
+        return {
+            "params": list(block.module.parameters()),
+            "grads": [b.buffer for b in block.buckets],
+        }
+    if isinstance(block, ZeroOptimizer):
+        buckets = block.buckets
+        return {
+            "params": [b.flat for b in buckets] + block.frozen,
+            "grads": [t for b in buckets for t in (b.grad_shard, b.master.grad)]
+            + [p.grad for g in block.param_groups for p in g["params"]],
+            "optim": optimizer_state_tensors(block.inner),
+            "master": [b.master for b in buckets],
+        }
+    if isinstance(block, MasterWeightOptimizer):
+        return {"master": list(block.masters.values())}
+    if isinstance(block, torch.nn.Module):  # (fully-sharded or not)
+        params = list(block.parameters())
+        units = (m._hplab_fsdp for m in block.modules() if hasattr(m, "_hplab_fsdp"))
+        gathered = [e.buffer for unit in units for e in unit.params]
+        return {
+            "params": params + list(block.buffers()) + gathered,
+            "grads": [p.grad for p in params],
+        }
+    return {}
+
+
 def model_state_tensors(model: torch.nn.Module, optimizer=None) -> dict[str, list]:
-    """What a plain (unsharded, fp32) rank holds; strategies give their own dict of this kind."""
+    """What a plain (unsharded, fp32) rank holds; strategies hold more (`held_by`)."""
     params = list(model.parameters())
     return {
         "params": params,
@@ -70,7 +112,7 @@ def peak_rss_bytes() -> int:
 
 class MemoryLedger:
     """One rank's memory by kind. Call `measure(state)` with a dict of kind → tensors (what
-    `model_state_tensors` or a strategy's `memory_tensors()` returns), wrap forward passes in
+    `model_state_tensors` or `held_by` returns), wrap forward passes in
     `track_activations()`, and read `as_dict()`."""
 
     def __init__(self, device: torch.device | str = "cpu"):

@@ -28,10 +28,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hplab.observe.memory import KINDS, MemoryLedger, model_state_tensors
-from hplab.parallel import cp, fsdp, moe
-from hplab.parallel.ddp import DDP
-from hplab.parallel.optim import WrappedOptimizer, optimizer_state_tensors, stepped_groups
+from hplab.observe.memory import (
+    KINDS,
+    MemoryLedger,
+    held_by,
+    model_state_tensors,
+    optimizer_state_tensors,
+)
+from hplab.parallel import cp, moe
+from hplab.parallel.optim import WrappedOptimizer, stepped_groups
 from hplab.parallel.schedule import COMPUTE
 from hplab.runtime import link
 from hplab.runtime.clock import clock_for
@@ -145,15 +150,11 @@ def is_trace_folder(path: Path) -> bool:
 
 
 def held_tensors(par) -> dict[str, list]:
-    """What this rank holds, by kind, from each building block's `memory_tensors()`."""
+    """What this rank holds, by kind: the model's own tensors and each building block's."""
     model = par.model
     opt = par.optimizer
     inner = opt.inner if isinstance(opt, WrappedOptimizer) else opt
-    blocks = [
-        model.memory_tensors() if isinstance(model, DDP) else fsdp.memory_tensors(model),
-        opt.memory_tensors() if isinstance(opt, WrappedOptimizer) else {},
-        model_state_tensors(par.decoder, inner),
-    ]
+    blocks = [held_by(model), held_by(opt), model_state_tensors(par.decoder, inner)]
     held = {kind: [t for block in blocks for t in block.get(kind, ())] for kind in KINDS}
     if par.layout.zero == 3 and par.precision.mixed:  # fully_shard computes in half precision
         shards = {id(p) for p in par.decoder.parameters()}  # from fp32 shards: they are the masters

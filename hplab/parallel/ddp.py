@@ -178,6 +178,3 @@ class DDP(nn.Module):
             yield
         finally:
             self.sync_enabled = True
-
-    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": list(self.module.parameters()), "grads": [b.buffer for b in self.buckets]}

@@ -441,22 +441,3 @@ def finish_gradient_sync(module: nn.Module) -> None:
     )
     for family in families:
         family.finish()
-
-
-def memory_tensors(module: nn.Module) -> dict[str, list[torch.Tensor]]:
-    """What `module` holds on this rank, for observe/memory.py: shards, buffers, full-size
-    parameters gathered now (0 bytes between uses), the shards' gradients
-    ("optim" is the caller's)."""
-    params = list(module.parameters())
-    gathered = [
-        e.buffer
-        for m in module.modules()
-        if hasattr(m, "_hplab_fsdp")
-        for e in m._hplab_fsdp.params
-    ]
-    return {
-        "params": params + list(module.buffers()) + gathered,
-        "grads": [p.grad for p in params],
-        "optim": [],
-        "master": [],
-    }

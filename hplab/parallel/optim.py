@@ -64,10 +64,6 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._zero_stepped_grads()
         self.synced = False
 
-    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What it holds beyond the model's own tensors, by kind (hplab.observe.memory's KINDS)."""
-        raise NotImplementedError
-
     def _sync_gradients(self) -> None:
         raise NotImplementedError
 
@@ -86,9 +82,3 @@ def stepped_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     if isinstance(optimizer, WrappedOptimizer):
         return optimizer.stepped_groups
     return optimizer.param_groups
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """The per-parameter state tensors of a torch optimizer (exp_avg, exp_avg_sq, ...)."""
-    states = optimizer.state.values() if optimizer is not None else ()
-    return [v for state in states for v in state.values() if torch.is_tensor(v) and v.dim() > 0]

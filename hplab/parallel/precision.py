@@ -131,6 +131,3 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def _zero_stepped_grads(self) -> None:
         for master in self.masters.values():
             master.grad = None
-
-    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"master": list(self.masters.values())}

@@ -81,7 +81,7 @@ import torch.nn as nn
 from hplab.parallel import placement
 from hplab.parallel.buckets import bucket_params
 from hplab.parallel.collectives import Communicator, communicator
-from hplab.parallel.optim import WrappedOptimizer, optimizer_state_tensors
+from hplab.parallel.optim import WrappedOptimizer
 from hplab.parallel.sync import claim_gradient_sync
 from hplab.zero_checkpoint import ShardedState
 
@@ -323,13 +323,3 @@ class ZeroOptimizer(ShardedState, WrappedOptimizer):
             b.grad_shard = None
             b.ready.clear()
             b.arrived.clear()
-
-    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """For the MemoryLedger (a master that is a view of the params counts once, as params)."""
-        return {
-            "params": [b.flat for b in self.buckets] + self.frozen,
-            "grads": [t for b in self.buckets for t in (b.grad_shard, b.master.grad)]
-            + [p.grad for g in self.param_groups for p in g["params"]],
-            "optim": optimizer_state_tensors(self.inner),
-            "master": [b.master for b in self.buckets],
-        }
