@@ -76,6 +76,26 @@ def test_a_plain_model_is_replicated_everywhere():
     assert repr(table) == text and "transformer.wte.weight" in text
 
 
+def test_a_pipeline_stage_marks_its_copy_of_the_tied_embedding():
+    """Split over two pipeline ranks, the tied embedding / LM head has a copy on each end, its
+    gradient a part of the whole over the two (the executor sums them): the record says so,
+    the table too, and a single-stage model has no such copy."""
+    from hplab.models.gpt import build_model, config_from_preset
+    from hplab.parallel import placement, pp
+
+    for rank in (0, 1):
+        model = build_model(config_from_preset("tiny"), 0)
+        stages = pp.build_stages(model, rank, 2)
+        weight = model.lm_head.weight
+        assert pp.tied_weight(stages) is weight and placement.of(weight).pipeline_ends
+        assert placement.of(weight).partial_grad_over == ("pp_ends",)
+        row = {r[0]: r for r in hplab.placement(model).rows}["transformer.wte.weight"]
+        assert row[5] == "R" and row[6].startswith("tied: a copy on the first and last stage")
+    whole = build_model(config_from_preset("tiny"), 0)
+    pp.build_stages(whole, 0, 1)
+    assert not placement.of(whole.lm_head.weight).pipeline_ends
+
+
 def test_the_record_is_typed_in_dtensors_words():
     from hplab.parallel import placement
     from hplab.parallel.placement import Partial, Replicate, Shard

@@ -5,8 +5,9 @@
 One row per parameter: its name, its shape here and in the whole model, and its placement
 along dp, cp and tp in DTensor's short names (S(dim): a slice along dim, R: a replica; a
 gradient that is still a part of the whole, P) or ZeRO's Flat(1/n); then what DTensor has no
-word for (shared K/V heads, ZeRO's flat shards of the optimizer state, experts, no weight
-decay, which wrapper averages the gradient). It reads the records of hplab/parallel/placement.py.
+word for (shared K/V heads, ZeRO's flat shards of the optimizer state, experts, the
+pipeline's tied copies, no weight decay, which wrapper averages the gradient). It reads the
+records of hplab/parallel/placement.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def _also(record) -> str:
         notes.append(f"ZeRO {record.zero} over {record.zero.over}")
     if record.expert:
         notes.append("expert: E/ep here, R over edp")
+    if record.pipeline_ends:
+        notes.append("tied: a copy on the first and last stage, grad P over the two")
     if record.no_decay:
         notes.append("no decay")
     if record.synced_by:
@@ -38,7 +41,7 @@ def _row(name: str, p: torch.Tensor) -> list[str]:
     dp = str(record.dp)  # DTensor's short names: S(0), R; ZeRO's Flat(1/n)
     cp = dp if "cp" in record.sharded_over.split("_") else "R"  # (a shard over dp × cp)
     tp = str(record.tp)
-    if record.partial_grad_over:
+    if {"tp", "tp_kv"} & set(record.partial_grad_over):
         tp += " (grad P)"
     whole = record.global_shape or tuple(p.shape)
     return [name, str(tuple(p.shape)), str(tuple(whole)), dp, cp, tp, _also(record)]

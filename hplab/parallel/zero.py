@@ -56,8 +56,9 @@ lives only on its expert-data-parallel ranks (dp/ep of them), so its shards are 
 its gradient already sums the tokens of its whole ep group, so it is divided by dp's size, not
 by its group's. Without these keys a group is sharded over `group` and divided by its size.
 
-A pipeline's tied embedding (its gradient summed over the first and last stage after
-backward, `pp.sum_tied_gradient`) keeps its gradient until `step()` under stage 2 as well.
+A bucket holding a pipeline's tied embedding (whose gradient the first and last stage sum
+after backward, `pp.sum_tied_gradient`) keeps its gradients until `step()` under stage 2 too
+(hplab's trainer gives that weight a param group, so a bucket, of its own).
 
 Any element-wise `torch.optim` optimizer works (SGD, Adam, AdamW); LAMB or Adafactor, which
 look at whole tensors, would not. A parameter that got no gradient in a step (unused, or frozen
