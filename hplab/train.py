@@ -14,7 +14,7 @@ Every process runs this same file, top to bottom:
 5. train: each step takes the global batch the seed and the step choose, this rank's share of
    it, and `train_step` (forward, backward, every synchronisation, the optimizer step); rank 0
    shows a progress bar; the observers (`hplab.observe.observers`) measure from outside;
-   Python's garbage collector runs only between steps (`collector_between_steps`);
+   Python's garbage collector runs only between steps (`hplab.runtime.collector`);
 6. rank 0 gathers what every rank measured, prints a summary and writes the metrics file
    (`--metrics PATH`) that the labs, tests and benchmarks read.
 
@@ -26,7 +26,6 @@ With the defaults the run finishes in well under a minute on a 2-core laptop:
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import signal
 import sys
@@ -54,7 +53,7 @@ from hplab.observe.observers import Observers
 from hplab.parallel.compose import parallelize
 from hplab.parallel.mesh import Mesh
 from hplab.preflight import RunComplete, preflight, release_save_folders
-from hplab.runtime import faults, link
+from hplab.runtime import collector, faults, link
 from hplab.runtime.errors import explained
 from hplab.runtime.group import init_distributed, shutdown
 from hplab.runtime.launch import launch, note_error, note_step, supervised
@@ -200,30 +199,6 @@ def build_training(job, seed: int, mesh: Mesh, device) -> TrainState:
     return TrainState(model, optimizer, scheduler, mesh, job.layout, job.optim)
 
 
-GC_EVERY = 50  # steps between two of Python's garbage collections (torchtitan's gc_freq)
-
-
-@contextlib.contextmanager
-def collector_between_steps():
-    """Python's cyclic garbage collector starts by itself when allocations pass a threshold. A
-    full collection of a process that holds torch takes ~200 ms on a laptop CPU, at a moment of
-    its own on each rank, and the other ranks wait for the one that paused mid-step (it was
-    step 5 of every run, and a 5-step pipeline measured a 70% bubble for GPipe's 20%). As
-    torchtitan and Megatron-LM (`--manual-gc`) do: what was built before training is frozen
-    (never scanned again), and the collector runs between steps, every GC_EVERY, on every rank
-    at the same step (`gc.collect(1)`), outside the step's time. Restored afterwards."""
-    gc.collect()
-    gc.freeze()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-
-
 def train(par, job, args, steps_to_run: range, watch, earlier: list) -> tuple[list, list, list]:
     """The loop: per step, this rank's share of the global batch, one `train_step`, its record
     (loss, seconds, tokens, lr); the validation loss every --eval-every steps and a checkpoint
@@ -242,10 +217,9 @@ def train(par, job, args, steps_to_run: range, watch, earlier: list) -> tuple[li
     evals = []
     saves = []
     planned_faults = faults.planned()
-    with collector_between_steps():
+    with collector.between_steps():
         for step in bar:
-            if step > steps_to_run.start and step % GC_EVERY == 0:
-                gc.collect(1)  # (every rank at the same step, before its clock starts)
+            collector.collect_before(step, steps_to_run.start)  # (every rank, the same step)
             note_step(step)  # (for the launcher's line, should this rank fail)
             faults.strike(step, mesh.rank, planned_faults)  # HPLAB_FAULT: none unless asked
             indices = global_batch_indices(len(job.dataset), step, args.batch_size, args.seed)

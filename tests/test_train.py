@@ -174,26 +174,27 @@ def test_four_processes_train_the_one_process_model(runs):
 def test_the_garbage_collector_runs_between_steps_only():
     """Python's collector paused one rank ~200 ms at step 5 of every run (a 5-step pipeline then
     measured GPipe's bubble at 70%): during training it is off, what was built is frozen, and
-    `gc.collect(1)` runs every GC_EVERY steps before a step starts; afterwards all is as before."""
+    `gc.collect(1)` runs every EVERY steps before a step starts; afterwards all is as before."""
     import gc
 
-    from hplab.train import collector_between_steps
+    from hplab.runtime.collector import between_steps
 
     assert gc.isenabled()
-    with collector_between_steps():
+    with between_steps():
         assert not gc.isenabled() and gc.get_freeze_count() > 0
     assert gc.isenabled() and gc.get_freeze_count() == 0
     gc.disable()
     try:
-        with collector_between_steps():
+        with between_steps():
             pass
         assert not gc.isenabled()  # (left as the caller had it)
     finally:
         gc.enable()
     code = """
 import gc, sys
+import hplab.runtime.collector as collector
 import hplab.train as t
-t.GC_EVERY = 2
+collector.EVERY = 2
 collect, calls = gc.collect, []
 gc.collect = lambda generation=2: calls.append((generation, gc.isenabled())) or collect(generation)
 code = t.main(["--steps", "5", "--no-progress"])

@@ -77,6 +77,7 @@ def sweep_here(config, sizes, batches, steps: int, warmup: int) -> dict:
 
     from hplab.models.gpt import build_model
     from hplab.parallel.ddp import DDP
+    from hplab.runtime import collector
 
     runs = []
     for mb in sizes:
@@ -85,12 +86,14 @@ def sweep_here(config, sizes, batches, steps: int, warmup: int) -> dict:
         ddp = DDP(model, bucket_mb=mb)
         runs.append((ddp, clock, torch.optim.AdamW(ddp.parameters(), lr=1e-3)))
     times = {mb: [] for mb in sizes}
-    for step in range(warmup + steps):
-        x, y = batches[step % len(batches)]
-        for mb, (ddp, clock, optimizer) in zip(sizes, runs):
-            t = one_step(ddp, clock, optimizer, x, y)
-            if step >= warmup:
-                times[mb].append(t)
+    with collector.between_steps():  # (no rank pauses for Python's collector mid-step)
+        for step in range(warmup + steps):
+            collector.collect_before(step)
+            x, y = batches[step % len(batches)]
+            for mb, (ddp, clock, optimizer) in zip(sizes, runs):
+                t = one_step(ddp, clock, optimizer, x, y)
+                if step >= warmup:
+                    times[mb].append(t)
     return times
 
 

@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         return launch(args.nproc, sys.argv[1:] if argv is None else list(argv), main, __file__)
 
     from hplab.parallel.mesh import Mesh
-    from hplab.runtime import link
+    from hplab.runtime import collector, link
     from hplab.runtime.group import init_distributed, shutdown
 
     n = int(os.environ.get("WORLD_SIZE", 1))
@@ -173,13 +173,14 @@ def main(argv=None) -> int:
     }
     mesh.ledger.reset()  # the ledger below counts the timed calls only
     results = {op: [] for op in args.ops}
-    for op, nbytes in tqdm(
-        [(op, s) for op in args.ops for s in sizes],
-        disable=comm.rank != 0,
-        unit="size",
-        file=sys.stdout,
-    ):
-        results[op].append(measure(comm, op, nbytes, buffer, inbox, args.repeats))
+    with collector.between_steps():  # (no rank pauses for Python's collector mid-call)
+        for op, nbytes in tqdm(
+            [(op, s) for op in args.ops for s in sizes],
+            disable=comm.rank != 0,
+            unit="size",
+            file=sys.stdout,
+        ):
+            results[op].append(measure(comm, op, nbytes, buffer, inbox, args.repeats))
     demos = [None] * n if comm.rank == 0 else None
     dist.gather_object(shown, demos, dst=0)
     if comm.rank == 0 and args.out:
