@@ -37,6 +37,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from hplab import sharded_state
 from hplab.models.gpt import GPTConfig, build_model
 from hplab.models.hf import (
     architecture,
@@ -361,7 +362,9 @@ def gather_full_state(par) -> tuple[dict, dict]:
         states = {}
         for _, p in params:
             inner, q = _stepped(optimizer, p)
-            full = functools.partial(fsdp.gather_full, p) if fsdp.is_shard(p) else lambda t: t
+            full = (
+                functools.partial(sharded_state.gather_full, p) if fsdp.is_shard(p) else lambda t: t
+            )
             values[p] = full(q.detach().float())
             states[p] = {k: full(t) for k, t in inner.state.get(q, {}).items()}
     model_state = {name: _glued(p, values[p], mesh) for name, p in params}
@@ -397,7 +400,7 @@ def load_full_state(par, model_state: dict, optimizer_state: dict) -> None:
         optimizer.load_full_state(values, states)
         return
     for _, p in params:
-        local = functools.partial(fsdp.local_shard, p) if fsdp.is_shard(p) else lambda t: t
+        local = functools.partial(sharded_state.local_shard, p) if fsdp.is_shard(p) else lambda t: t
         value = local(values[p])
         inner, q = _stepped(optimizer, p)
         p.copy_(value)

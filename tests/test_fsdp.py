@@ -181,13 +181,8 @@ def _worker(n):
     from hplab.models.gpt import build_model, config_from_preset
     from hplab.observe.memory import held_by, storage_bytes
     from hplab.parallel.collectives import CommLedger, Communicator
-    from hplab.parallel.fsdp import (
-        FSDPModule,
-        full_parameters,
-        gather_full,
-        is_shard,
-        local_shard,
-    )
+    from hplab.parallel.fsdp import FSDPModule, is_shard
+    from hplab.sharded_state import full_parameters, gather_full, local_shard
 
     rank, out = dist.get_rank(), {}
     config = config_from_preset("tiny", seq_len=SEQ)
@@ -460,7 +455,7 @@ def _prefetch_worker(n):
 
     from hplab.models.gpt import build_model, config_from_preset
     from hplab.parallel.compose import set_prefetch
-    from hplab.parallel.fsdp import full_parameters
+    from hplab.sharded_state import full_parameters
 
     rank, out = dist.get_rank(), {}
     config = config_from_preset("tiny", seq_len=SEQ)

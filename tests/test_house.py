@@ -89,7 +89,8 @@ def test_every_room_exists_with_a_docstring():
     "receives posted ahead make 3,941, the plans' shared styles moving to models/ 3,908, and "
     "one K/V communicator per count 3,911; the experts' buckets in DDP and the executor's "
     "tied-embedding sum (a step after backward no more) 3,984, each block's memory read from "
-    "outside (observe/memory.py's held_by) 3,940; the closing note lists what is left to move",
+    "outside (observe/memory.py's held_by) 3,940, fully_shard's checkpoint helpers beside "
+    "ZeRO's (that file now hplab/sharded_state.py) 3,916; the closing note says what is left",
 )
 def test_the_parallel_room_within_its_budget():
     total = sum(lines(p) for p in PARALLEL.glob("*.py"))

@@ -99,7 +99,7 @@ class _Param:
         mine = self.mine(p.detach().float())
         self.shard = nn.Parameter(mine.to(shard_device, copy=True), requires_grad=p.requires_grad)
         placement.derive(p, self.shard, dp=placement.Shard(0), sharded_over=comm.name)
-        _MANAGED[self.shard] = self  # (`is_shard`, `gather_full`)
+        _MANAGED[self.shard] = self  # (`is_shard`, `managed`)
         self.buffer = torch.empty((comm.size * self.rows, *self.rest), dtype=dtype, device=device)
         self.full = nn.Parameter(
             self.buffer[: self.d0].view(p.shape), requires_grad=p.requires_grad
@@ -403,34 +403,10 @@ def is_shard(p) -> bool:
     return p in _MANAGED
 
 
-@torch.no_grad()
-def gather_full(shard_param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor (CPU, unpadded) of `tensor`, shaped like the owned shard `shard_param`
-    (the shard itself, or optimizer state such as exp_avg). A collective: every rank calls it."""
-    if tensor.dim() == 0:  # e.g. Adam's step count: the same on every rank
-        return tensor.detach().cpu().clone()
-    e = _MANAGED[shard_param]
-    comm = e.comm
-    send = tensor.detach().to(comm.device).contiguous()
-    out = send.new_empty((comm.size * e.rows, *e.rest))
-    comm.all_gather(out, send)
-    return out[: e.d0].reshape(e.shape).cpu()
-
-
-@torch.no_grad()
-def local_shard(shard_param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `full` (a tensor shaped like the unsharded parameter), padded and
-    placed like `shard_param`: the inverse of `gather_full`."""
-    return _MANAGED[shard_param].mine(full).to(shard_param.device, copy=True)
-
-
-def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    """{name: full fp32 tensor on the CPU} for every parameter of `module`, named as in the
-    single-device model. A collective: every rank calls it, outside forward/backward."""
-    return {
-        name: (gather_full(p, p) if is_shard(p) else p.detach().cpu().clone()).float()
-        for name, p in module.named_parameters()
-    }
+def managed(shard: nn.Parameter) -> _Param:
+    """How an owned shard was cut (its group, rows and padding): what a checkpoint needs to
+    make it whole and cut it again (hplab/sharded_state.py)."""
+    return _MANAGED[shard]
 
 
 def finish_gradient_sync(module: nn.Module) -> None:

@@ -68,7 +68,7 @@ None: its elements of the shard and of the optimizer state are put back after th
 shard's, so a parameter that sits out some steps and trains again later resumes with the
 shard's bias correction, not its own. Frozen parameters are broadcast and left out. Every rank
 must run the same graph (the same buckets complete in the same order). Checkpoints: its shards
-made whole and cut again are the run's business (hplab/zero_checkpoint.py, a mixin).
+made whole and cut again are the run's business (hplab/sharded_state.py, a mixin).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ from hplab.parallel.buckets import bucket_params
 from hplab.parallel.collectives import Communicator, communicator
 from hplab.parallel.optim import WrappedOptimizer
 from hplab.parallel.sync import claim_gradient_sync
-from hplab.zero_checkpoint import ShardedState
+from hplab.sharded_state import ShardedState
 
 DDP_OK = {1: ("hplab.DDP",), 2: ()}  # ZeRO-1 reduces at step(), after DDP's average: right
 

@@ -1,18 +1,27 @@
-"""A ZeroOptimizer's state for checkpoints: its shards made whole, and cut again.
+"""Sharded training state for checkpoints: made whole, and cut again.
 
-ZeRO-1/2 (hplab/parallel/zero.py) keeps each rank's 1/n of every flat bucket's fp32 master and
-optimizer state. A checkpoint wants them whole, by parameter and in the single-device names, so
-that any other layout can read them: `full_state()` all-gathers each bucket's shards and cuts
-the whole bucket back into its parameters; `load_full_state()` does the reverse, with no
-message (every rank is handed the whole state and keeps its own shards). torch's own
-`consolidate_state_dict(to)` / `state_dict()` / `load_state_dict()` sit on top, as
-ZeroRedundancyOptimizer has them. A mixin of ZeroOptimizer: it reads the optimizer's buckets,
-its frozen parameters and its inner optimizer.
+A checkpoint wants every tensor whole, by parameter and in the single-device names, so that
+any other layout can read it; the strategies that shard keep only this rank's piece.
+
+**ZeRO-1/2** (hplab/parallel/zero.py) keeps each rank's 1/n of every flat bucket's fp32 master
+and optimizer state: `full_state()` all-gathers each bucket's shards and cuts the whole bucket
+back into its parameters; `load_full_state()` does the reverse, with no message (every rank is
+handed the whole state and keeps its own shards). torch's own `consolidate_state_dict(to)` /
+`state_dict()` / `load_state_dict()` sit on top, as ZeroRedundancyOptimizer has them. A mixin of
+ZeroOptimizer: it reads the optimizer's buckets, its frozen parameters and its inner optimizer.
+
+**fully_shard** (hplab/parallel/fsdp.py, ZeRO-3) keeps rows [r·rows, (r+1)·rows) of each
+parameter, padded: `gather_full` all-gathers a shard (or optimizer state shaped like it) into
+the full tensor, `local_shard` cuts a full tensor into this rank's piece, `full_parameters`
+gives a module's every parameter whole (torch's `get_model_state_dict` does this for FSDP2).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
+
+from hplab.parallel import fsdp
 
 UNSAVED = ("params", "shard_over")  # a state_dict's groups hold no communicator
 
@@ -99,3 +108,36 @@ class ShardedState:
             g.update({k: v for k, v in saved.items() if k not in UNSAVED})
         states = {params[int(i)]: s for i, s in state_dict["state"].items()}
         self.load_full_state({p: p.detach().float() for p in params}, states)
+
+
+# --- fully_shard's row shards ------------------------------------------------------------------
+
+
+@torch.no_grad()
+def gather_full(shard_param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor (CPU, unpadded) of `tensor`, shaped like the owned shard `shard_param`
+    (the shard itself, or optimizer state such as exp_avg). A collective: every rank calls it."""
+    if tensor.dim() == 0:  # e.g. Adam's step count: the same on every rank
+        return tensor.detach().cpu().clone()
+    cut = fsdp.managed(shard_param)
+    comm = cut.comm
+    send = tensor.detach().to(comm.device).contiguous()
+    out = send.new_empty((comm.size * cut.rows, *cut.rest))
+    comm.all_gather(out, send)
+    return out[: cut.d0].reshape(cut.shape).cpu()
+
+
+@torch.no_grad()
+def local_shard(shard_param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `full` (a tensor shaped like the unsharded parameter), padded and
+    placed like `shard_param`: the inverse of `gather_full`."""
+    return fsdp.managed(shard_param).mine(full).to(shard_param.device, copy=True)
+
+
+def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: full fp32 tensor on the CPU} for every parameter of `module`, named as in the
+    single-device model. A collective: every rank calls it, outside forward/backward."""
+    return {
+        name: (gather_full(p, p) if fsdp.is_shard(p) else p.detach().cpu().clone()).float()
+        for name, p in module.named_parameters()
+    }
