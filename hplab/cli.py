@@ -118,9 +118,9 @@ OUTPUT_FLAGS = {
     "--backend": dict(default="auto", choices=["auto", "gloo", "nccl"]),
     "--link": dict(
         metavar="BANDWIDTH[,LATENCY]",
-        help="emulate a network link between the ranks, e.g. 20MB/s,200us: each collective "
-        "and message then takes α + bytes/β more, asleep (hplab.runtime.link; default: HPLAB_LINK, "
-        "else none)",
+        help="emulate a network between the ranks, e.g. 20MB/s,200us (every link), or two "
+        "tiers, 'node=4 inside=900GB/s,2us between=50GB/s,5us': each collective then runs its "
+        "ring over those links, asleep (hplab.runtime.link; default: HPLAB_LINK, else none)",
     ),
     "--nproc": dict(
         type=COUNT,

@@ -125,11 +125,11 @@ def check_switches(args) -> None:
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
     if os.environ.get("HPLAB_LINK"):  # (read by every rank as it starts, even beside --link)
-        link.parse(os.environ["HPLAB_LINK"], "HPLAB_LINK")
+        link.parse_wire(os.environ["HPLAB_LINK"], "HPLAB_LINK")
     source = "--link" if args.link else "HPLAB_LINK"
     args.link = args.link or os.environ.get("HPLAB_LINK") or None
     if args.link:  # (LinkError: one line) in the metrics as the library spells it
-        args.link = str(link.parse(args.link, source))
+        args.link = str(link.parse_wire(args.link, source))
     resume_point(args)
     if args.init_from and args.resume:
         raise ValueError("--init-from starts a new run, --resume continues one: give one of them")

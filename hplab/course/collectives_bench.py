@@ -189,7 +189,7 @@ def main(argv=None) -> int:
                 {
                     "world_size": n,
                     "backend": dist.get_backend(),
-                    "link": (args.link or os.environ.get("HPLAB_LINK")) if link.QUEUE else None,
+                    "link": (args.link or os.environ.get("HPLAB_LINK")) if link.WIRE else None,
                     "repeats": args.repeats,
                     "results": results,
                     "runs": runs,

@@ -67,8 +67,8 @@ class Recorder:
             self.profiler.start()
             self.queued = waited_for_a_core_s("gloo")
             self.clock = clock_anchor()
-            if link.QUEUE:  # an emulated link: note its transfers for the trace
-                link.QUEUE.log = []
+            if link.WIRE:  # an emulated link: note its transfers for the trace
+                link.WIRE.log = []
         with record_function(f"step {step}") if step in self.window else contextlib.nullcontext():
             yield
         if step in self.window[-1:]:
@@ -79,9 +79,9 @@ class Recorder:
                 hook.remove()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.profiler.export_chrome_trace(str(self.path))
-            if link.QUEUE:
-                add_link_transfers(self.path, link.QUEUE.log, self.clock)
-                link.QUEUE.log = None
+            if link.WIRE:
+                add_link_transfers(self.path, link.WIRE.log, self.clock)
+                link.WIRE.log = None
 
 
 def clock_anchor() -> float:

@@ -174,7 +174,7 @@ def check_one_size(module, report: Report, mesh: Mesh, ref, bucket_bytes: float)
     for step, rows in enumerate(ref.rows):
         mesh.ledger.reset()
         seen.update(started=[], arrived=[], times=[], returned=[])
-        link.QUEUE.log = []
+        link.WIRE.log = []
         comm.in_backward = True
         comm.waited = []
         module.run(backward_in_sandbox, rows)
@@ -182,7 +182,7 @@ def check_one_size(module, report: Report, mesh: Mesh, ref, bucket_bytes: float)
         arrived(None)  # when backward returned
         grads = module.run(wait_in_sandbox)
         arrived(None)  # after wait()
-        transfers = [(start, end) for _, start, end in link.QUEUE.log]
+        transfers = [(start, end) for _, start, end in link.WIRE.log]
         arrivals = seen["times"][: len(params)]
         overlap = torch.tensor(overlap_s(transfers, seen["returned"], arrivals))
         dist.all_reduce(overlap, op=dist.ReduceOp.MAX)  # (raw: not the learner's traffic)
@@ -198,7 +198,7 @@ def check_one_size(module, report: Report, mesh: Mesh, ref, bucket_bytes: float)
             or overlap_problem(float(overlap), n_buckets)
         ):
             break
-    link.QUEUE.log = None
+    link.WIRE.log = None
     beside = (
         f"all-reduces ran {1e3 * float(overlap):.1f} ms beside backward"
         if n_buckets > 1
