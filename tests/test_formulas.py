@@ -156,18 +156,19 @@ def test_zero3_on_a_link_prefetch_leaves_the_first_gathers_and_last_reduce_scatt
 
 
 def test_ddp_exposed_comm_by_hand():
-    """Two buckets of 1 MB on a 1 MB/s link with α = 0.1 s (2 ranks: bus bytes = payload)."""
+    """Two buckets of 1 MB on a 1 MB/s link with α = 0.1 s per ring step (2 ranks: an
+    all-reduce is 2 steps of α + (S/2)/β, so 2α + S/β: bus bytes = payload)."""
     one = F.ddp_exposed_comm_s([2e6], window_s=1.0, n=2, bw=1e6, alpha=0.1)
-    assert one == pytest.approx(0.1 + 2.0)  # one bucket: all of it after backward
+    assert one == pytest.approx(0.2 + 2.0)  # one bucket: all of it after backward
     # the first bucket is ready halfway through the window, the second at its end
     two = F.ddp_exposed_comm_s([1e6, 1e6], window_s=1.0, n=2, bw=1e6, alpha=0.1)
-    assert two == pytest.approx(0.5 + 1.1 + 1.1 - 1.0)
+    assert two == pytest.approx(0.5 + 1.2 + 1.2 - 1.0)
     # the second is a tied embedding's: complete only at the end; the first, steady over W
     tied = F.ddp_exposed_comm_s([1e6, 1e6], window_s=1.0, n=2, bw=1e6, alpha=0.1, tied_bytes=1e6)
-    assert tied == pytest.approx(1.0 + 1.1 + 1.1 - 1.0)
-    # α per message: 100 buckets of 20 kB on a fast link cost 100 α, hidden up to W
+    assert tied == pytest.approx(1.0 + 1.2 + 1.2 - 1.0)
+    # α per step: 100 buckets of 20 kB on a fast link cost 100 · 2α, hidden up to W
     many = F.ddp_exposed_comm_s([2e4] * 100, window_s=1.0, n=2, bw=1e9, alpha=0.1)
-    assert many == pytest.approx(100 * 0.1 + 100 * 2e4 / 1e9 - 1.0 + 0.01, rel=0.02)
+    assert many == pytest.approx(100 * 0.2 + 100 * 2e4 / 1e9 - 1.0 + 0.02, rel=0.02)
     # four ranks: the ring's bus bytes, 2(n-1)/n = 1.5 payloads
     assert F.ddp_exposed_comm_s([2e6], 1.0, 4, 1e6, 0.0) == pytest.approx(3.0)
 

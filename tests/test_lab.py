@@ -27,18 +27,6 @@ def test_alpha_beta_fit_recovers_the_model_it_was_given(op, n):
     assert fit.max_relative_error < 1e-6
 
 
-def test_alpha_beta_fit_per_call_recovers_an_emulated_links_alpha_and_beta():
-    from hplab.runtime.link import parse
-
-    link, sizes = parse("20MB/s,10ms"), 2.0 ** np.arange(12, 21)
-    factor = lab.alpha_beta_terms("all_reduce", 4)[1]
-    times = link.cost(factor * sizes)  # what the link charges: α + bus bytes / β, once a call
-    fit = lab.fit_alpha_beta("all_reduce", 4, sizes, times, per_call=True)
-    assert math.isclose(fit.alpha_s, link.latency, rel_tol=1e-6)
-    assert math.isclose(fit.beta_bytes_per_s, link.bandwidth, rel_tol=1e-6)
-    assert np.allclose(fit.predict(sizes), times) and fit.formula().startswith("T = 1·α")
-
-
 def test_ring_terms_follow_the_bus_factor_convention():
     from hplab.parallel.collectives import bus_factor
 

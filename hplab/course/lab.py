@@ -154,15 +154,13 @@ class AlphaBetaFit:
         )
 
 
-def fit_alpha_beta(op: str, n: int, sizes, times, per_call: bool = False) -> AlphaBetaFit:
+def fit_alpha_beta(op: str, n: int, sizes, times) -> AlphaBetaFit:
     """Least squares on *relative* error (the sizes span decades): find a, b ≥ 0 with
-    T ≈ a + b·S, then α = a / steps and β = factor / b. `per_call`: one α per call, as an
-    emulated link charges it (hplab.runtime.link: α + bus bytes / β), not one per ring step."""
+    T ≈ a + b·S, then α = a / steps and β = factor / b (the ring's steps and factor)."""
     S = np.asarray(sizes, dtype=float)
     T = np.asarray(times, dtype=float)
     (a, b), *_ = np.linalg.lstsq(np.stack([1 / T, S / T], axis=1), np.ones_like(T), rcond=None)
     (a, b), (steps, factor) = (max(a, 1e-9), max(b, 1e-15)), alpha_beta_terms(op, n)
-    steps = 1 if per_call else steps
     error = float(np.max(np.abs(a + b * S - T) / T))
     return AlphaBetaFit(op, n, a / steps, factor / b, error, steps)
 
@@ -190,10 +188,15 @@ class Collectives:
         return self.data["ledger"].get(op, {})
 
     def fit(self, op: str) -> AlphaBetaFit:
-        """α and β fitted to `op`'s times: α per ring step, or per call under a link."""
+        """α and β fitted to `op`'s times: α per ring step (on loopback, or the emulated wire)."""
         sizes = self.sizes(op)
         times = self.times(op)
-        return fit_alpha_beta(op, self.world_size, sizes, times, per_call=bool(self.link))
+        return fit_alpha_beta(
+            op,
+            self.world_size,
+            sizes,
+            times,
+        )
 
     def bus_bandwidth(self, op: str) -> list[float]:
         """nccl-tests' bus bandwidth: factor · S / T, comparable across operations."""

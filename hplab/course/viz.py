@@ -21,7 +21,12 @@ from hplab.course.timeline_plots import (  # noqa: F401 (viz.<name>, as the labs
     simulated_costs,
     under_the_link,
 )
-from hplab.plan.formulas import bubble_fraction, bus_factor, model_state_bytes
+from hplab.plan.formulas import (
+    alpha_beta_terms,
+    bubble_fraction,
+    collective_time_s,
+    model_state_bytes,
+)
 
 MiB = 2**20
 GiB = 2**30
@@ -156,8 +161,9 @@ def plot_throughput(
 
 def plot_collective_times(result, ops: list[str] | None = None, ax=None):
     """Time per call against message size (log-log) of each op in a `lab.Collectives`: the
-    measured points, and dashed the α-β fit — or, under an emulated link, the link's own
-    α + factor·S/β with its α and β (`hplab.runtime.link`), which the title names."""
+    measured points, and dashed the α-β fit — or, under an emulated link, the ring's
+    steps·α + factor·S/β with the link's own α and β (`hplab.runtime.link`; one tier), which
+    the title names."""
     from hplab.runtime.link import parse
 
     ax = figure.axes(ax, (7.2, 4.6))
@@ -169,9 +175,9 @@ def plot_collective_times(result, ops: list[str] | None = None, ax=None):
                   label=f"{op} (measured)")  # fmt: skip
         grid = np.geomspace(sizes.min(), sizes.max(), 100)
         if link:
-            factor = bus_factor(op, result.world_size)
-            line = link.cost(factor * grid)
-            label = f"α + {factor:.2f}·S/β (link)"
+            steps, factor = alpha_beta_terms(op, result.world_size)
+            line = collective_time_s(op, grid, result.world_size, link.bandwidth, link.latency)
+            label = f"{steps}·α + {factor:.2f}·S/β (link)"
         else:
             line = fit.predict(grid)
             label = f"α-β: α={fit.alpha_s * 1e6:.0f} µs, β={fit.beta_bytes_per_s / 1e9:.2f} GB/s"

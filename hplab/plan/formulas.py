@@ -115,24 +115,24 @@ def ddp_exposed_comm_s(
     tied_bytes: float = 0.0,
 ) -> float:
     """Seconds of a DDP step's gradient all-reduces that backward does not hide, on a link of
-    β = bw bytes/s and α = alpha s per message (the emulated link's cost: α + bus bytes/β).
+    β = bw bytes/s and α = alpha s per ring step (`collective_time_s`: the emulated wire's).
     Backward produces the gradients during its last `window_s` seconds, at a steady rate of
     bytes (a transformer's blocks are alike), but a tied embedding's `tied_bytes` only when it
     ends (both of its uses summed). Bucket i (S_i bytes, in launch order) is ready with its last
     gradient; the link takes the buckets one at a time:
 
         ready_i = W · min(1, (S_1 + … + S_i) / (S − S_tied))
-        end_i   = max(ready_i, end_(i−1)) + α + 2(n−1)/n · S_i / β
+        end_i   = max(ready_i, end_(i−1)) + 2(n−1)·α + 2(n−1)/n · S_i / β
         exposed = max(0, end_last − W)
 
-    One bucket: α + 2(n−1)/n · S/β, none of it hidden; k buckets pay k·α."""
+    One bucket: 2(n−1)·α + 2(n−1)/n · S/β, none of it hidden; k buckets pay k·2(n−1)·α."""
     steady = sum(bucket_bytes) - tied_bytes
     made = 0.0
     end = 0.0
     for size in bucket_bytes:
         made += size
         ready = window_s * min(1.0, made / steady) if steady > 0 else window_s
-        end = max(ready, end) + alpha + bus_factor("all_reduce", n) * size / bw
+        end = max(ready, end) + collective_time_s("all_reduce", size, n, bw, alpha)
     return max(0.0, end - window_s)
 
 
@@ -439,10 +439,10 @@ def zero3_link_seconds(
     unit_bytes: list[float], n: int, bandwidth: float, latency: float = 0.0, prefetch="both"
 ) -> dict:
     """Per step of ZeRO-3 (`fully_shard`: a unit per block, then the root) on a link of β bytes/s
-    and α s per transfer, each transfer t(S) = α + (n−1)/n·S/β (hplab.runtime.link: α + bus
-    bytes/β). `unit_bytes`: the bytes each unit gathers, the root's first, then the blocks' in
-    forward order. Each unit is gathered for forward, again for backward, and its gradients
-    reduce-scattered:
+    and α s per ring step, each transfer t(S) = (n−1)·α + (n−1)/n·S/β (`collective_time_s`:
+    an all-gather or a reduce-scatter, as the emulated wire runs it). `unit_bytes`: the bytes
+    each unit gathers, the root's first, then the blocks' in forward order. Each unit is
+    gathered for forward, again for backward, and its gradients reduce-scattered:
 
         total    = Σ_u 3·t(S_u)
         exposed  = what the rank waits out, if each block computes at least as long as the
@@ -454,7 +454,7 @@ def zero3_link_seconds(
         hidden   = 1 − exposed / total: the share of the link's time run under compute"""
     if prefetch not in PREFETCH:
         raise ValueError(f"unknown prefetch {prefetch!r}: choose one of {', '.join(PREFETCH)}")
-    t = [latency + (n - 1) / n * s / bandwidth for s in unit_bytes]
+    t = [collective_time_s("all_gather", s, n, bandwidth, latency) for s in unit_bytes]
     root = t[0]
     first = t[1]
     later = sum(t[2:])
