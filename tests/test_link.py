@@ -253,6 +253,21 @@ def test_a_stale_record_of_an_earlier_job_is_not_taken_for_this_one(ranks):
     assert _seconds(again[0], ticket) == pytest.approx(2 * (1e-3 + 500 / 1e6))
 
 
+def test_more_transfers_than_slots_take_the_slots_of_those_through_longest_ago(ranks):
+    """A bucket sweep launches thousands of small all-reduces a minute: once every slot has
+    been used, a new transfer takes the record through longest ago, and a ticket whose record
+    was taken is through."""
+    wires = ranks(wire.Topology(link.Link(1e12, 0.0)), 2)
+    first = _launch(wires, "dp", "all_reduce", [0, 1], 8)
+    _through(wires[0], first)
+    for _ in range(wire.SLOTS + 10):
+        ticket = _launch(wires, "dp", "all_reduce", [0, 1], 8)
+        assert wires[0].is_through(ticket)
+    assert wires[0].is_through(first)  # (its record taken since)
+    busy = _launch(wires, "tp", "all_reduce", [0, 1], 8)
+    assert wires[1].is_through(busy)
+
+
 def test_a_runs_wire_file_is_removed_at_shutdown(monkeypatch):
     """The wire is a file in /dev/shm; a forked rank ends without atexit, and every --link run
     left one there: `shutdown` removes it."""

@@ -44,7 +44,7 @@ import re
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,34 +158,37 @@ def bitmask(ranks) -> tuple[int, int]:
 
 
 def members(words) -> tuple[int, ...]:
-    mask = int(words[0]) | int(words[1]) << 64
+    return ranks_in(int(words[0]) | int(words[1]) << 64)
+
+
+@functools.lru_cache(maxsize=4096)
+def ranks_in(mask: int) -> tuple[int, ...]:
     return tuple(r for r in range(MAX_RANKS) if mask >> r & 1)
 
 
 class Transfer:
-    """One record being simulated: a Python copy of its row, with the steps it runs."""
+    """One record being simulated: its fields as Python numbers (attributes), and its steps."""
 
-    def __init__(self, slot: int, row: dict, steps: list):
+    MOVED = ("state", "step", "left", "start", "end")  # what the model changes in a record
+
+    def __init__(self, slot: int, fields: dict, steps: list):
+        self.__dict__.update(fields)
         self.slot = slot
-        self.row = row
         self.steps = steps
 
     @classmethod
     def of(cls, slot: int, record, topology: Topology) -> Transfer:
-        row = {name: record[name] for name in RECORD.names}
-        op = OPS[int(row["op"])]
-        group = members(row["ranks"])
-        ends = (int(row["sender"]), int(row["receiver"]))
-        return cls(slot, row, topology.steps(op, group, *ends, float(row["nbytes"])))
+        fields = dict(zip(RECORD.names, record.item()))
+        op = OPS[fields["op"]]
+        group = members(fields["ranks"])
+        ends = (fields["sender"], fields["receiver"])
+        return cls(slot, fields, topology.steps(op, group, *ends, fields["nbytes"]))
 
     def clone(self) -> Transfer:
-        return Transfer(self.slot, dict(self.row), self.steps)
+        return Transfer(self.slot, dict(vars(self)), self.steps)
 
-    def __getattr__(self, name):
-        try:
-            return self.__dict__["row"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+    def update(self, **fields) -> None:
+        self.__dict__.update(fields)
 
 
 class Wire:
@@ -265,6 +268,9 @@ class Wire:
         free = np.nonzero(
             (states == FREE) | ((states == DONE) & (self.records["end"] < now - REUSE_AFTER_S))
         )[0]
+        if not len(free):  # many short transfers: the one through longest ago
+            done = np.nonzero(states == DONE)[0]
+            free = done[np.argsort(self.records["end"][done])[:1]]
         if not len(free):
             raise RuntimeError(
                 f"the emulated wire holds {SLOTS} transfers in flight; wait for some before "
@@ -327,8 +333,8 @@ class Wire:
             run(transfers, then, now, self.topology)
             for t in transfers:
                 row = self.records[t.slot]
-                for name in ("state", "step", "left", "start", "end"):
-                    row[name] = t.row[name]
+                for name in Transfer.MOVED:
+                    row[name] = getattr(t, name)
             self.now[0] = now
         return [t for t in transfers if t.state != DONE]
 
@@ -343,33 +349,42 @@ def project(transfers: list[Transfer], mine: Transfer, now: float, topology) -> 
 
 def run(transfers: list[Transfer], t: float, until: float, topology, until_done=None) -> None:
     """The fluid model, from time t to `until` (or until `until_done` is through): each event
-    (a transfer starting, a step's α waited, a step's bytes moved) in time order."""
+    (a transfer starting, a step's α waited, a step's bytes moved) in time order. Only the
+    first transfer of each channel not yet through can move (one stream)."""
+    lines = channel_lines(transfers)
     while until_done is None or until_done.state != DONE:
-        start_what_can(transfers, t)
-        rates = moving_rates(transfers, topology)
-        events = [next_event(x, t, rates.get(i)) for i, x in enumerate(transfers)]
+        heads = [line[0] for line in lines.values() if line]
+        start_what_can(heads, t)
+        rates = moving_rates(heads, topology)
+        events = [next_event(x, t, rates.get(i)) for i, x in enumerate(heads)]
         when = min(events, default=math.inf)
         if when > until:
-            progress(transfers, rates, until - t)
+            progress(heads, rates, until - t)
             return
         if math.isinf(when):
             return
-        progress(transfers, rates, when - t)
+        progress(heads, rates, when - t)
         t = when
-        for x, event in zip(transfers, events, strict=True):
+        for x, event in zip(heads, events, strict=True):
             if event <= when:
                 finish_stage(x, t)
+                if x.state == DONE:
+                    lines[x.channel].popleft()
 
 
-def start_what_can(transfers: list[Transfer], t: float) -> None:
-    """A ready transfer starts once its channel's earlier ones are through (one stream)."""
-    first: dict[int, int] = {}  # per channel: the earliest launch not yet through
-    for x in transfers:
-        if x.state != DONE:
-            first[x.channel] = min(first.get(x.channel, x.index), x.index)
-    for x in transfers:
-        if x.state == QUEUED and x.ready <= t and first[x.channel] == x.index:
-            x.row.update(state=LATENCY, step=0, left=x.steps[0][0], start=t)
+def channel_lines(transfers: list[Transfer]) -> dict[int, deque]:
+    """Per channel, its transfers not yet through, in launch order."""
+    lines: dict[int, deque] = {}
+    for x in sorted((x for x in transfers if x.state != DONE), key=lambda x: x.index):
+        lines.setdefault(x.channel, deque()).append(x)
+    return lines
+
+
+def start_what_can(heads: list[Transfer], t: float) -> None:
+    """A channel's first transfer starts once all its members have launched it."""
+    for x in heads:
+        if x.state == QUEUED and x.ready <= t:
+            x.update(state=LATENCY, step=0, left=x.steps[0][0], start=t)
 
 
 def moving_rates(transfers: list[Transfer], topology) -> dict[int, float]:
@@ -393,19 +408,19 @@ def next_event(x: Transfer, t: float, rate: float | None) -> float:
 def progress(transfers: list[Transfer], rates: dict[int, float], dt: float) -> None:
     for i, x in enumerate(transfers):
         if x.state == LATENCY:
-            x.row["left"] = max(0.0, x.left - dt)
+            x.left = max(0.0, x.left - dt)
         elif x.state == MOVING:
-            x.row["left"] = max(0.0, x.left - rates[i] * dt)
+            x.left = max(0.0, x.left - rates[i] * dt)
 
 
 def finish_stage(x: Transfer, t: float) -> None:
     """x's α is waited (its bytes move next) or its bytes are moved (the next step, or done)."""
     if x.state == LATENCY:
-        x.row.update(state=MOVING, left=x.steps[x.step][1])
+        x.update(state=MOVING, left=x.steps[x.step][1])
     elif x.state == MOVING and x.step + 1 < len(x.steps):
-        x.row.update(state=LATENCY, step=x.step + 1, left=x.steps[x.step + 1][0])
+        x.update(state=LATENCY, step=x.step + 1, left=x.steps[x.step + 1][0])
     elif x.state == MOVING:
-        x.row.update(state=DONE, end=t)
+        x.update(state=DONE, end=t)
 
 
 SHARED_FOLDER = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
