@@ -168,9 +168,10 @@ class Layout:
         choices=PREFETCH,
     )
     receives_ahead: int = option(
-        0,
+        1,
         "pipeline: post each receive this many computations before it is needed, so that its "
-        "message crosses the link while the rank computes (0: just before it is needed)",
+        "message crosses the link while the rank computes, as Megatron-LM and "
+        "torch.distributed.pipelining do (0: just before it is needed)",
         type=int,
         choices=(0, 1, 2),
     )

@@ -941,8 +941,11 @@ def test_trace_has_every_action(runs):
                 a.kind.startswith("recv") for a in plan
             )
             assert all(0 <= e["start_s"] <= e["end_s"] for e in trace)
-            bubble = res["hplab"][(schedule, m, v)]["report"]["bubble_fraction"]
-            assert 0 < bubble < 1
+            report = res["hplab"][(schedule, m, v)]["report"]
+            assert 0 < report["bubble_fraction"] < 1
+            per_step = report["bubble_fraction_per_step"]  # every step's, the last one's last
+            assert len(per_step) == STEPS and per_step[-1] == report["bubble_fraction"]
+            assert all(0 < b < 1 for b in per_step)
 
 
 def test_clear_errors(runs):
@@ -1005,3 +1008,23 @@ def test_train_py_writes_the_pipeline_trace(tmp_path):
         assert set(events[0]) == {"kind", "microbatch", "chunk", "start_s", "end_s"}
     assert pipeline["in_flight_max"] == [2, 2, 2, 2]
     assert all(0 < b < 1 for b in pipeline["bubble_fraction"])
+    assert pipeline["receives_ahead"] == 1  # (the default: each receive a computation early)
+    for per_step, last in zip(pipeline["bubble_fraction_per_step"], pipeline["bubble_fraction"]):
+        assert len(per_step) == 2 and per_step[-1] == last  # (--steps 2)
+
+
+def test_the_replay_posts_receives_as_the_run_did_and_the_bubble_is_the_median_of_steps():
+    """The lab compares a run with its own schedule: receives posted as far ahead as the run
+    posted them (older metrics files, without the key: just before), and the measured bubble
+    as the median over the steps after the first, not one noisy step."""
+    from hplab.course.timeline_plots import measured_bubbles, schedule_as_run
+
+    run = {"schedule": "1f1b", "stages": 2, "microbatches": 4, "virtual_stages": 1}
+    plans = pp.build_schedule("1f1b", 2, 4)
+    assert schedule_as_run(run) == plans
+    assert schedule_as_run(run | {"receives_ahead": 1}) == [pp.receives_ahead(p, 1) for p in plans]
+    assert schedule_as_run(run | {"receives_ahead": 1}) != plans
+    per_step = [[0.9, 0.2, 0.3, 0.25], [0.5, 0.1, 0.1, 0.4]]  # per rank; the first step warms up
+    metrics = {"pipeline": {"bubble_fraction": [0.25, 0.4], "bubble_fraction_per_step": per_step}}
+    assert measured_bubbles(metrics) == [0.25, 0.1]
+    assert measured_bubbles({"pipeline": {"bubble_fraction": [0.3, 0.2]}}) == [0.3, 0.2]

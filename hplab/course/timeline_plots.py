@@ -23,6 +23,27 @@ def _pipeline(run_or_metrics) -> dict:  # the metrics file's `pipeline` entry
     raise ValueError("this run has no pipeline trace: run train.py with --pp > 1")
 
 
+def schedule_as_run(pipeline: dict) -> list:
+    """The action lists the run executed: its schedule, each receive posted as far ahead as the
+    run posted it (`receives_ahead`; a run that did not record it posted them just before)."""
+    from hplab.parallel.schedule import build_schedule, receives_ahead
+
+    p = pipeline
+    plans = build_schedule(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"])
+    return [receives_ahead(plan, p.get("receives_ahead", 0)) for plan in plans]
+
+
+def measured_bubbles(run_or_metrics) -> list[float]:
+    """Each rank's measured bubble: the median over the steps after the first (the first
+    warms up; one step on a shared CPU varies by several points), or the last step's where the
+    run recorded only that."""
+    p = _pipeline(run_or_metrics)
+    per_step = p.get("bubble_fraction_per_step")
+    if not per_step:
+        return p["bubble_fraction"]
+    return [median(steps[1:] or steps) for steps in per_step]
+
+
 def link_of(run_or_metrics) -> str:
     """The emulated link a run had (`--link`), e.g. "20MB/s,200us", or "" without one."""
     return getattr(run_or_metrics, "metrics", run_or_metrics).get("config", {}).get("link") or ""
@@ -132,16 +153,13 @@ def _replayed_trace(pipeline: dict) -> tuple[dict, dict, dict]:
     """Each action of the run's schedule (in order, its trace event) with its measured seconds;
     when each message was sent; each message a rank waited for, with that wait's start and end."""
     from hplab.course.timeline import WAITED_S
-    from hplab.parallel.schedule import build_schedule, input_message, message_key
+    from hplab.parallel.schedule import input_message, message_key
 
     p = pipeline
     own = {}
     sent = {}
     waits = {}
-    for plan, events in zip(
-        build_schedule(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"]),
-        p["trace"],
-    ):
+    for plan, events in zip(schedule_as_run(p), p["trace"]):
         actions = iter(a for a in plan if not a.kind.startswith("recv"))
         wait = None
         for e in events:  # a wait is recorded just before the F or B it feeds
@@ -254,7 +272,6 @@ def replayed_bubbles(
     `each_action`, every action's and every awaited message's own (`measured_actions`).
     `latency`: every message's time instead (an emulated link's: `message_seconds`), counted
     from the later of its send and the posting of its receive, as the link counts it."""
-    from hplab.parallel.pp import build_schedule
     from hplab.plan.simulate import simulate
 
     p = _pipeline(run_or_metrics)
@@ -262,12 +279,7 @@ def replayed_bubbles(
     own = measured_actions(p) if each_action else {}
     if latency is not None:  # every message takes it: drop the measured delays (their keys)
         costs["latency"], own = latency, {a: t for a, t in own.items() if hasattr(a, "kind")}
-    sim = simulate(
-        build_schedule(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"]),
-        **costs,
-        own=own,
-        rendezvous=latency is not None,
-    )
+    sim = simulate(schedule_as_run(p), **costs, own=own, rendezvous=latency is not None)
     return [sim.bubble_fraction(r) for r in range(p["stages"])]
 
 
@@ -288,7 +300,7 @@ def _bubble_bars(run) -> list[tuple]:
     message = message_seconds(run)
     formula = bubble_fraction(p["schedule"], p["stages"], p["microbatches"], p["virtual_stages"])
     return [
-        (-0.3, p["bubble_fraction"], dict(color="#4C72B0"), "measured (the last step)"),
+        (-0.3, measured_bubbles(run), dict(color="#4C72B0"), "measured (median of the steps)"),
         (
             -0.1,
             replayed_bubbles(run, each_action=True),

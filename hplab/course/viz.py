@@ -12,6 +12,7 @@ from hplab.course.timeline_plots import (  # noqa: F401 (viz.<name>, as the labs
     TIMELINE_COLORS,
     idle_shares,
     measured_actions,
+    measured_bubbles,
     message_seconds,
     plot_pipeline_bubbles,
     plot_pipeline_gantt,

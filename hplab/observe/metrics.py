@@ -53,6 +53,7 @@ def collect(
             "stages": layout.pp,
             "microbatches": layout.microbatches,
             "virtual_stages": layout.virtual_stages,
+            "receives_ahead": layout.receives_ahead,
             **columns(ranks["pipeline"]),  # the last step's trace, per rank
         },
         "context_parallel": None

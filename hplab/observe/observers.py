@@ -229,61 +229,71 @@ def measured_bubble(trace: list[dict], origin: float = 0.0, end: float | None = 
 
 
 class PipelineTrace:
-    """When each of this rank's actions ran in the last step (the executor's hooks): kinds F, B,
-    W, send, and recv (a wait for a message). `actions` holds the clock's marks as they come
-    (on a GPU, CUDA events the stream stamps when it gets there); `trace()` reads them as
+    """When each of this rank's actions ran in each step (the executor's hooks): kinds F, B,
+    W, send, and recv (a wait for a message). A step's actions hold the clock's marks as they
+    come (on a GPU, CUDA events the stream stamps when it gets there); `trace()` reads them as
     {kind, microbatch, chunk, start_s, end_s}, seconds from the step's start."""
 
     def __init__(self, executor, clock=None):
         self.clock = clock or clock_for(executor.comm.device)
-        self.actions = []
-        self.start = None
-        self.host_start = 0.0
+        self.steps: list[tuple] = []  # per step: (its start mark, the host's clock then, actions)
         executor.observers.append(self._action)
 
     @contextlib.contextmanager
     def _action(self, kind: str, action, stage):
         begin = self.clock.mark()
         if kind == "run":
-            self.actions = []
-            self.start = begin
-            self.host_start = time.perf_counter()
+            self.steps.append((begin, time.perf_counter(), []))
         yield
         if kind != "run":
             where = dict(kind=kind, microbatch=action.microbatch, chunk=action.chunk)
-            self.actions.append({**where, "start": begin, "end": self.clock.mark()})
+            self.steps[-1][2].append({**where, "start": begin, "end": self.clock.mark()})
 
-    def trace(self) -> list[dict]:
-        seconds = functools.partial(self.clock.seconds, self.start)
+    @property
+    def actions(self) -> list[dict]:
+        """The marks of the step under way (or of the last one)."""
+        return self.steps[-1][2] if self.steps else []
+
+    def trace(self, step: int = -1) -> list[dict]:
+        start, _, actions = self.steps[step]
+        seconds = functools.partial(self.clock.seconds, start)
         return [
             {k: v for k, v in e.items() if k not in ("start", "end")}
             | {"start_s": seconds(e["start"]), "end_s": seconds(e["end"])}
-            for e in self.actions
+            for e in actions
         ]
 
     def report(self, comm, memory: MemoryWatch) -> dict:
         """The last step's trace, its times from the earliest stage's start (the host's clock
-        when each rank began the step: one machine), the measured bubble and the most
-        microbatches (and bytes) in flight. The bubble counts from the first computation on
-        any stage to the last: a rank that begins the step late (it finished the previous one
-        later) shifts the whole pipeline, not its schedule's idle time."""
-        mine = self.host_start
+        when each rank began the step: one machine), the measured bubble of the last step and
+        of every step, and the most microbatches (and bytes) in flight."""
+        traced = [self.step_on_one_clock(comm, step) for step in range(len(self.steps))]
+        trace, bubble = traced[-1] if traced else ([], 0.0)
+        return {
+            "trace": trace,
+            "in_flight_max": memory.in_flight_max,
+            "activation_bytes_in_flight_max": memory.bytes_in_flight_max,
+            "bubble_fraction": bubble,
+            "bubble_fraction_per_step": [b for _, b in traced],
+        }
+
+    def step_on_one_clock(self, comm, step: int) -> tuple[list[dict], float]:
+        """A step's trace shifted to the pipeline's clock, and its bubble. The bubble counts
+        from the first computation on any stage to the last: a rank that begins the step late
+        (it finished the previous one later) shifts the whole pipeline, not its schedule's idle
+        time."""
+        mine = self.steps[step][1]
         shift = mine - comm.all_reduce_scalar(mine, op=dist.ReduceOp.MIN)
         trace = [
             {**e, "start_s": e["start_s"] + shift, "end_s": e["end_s"] + shift}
-            for e in self.trace()
+            for e in self.trace(step)
         ]
         computed = [e for e in trace if e["kind"] in COMPUTE]
         first = min((e["start_s"] for e in computed), default=0.0)
         first = comm.all_reduce_scalar(first, op=dist.ReduceOp.MIN)
         end = max((e["end_s"] for e in computed), default=0.0)
         end = comm.all_reduce_scalar(end, op=dist.ReduceOp.MAX)
-        return {
-            "trace": trace,
-            "in_flight_max": memory.in_flight_max,
-            "activation_bytes_in_flight_max": memory.bytes_in_flight_max,
-            "bubble_fraction": measured_bubble(trace, first, end),
-        }
+        return trace, measured_bubble(trace, first, end)
 
 
 # --- experts and attention --------------------------------------------------------------------
