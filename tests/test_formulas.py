@@ -178,3 +178,14 @@ def test_ddp_bucket_speedup_bound():
     assert F.ddp_bucket_speedup_bound(1.0, 1.0, 1.0, 0.4) == pytest.approx(2.0 / 1.4)
     # a short window bounds it: (C + X) / (C + X - W)
     assert F.ddp_bucket_speedup_bound(1.0, 0.2, 1.0, 0.4) == pytest.approx(2.0 / 1.8)
+
+
+def test_ring_attention_hides_all_hops_but_the_last_one_home():
+    """One hop per layer and step stays exposed, the last dK/dV accumulator going home: its
+    share is one block over all the bytes ring_attention_bytes counts."""
+    assert F.ring_attention_hidden(2) == 3 / 4
+    for cp in range(2, 9):
+        sent = F.ring_attention_bytes(1, 64 * cp, 8, cp)
+        hops = (sent["forward"] + sent["backward"]) / (2 * 64 * 8 * 4)  # one block: 2·b·(s/cp)·h·4
+        assert hops == 3 * cp - 2
+        assert 1 - F.ring_attention_hidden(cp) == pytest.approx(1 / hops)

@@ -417,6 +417,15 @@ def ring_attention_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -
     return {"forward": (cp - 1) * block, "backward": (2 * cp - 1) * block}
 
 
+def ring_attention_hidden(cp: int) -> float:
+    """The share of a rank's ring-attention transfers that compute can hide, per layer and
+    step, if every transfer is shorter than the block computed under it: of the 3·cp − 2 hops
+    (cp − 1 forward, 2·cp − 1 backward) all but the last, the dK/dV accumulator going home
+    after the last block's gradients, (3·cp − 3)/(3·cp − 2). A hop longer than its block
+    shows the difference too."""
+    return (3 * cp - 3) / (3 * cp - 2)
+
+
 def ulysses_bytes(b: int, s: int, h: int, cp: int, elem_bytes: int = 4) -> dict:
     """Payload bytes one rank sends per layer in Ulysses: all-to-alls of q, k, v (3·b·(s/cp)·h
     numbers) and of the output (b·(s/cp)·h) forward, the same two reversed backward."""
