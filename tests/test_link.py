@@ -279,6 +279,13 @@ def test_a_runs_wire_file_is_removed_at_shutdown(monkeypatch):
     link.release()
     assert not path.exists()
     link.use(None)
+    monkeypatch.setenv("MASTER_PORT", f"test-{os.getpid()}-off")  # switched off before shutdown
+    link.use("1MB/s")
+    path = link.WIRE.path
+    link.use(None)
+    assert path.exists()  # (another rank may still be on it)
+    link.release()
+    assert not path.exists()
 
 
 # -- measured on two processes -------------------------------------------------------------

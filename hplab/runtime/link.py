@@ -100,6 +100,7 @@ def parse_wire(text: str, source: str = "--link") -> Topology:
 
 WIRE: Wire | None = None  # this process's network (None: no emulation)
 LAUNCHES: dict[str, Counter] = {}  # per job: its channels' launches so far (kept across `use`)
+OPENED: dict[str, Wire] = {}  # per job: the wire this process opened (`release` removes them)
 
 
 def use(network: Topology | Link | str | None, source: str = "--link") -> None:
@@ -121,11 +122,11 @@ def use(network: Topology | Link | str | None, source: str = "--link") -> None:
         os.environ.get(key, "")
         for key in ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
     )
-    if WIRE is not None and WIRE.job == job:
-        WIRE.topology = network
-        return
-    WIRE = Wire(network, job, LAUNCHES.setdefault(job, Counter()))
-    atexit.register(WIRE.close)
+    if job not in OPENED:  # (kept when switched off: the other ranks may still be on it)
+        OPENED[job] = Wire(network, job, LAUNCHES.setdefault(job, Counter()))
+        atexit.register(OPENED[job].close)
+    WIRE = OPENED[job]
+    WIRE.topology = network
 
 
 class OnTheWire:
@@ -160,10 +161,14 @@ class OnTheWire:
 
 
 def release() -> None:
-    """At shutdown, once every collective is over: remove the wire's file (a forked rank ends
-    without running atexit, and it stayed in /dev/shm)."""
-    if WIRE is not None:
-        WIRE.close()
+    """At shutdown, once every collective is over: remove the files of the wires this process
+    opened, on or switched off since (a forked rank ends without running atexit, and they
+    stayed in /dev/shm)."""
+    global WIRE
+    for wire in OPENED.values():
+        wire.close()
+    OPENED.clear()  # (a later `use` opens a new file)
+    WIRE = None
 
 
 def collective_timeout_s() -> float:

@@ -222,8 +222,11 @@ class Wire:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        """Remove the file (the other ranks keep their maps of it)."""
-        Path(self.path).unlink(missing_ok=True)
+        """Remove the file (the other ranks keep their maps of it), if it is still this wire's:
+        a later job of the same name may have made a new one there."""
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                Path(self.path).unlink(missing_ok=True)
 
     # -- launching --------------------------------------------------------------------------
     def launch(self, channel: str, op: str, group: list[int], me: int, nbytes: float, ends=None):
