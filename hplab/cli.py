@@ -120,7 +120,9 @@ OUTPUT_FLAGS = {
         metavar="BANDWIDTH[,LATENCY]",
         help="emulate a network between the ranks, e.g. 20MB/s,200us (every link), or two "
         "tiers, 'node=4 inside=900GB/s,2us between=50GB/s,5us': each collective then runs its "
-        "ring over those links, asleep (hplab.runtime.link; default: HPLAB_LINK, else none)",
+        "ring over those links, asleep (hplab.runtime.link; default: HPLAB_LINK, else none); "
+        "or a machine, h100-80g or 'h100-80g node=2', at its balance of compute to "
+        "communication, measured on the run's model (hplab.runtime.balance)",
     ),
     "--nproc": dict(
         type=COUNT,

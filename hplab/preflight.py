@@ -33,7 +33,7 @@ from hplab.models.gpt import config_from_preset
 from hplab.observe.metrics import is_metrics_file
 from hplab.observe.observers import is_trace_folder
 from hplab.plan import plan
-from hplab.runtime import faults, link
+from hplab.runtime import balance, faults, link
 from hplab.runtime.group import TIMEOUT_PROBLEM, choose_backend
 from hplab.runtime.launch import supervised
 
@@ -125,11 +125,11 @@ def check_switches(args) -> None:
     if args.save_every and not args.save:
         raise ValueError(f"--save-every {args.save_every} needs --save DIR")
     if os.environ.get("HPLAB_LINK"):  # (read by every rank as it starts, even beside --link)
-        link.parse_wire(os.environ["HPLAB_LINK"], "HPLAB_LINK")
+        network_text(os.environ["HPLAB_LINK"], "HPLAB_LINK")
     source = "--link" if args.link else "HPLAB_LINK"
     args.link = args.link or os.environ.get("HPLAB_LINK") or None
     if args.link:  # (LinkError: one line) in the metrics as the library spells it
-        args.link = str(link.parse_wire(args.link, source))
+        args.link = network_text(args.link, source)
     resume_point(args)
     if args.init_from and args.resume:
         raise ValueError("--init-from starts a new run, --resume continues one: give one of them")
@@ -150,6 +150,13 @@ def check_switches(args) -> None:
 class RunComplete(Exception):
     """A run that resumes by itself finds that its checkpoint holds every step: nothing is left
     to train (a rank lost after the last save, or the same command run again)."""
+
+
+def network_text(text: str, source: str) -> str:
+    """--link as the library spells it: a machine (`hplab.runtime.balance`, its link measured
+    once the ranks run) or a link's numbers (`link.parse_wire`); LinkError: one line."""
+    machine = balance.parse_machine(text, source)
+    return str(machine) if machine else str(link.parse_wire(text, source))
 
 
 def resume_point(args) -> None:

@@ -52,8 +52,10 @@ from hplab.observe import metrics
 from hplab.observe.observers import Observers
 from hplab.parallel.compose import parallelize
 from hplab.parallel.mesh import Mesh
+from hplab.parallel.precision import DTYPES
+from hplab.plan.formulas import flops_per_step
 from hplab.preflight import RunComplete, preflight, release_save_folders
-from hplab.runtime import collector, faults, link
+from hplab.runtime import balance, collector, faults, link
 from hplab.runtime.errors import explained
 from hplab.runtime.group import init_distributed, shutdown
 from hplab.runtime.launch import launch, note_error, note_step, supervised
@@ -164,8 +166,8 @@ def run(args) -> dict | None:
 def run_claimed(args) -> dict | None:
     """`run`'s steps, the --save folder held by rank 0 meanwhile."""
     job = preflight(args, int(os.environ.get("WORLD_SIZE", 1)))
-    device = init_distributed(None if args.backend == "auto" else args.backend)
-    link.use(args.link)  # an emulated network between the ranks, or none
+    device = init_distributed(None if args.backend == "auto" else args.backend, env_link=False)
+    at_balance = use_link(args.link, job, args.seed, device)  # an emulated network, or none
     layout = job.layout
     mesh = Mesh(pp=layout.pp, dp=layout.dp, cp=layout.cp, tp=layout.tp, ep=layout.ep, device=device)
     par = build_training(job, args.seed, mesh, device)
@@ -184,7 +186,29 @@ def run_claimed(args) -> dict | None:
         return None
     backend = dist.get_backend()
     out = metrics.collect(args, job.model, layout, backend, device.type, steps, evals, everyone)
+    out["link_balance"] = at_balance
     return metrics.recovery(out, first_step, earlier, saves)
+
+
+def use_link(text: str | None, job, seed: int, device) -> dict | None:
+    """The ranks' emulated network (--link, else HPLAB_LINK: `preflight` merged them): a link's
+    numbers as given, or a machine at this machine's balance, measured on the run's model
+    (`hplab.runtime.balance`; what the metrics keep of it, else None)."""
+    if not balance.parse_machine(text):
+        link.use(text)
+        return None
+    model = build_model(job.model, seed).to(device, DTYPES[job.layout.precision])
+    shape = (job.layout.micro_batch_size, job.model.seq_len)
+    tokens = torch.randint(job.model.vocab_size, shape, generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(device)
+
+    def forward_and_backward():
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model(tokens, tokens)[1].backward()  # (dropout draws from a fork: training's own
+            # random numbers stay the same)
+
+    flops = flops_per_step(job.model, job.layout.micro_batch_size)["model_flops"]
+    return balance.at_balance(text, forward_and_backward, flops, job.layout.precision, device)
 
 
 def build_training(job, seed: int, mesh: Mesh, device) -> TrainState:

@@ -17,12 +17,13 @@ hook placed before DDP's notes when backward produced its first and its last gra
                 gradients come out of
     compute_s   step_s − exposed_s
 
-`--link auto,500us` picks β from the no-link run (`calibrated_link`). With `--trace DIR`, two
-more steps are traced under the link (`observe.Recorder`, as `train.py --trace` does), of
-`--trace-mb` or else of the size whose median step was the shortest. Rank 0 writes JSON:
-`config` (`link`: the link used), `gradient_bytes`, `tied_bytes`, `buckets` {size: [bytes of
-each bucket]}, `runs` {"none" | link: {size: [per step: {step_s, window_s, exposed_s,
-compute_s}]}}.
+`--link auto,500us` picks β from the no-link run (`calibrated_link`); `--link h100-80g` puts
+the ranks at that machine's balance (`hplab.runtime.balance`, measured on this model). With
+`--trace DIR`, two more steps are traced under the link (`observe.Recorder`, as `train.py
+--trace` does), of `--trace-mb` or else of the size whose median step was the shortest. Rank 0
+writes JSON: `config` (`link`: the link used), `link_balance` (a machine's, else None),
+`gradient_bytes`, `tied_bytes`, `buckets` {size: [bytes of each bucket]}, `runs` {"none" |
+link: {size: [per step: {step_s, window_s, exposed_s, compute_s}]}}.
 """
 
 import sys
@@ -135,8 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--link",
         required=True,
-        help="the emulated link, e.g. 50MB/s,1ms; none; or auto,ALPHA (with --no-link-too: β "
-        "from the window measured with no link, see calibrated_link)",
+        help="the emulated link, e.g. 50MB/s,1ms; none; a machine, e.g. h100-80g (at its "
+        "balance); or auto,ALPHA (with --no-link-too: β from the window measured with no link, "
+        "see calibrated_link)",
     )
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[0, 0.05, 0.25, 25])
     p.add_argument("--model", default="tiny")
@@ -177,6 +179,23 @@ def calibrated_link(no_link: dict, config, text: str) -> str:
     return f"{beta / 1e6:.3g}MB/s,{text.partition(',')[2] or '0us'}"
 
 
+def at_machines_balance(config, text: str, batch) -> dict:
+    """`--link h100-80g`: the wire at that machine's balance, measured on a forward and
+    backward of this model on this rank's batch (`hplab.runtime.balance`; what it measured)."""
+    from hplab.models.gpt import build_model
+    from hplab.plan.formulas import flops_per_step
+    from hplab.runtime import balance
+
+    model = build_model(config, seed=0)
+    x, y = batch
+
+    def forward_and_backward():
+        model(x, y)[1].backward()
+
+    flops = flops_per_step(config, len(x))["model_flops"]
+    return balance.at_balance(text, forward_and_backward, flops)
+
+
 def describe(args, config, runs: dict, n: int) -> dict:
     """The JSON rank 0 writes (see above)."""
     from hplab.models.gpt import build_model
@@ -195,8 +214,26 @@ def describe(args, config, runs: dict, n: int) -> dict:
     )
 
 
+def link_problem(text: str) -> str | None:
+    """What is wrong with --link, in one line, or None."""
+    from hplab.runtime import balance, link
+
+    if text == "none":
+        return None
+    auto = text.startswith("auto")  # (auto,ALPHA: β is measured later, α is read here)
+    probe = "1MB/s," + text.partition(",")[2] if auto else text
+    try:
+        balance.parse_machine(probe) or link.parse_wire(probe)
+    except link.LinkError as err:
+        return str(err).replace(repr(probe), repr(text))
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if problem := link_problem(args.link):  # (before any process starts)
+        print(f"hplab: error: {problem}", file=sys.stderr)
+        return 2
     if args.nproc and "RANK" not in os.environ:  # the launcher: its ranks run main again
         from hplab.runtime.launch import launch
 
@@ -204,10 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from hplab.models.gpt import config_from_preset
-    from hplab.runtime import link
+    from hplab.runtime import balance, link
     from hplab.runtime.group import init_distributed, shutdown
 
     init_distributed()
+    balanced = None
     n = dist.get_world_size()
     rank = dist.get_rank()
     config = config_from_preset(args.model, n_layer=args.n_layer, seq_len=args.seq_len)
@@ -216,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     for text in dict.fromkeys(["none"] * args.no_link_too + [args.link]):
         if text.startswith("auto"):  # (every rank has the same times: all pick the same β)
             text = args.link = calibrated_link(runs["none"], config, text)
-        link.use(None if text == "none" else text)
+        if text != "none" and balance.parse_machine(
+            text
+        ):  # a machine's balance, measured on this model
+            balanced = at_machines_balance(config, text, batches[0])
+        else:
+            link.use(None if text == "none" else text)
         gathered = [None] * n
         dist.all_gather_object(
             gathered, sweep_here(config, args.bucket_mb, batches, args.steps, args.warmup)
@@ -229,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         trace_steps(config, mb, batches, args.trace, rank)
     dist.barrier()  # every trace written
     if rank == 0:
-        Path(args.out).write_text(json.dumps(describe(args, config, runs, n), indent=1))
+        out = describe(args, config, runs, n) | {"link_balance": balanced}
+        Path(args.out).write_text(json.dumps(out, indent=1))
     shutdown()
     return 0
 

@@ -116,6 +116,10 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, help="start this many ranks here (without torchrun)")
     args = p.parse_args(argv)
     n = int(os.environ.get("WORLD_SIZE", args.nproc or 1))
+    if machine := machine_named(args.link or os.environ.get("HPLAB_LINK")):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"hplab: error: {machine}", file=sys.stderr)
+        return None
     if args.min_bytes < 4 * n or args.max_bytes < args.min_bytes:
         if int(os.environ.get("RANK", 0)) == 0:
             print(
@@ -125,6 +129,23 @@ def parse_args(argv=None):
             )
         return None
     return args
+
+
+def machine_named(text: str | None) -> str | None:
+    """Why a machine (`--link h100-80g`) cannot time collectives here, or None: its balance is
+    measured on a model's compute, and this benchmark has no model."""
+    from hplab.runtime import balance, link
+
+    try:
+        machine = balance.parse_machine(text)
+    except link.LinkError as err:
+        return str(err)
+    if machine is None:
+        return None
+    return (
+        f"--link {text!r}: a machine's balance is measured on a model's compute, and the "
+        "collectives have none; give a link's numbers, e.g. --link 20MB/s,200us"
+    )
 
 
 def measure(comm, op: str, nbytes: int, buffer, inbox, repeats: int) -> dict:

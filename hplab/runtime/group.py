@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hplab.observe import ranges
 from hplab.parallel import collectives
 from hplab.parallel.collectives import OPEN_COMMUNICATORS
-from hplab.runtime import clock, link
+from hplab.runtime import balance, clock, link
 from hplab.runtime.errors import explained, explained_call
 
 
@@ -107,13 +107,29 @@ def choose_backend(
 RUN_LAYERS = [explained_call, ranges.labelled, link.emulated, clock.on_the_device]
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+def use_env_link() -> None:
+    """HPLAB_LINK's network for every rank, or none. A machine's balance is measured on the
+    model, which a plain loop measures itself (`hplab.runtime.balance.at_balance`)."""
+    text = os.environ.get("HPLAB_LINK") or None
+    if balance.parse_machine(text, "HPLAB_LINK"):
+        raise link.LinkError(
+            f"HPLAB_LINK={text!r} names a machine, whose balance is measured on the model: "
+            "hplab/train.py measures it; in a loop of your own call "
+            "hplab.runtime.balance.at_balance after init_distributed"
+        )
+    link.use(text, "HPLAB_LINK")
+
+
+def init_distributed(
+    backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, env_link: bool = True
+):
     """Join the process group described by torchrun's environment; return this rank's device
     (`choose_backend`). Without torchrun it forms a group of one. On NCCL, a `wait()` blocks
     until the work is done or the group's timeout has passed (TORCH_NCCL_BLOCKING_WAIT), so a
     frozen or lost peer ends the job with one line, as on gloo, and NCCL records each
     collective's own time on the GPU (TORCH_NCCL_ENABLE_TIMING) for the ledger. Every
-    Communicator's calls then go through `RUN_LAYERS`."""
+    Communicator's calls then go through `RUN_LAYERS`, on HPLAB_LINK's network if `env_link`
+    (train.py gives its own, --link's)."""
     existing = dist.get_backend() if dist.is_initialized() else None
     if TIMEOUT_PROBLEM:
         raise ValueError(TIMEOUT_PROBLEM)
@@ -131,7 +147,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     global DEVICE
     DEVICE = device
     collectives.LAYERS[:] = RUN_LAYERS
-    link.use(os.environ.get("HPLAB_LINK") or None, "HPLAB_LINK")  # for every rank, or none
+    if env_link:
+        use_env_link()
     if existing is None:
         if note and local_rank == 0:
             print(f"hplab: {note}", file=sys.stderr)
