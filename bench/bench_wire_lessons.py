@@ -2,6 +2,7 @@
 
     python bench/bench_wire_lessons.py          # bench/results/wire_lessons.json, a table
     python bench/bench_wire_lessons.py --quick  # one repeat
+    python bench/bench_wire_lessons.py --machine h100-80g   # both at an H100's balance
 
 1. **The pipeline's four schedules** (p = 2, m = 4, tiny at h = 128 and 7 layers, lab 05's
    link 50MB/s,100us, receives posted a computation ahead): each schedule's measured bubble
@@ -11,7 +12,7 @@
    and the textbook formula. Issue 37's targets: ranked as the formulas rank them (ZB-H1 <
    interleaved < 1F1B ≤ GPipe) and each within 20% of its simulated bubble.
 2. **Tensor parallel's tiers** (tp = 2, tiny): the same run with both ranks inside one node
-   and across nodes of a two-tier wire (lab 04's), and under a free wire (β = 1 PB/s, α = 0:
+   and across nodes of a two-tier wire, and under a free wire (β = 1 PB/s, α = 0:
    the wire's own costs, no transfer time) for C. Target: across ÷ inside within 20% of
    (C + X_across) ÷ (C + X_inside), X = calls·2α + S/β on each tier (`collective_time_s`).
 
@@ -45,10 +46,10 @@ FREE = "node=1 inside=1000GB/s,0us between=1000GB/s,0us"
 TARGET = 0.2
 
 
-def pipeline_row(name: str) -> dict:
+def pipeline_row(name: str, link: str = PIPELINE_LINK) -> dict:
     """One run of schedule `name` under the link: measured, simulated with c, formula."""
     run = lab.train(
-        nproc=2, pp=2, dp=1, schedule=name, link=PIPELINE_LINK, progress=False,
+        nproc=2, pp=2, dp=1, schedule=name, link=link, progress=False,
         **PIPELINE_MODEL, **SCHEDULES[name],
     )  # fmt: skip
     c = viz.message_seconds(run)
@@ -65,16 +66,16 @@ def step_s(run) -> float:
     return statistics.median(step["time_s"] for step in run.metrics["steps"][1:])
 
 
-def tp_row() -> dict:
+def tp_row(placed: dict = PLACED) -> dict:
     """The tp = 2 run inside a node, across nodes, and on a free wire (C)."""
     runs = {
         where: lab.train(nproc=2, tp=2, dp=1, steps=6, batch_size=8, link=net, progress=False)
-        for where, net in {**PLACED, "free": FREE}.items()
+        for where, net in {**placed, "free": FREE}.items()
     }
     steps = len(runs["inside"].losses)
     calls = runs["inside"].comm_bytes("all_reduce", key="calls") / steps
     payload = runs["inside"].comm_bytes("all_reduce") / steps
-    wire = {where: parse_wire(text) for where, text in PLACED.items()}
+    wire = {where: parse_wire(viz.wire_of(runs[where])) for where in placed}  # (a machine's too)
     tier = {"inside": wire["inside"].inside, "across": wire["across"].between}
     X = {
         where: formulas.collective_time_s(
@@ -87,7 +88,8 @@ def tp_row() -> dict:
     formula = (C + X["across"]) / (C + X["inside"])
     return dict(
         C_ms=1e3 * C,
-        step_ms={where: 1e3 * step_s(runs[where]) for where in PLACED},
+        step_ms={where: 1e3 * step_s(runs[where]) for where in placed},
+        wire={where: str(network) for where, network in wire.items()},
         link_ms={where: 1e3 * x for where, x in X.items()},
         across_over_inside=measured,
         formula="(C + X_across) / (C + X_inside)",
@@ -101,7 +103,7 @@ def in_formula_order(bubble: dict) -> bool:
     return bubble["zb-h1"] < bubble["interleaved"] < bubble["1f1b"] <= bubble["gpipe"]
 
 
-def summarize(pipeline: list[dict], tp: list[dict]) -> dict:
+def summarize(pipeline: list[dict], tp: list[dict], link=PIPELINE_LINK, placed=PLACED) -> dict:
     """Medians over the repeats, and whether each target holds."""
     schedules = {
         name: {
@@ -118,7 +120,7 @@ def summarize(pipeline: list[dict], tp: list[dict]) -> dict:
     ratios = [row["across_over_inside"] / row["formula_value"] for row in tp]
     return dict(
         pipeline=dict(
-            link=PIPELINE_LINK,
+            link=link,
             schedules=schedules,
             ranked_by_measurement=measured,
             ranked_by_formula=by_formula,
@@ -126,7 +128,7 @@ def summarize(pipeline: list[dict], tp: list[dict]) -> dict:
             repeats=pipeline,
         ),
         tensor_parallel=dict(
-            wire=PLACED,
+            wire=placed,
             measured_over_formula=statistics.median(ratios),
             within_target=abs(statistics.median(ratios) - 1) <= TARGET,
             repeats=tp,
@@ -167,17 +169,28 @@ def table(summary: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one repeat instead of three")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "wire_lessons.json"))
+    parser.add_argument(
+        "--machine",
+        help="both lessons at a machine's balance instead, e.g. h100-80g: the pipeline inside "
+        "one node, tensor parallel in nodes of 2 and of 1; results in wire_lessons_MACHINE.json",
+    )
+    parser.add_argument("--out", help="default: bench/results/wire_lessons[_MACHINE].json")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
-    pipeline = [{name: pipeline_row(name) for name in SCHEDULES} for _ in range(repeats)]
-    tp = [tp_row() for _ in range(repeats)]
+    link, placed = PIPELINE_LINK, PLACED
+    if args.machine:
+        link = args.machine
+        placed = {"inside": f"{args.machine} node=2", "across": f"{args.machine} node=1"}
+    named = f"_{args.machine}" if args.machine else ""
+    args.out = args.out or str(ROOT / "bench" / "results" / f"wire_lessons{named}.json")
+    pipeline = [{name: pipeline_row(name, link) for name in SCHEDULES} for _ in range(repeats)]
+    tp = [tp_row(placed) for _ in range(repeats)]
     summary = dict(
         benchmark=__doc__.split("\n")[0],
-        command="python bench/bench_wire_lessons.py",
+        command="python bench/bench_wire_lessons.py" + (f" --machine {args.machine}" * bool(named)),
         date=datetime.date.today().isoformat(),
         machine="2 CPU cores",
-        **summarize(pipeline, tp),
+        **summarize(pipeline, tp, link, placed),
     )
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     print(table(summary))

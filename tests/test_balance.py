@@ -162,3 +162,21 @@ def test_the_collectives_benchmark_has_no_model_to_balance_on(capsys):
     assert main(["--nproc", "2", "--link", "h100-80g"]) == 2
     err = capsys.readouterr().err
     assert "collectives have none; give a link's numbers" in err and err.count("\n") == 1, err
+
+
+def test_plots_name_the_machine_and_time_messages_on_the_wire_it_gave():
+    from hplab.course import viz
+
+    comm = [{"send": {"bytes": 2e6, "calls": 2}}]  # 1 MB a message
+    balance = {"machine": "h100-80g", "network": "250MB/s,6ms"}
+    metrics = {"config": {"link": "h100-80g"}, "link_balance": balance, "world_size": 2}
+    assert viz.under_the_link(metrics | {"comm": comm}) == " (at the h100-80g's balance)"
+    assert viz.wire_of(metrics) == "250MB/s,6ms"
+    assert viz.message_seconds(metrics | {"comm": comm}) == pytest.approx(6e-3 + 1e6 / 250e6)
+    plain = {"config": {"link": "20MB/s,1ms"}, "link_balance": None, "world_size": 2}
+    assert viz.under_the_link(plain) == " (emulated link 20MB/s,1ms)"
+    assert viz.message_seconds(plain | {"comm": comm}) == pytest.approx(1e-3 + 1e6 / 20e6)
+    assert viz.message_seconds({"config": {"link": None}}) == 0.0
+    two = {"machine": "h100-80g node=1", "network": "node=1 inside=1GB/s between=1MB/s"}
+    with pytest.raises(ValueError, match="span nodes"):
+        viz.message_seconds(metrics | {"link_balance": two, "comm": comm})

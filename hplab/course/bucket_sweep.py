@@ -144,6 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--n-layer", type=int, help="the preset's depth, overridden")
+    p.add_argument("--n-embd", type=int, help="the preset's width, overridden")
     p.add_argument("--batch-size", type=int, default=16, help="global, in sequences")
     p.add_argument("--steps", type=int, default=8, help="timed steps per size")
     p.add_argument("--warmup", type=int, default=2)
@@ -248,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     balanced = None
     n = dist.get_world_size()
     rank = dist.get_rank()
-    config = config_from_preset(args.model, n_layer=args.n_layer, seq_len=args.seq_len)
+    config = config_from_preset(
+        args.model, n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len
+    )
     batches = my_batches(config, args.batch_size, rank, n)
     runs = {}
     for text in dict.fromkeys(["none"] * args.no_link_too + [args.link]):

@@ -45,25 +45,41 @@ def measured_bubbles(run_or_metrics) -> list[float]:
 
 
 def link_of(run_or_metrics) -> str:
-    """The emulated link a run had (`--link`), e.g. "20MB/s,200us", or "" without one."""
+    """The emulated link a run had (`--link`), e.g. "20MB/s,200us" or "h100-80g", or ""."""
     return getattr(run_or_metrics, "metrics", run_or_metrics).get("config", {}).get("link") or ""
 
 
+def wire_of(run_or_metrics) -> str:
+    """The emulated wire's numbers: --link's, or those a machine's balance gave ("": none)."""
+    metrics = getattr(run_or_metrics, "metrics", run_or_metrics)
+    return (metrics.get("link_balance") or {}).get("network") or link_of(metrics)
+
+
 def under_the_link(run_or_metrics) -> str:
-    """What a plot's title adds for a run under an emulated link: " (emulated link ...)"."""
-    return f" (emulated link {text})" if (text := link_of(run_or_metrics)) else ""
+    """What a plot's title adds for a run under an emulated link: " (emulated link ...)", or
+    " (at the h100-80g's balance)" for a machine's."""
+    metrics = getattr(run_or_metrics, "metrics", run_or_metrics)
+    if balance := metrics.get("link_balance"):
+        return f" (at the {balance['machine']}'s balance)"
+    return f" (emulated link {text})" if (text := link_of(metrics)) else ""
 
 
 def message_seconds(run_or_metrics) -> float:
     """One pipeline message's time on the run's emulated link, α + n/β, with n the bytes of one
     send (the ledger's, rank 0); 0 without a link."""
-    from hplab.runtime.link import parse
+    from hplab.runtime.link import parse_wire
 
     metrics = getattr(run_or_metrics, "metrics", run_or_metrics)
-    if not (text := link_of(metrics)):
+    if not (text := wire_of(metrics)):
         return 0.0
+    network = parse_wire(text)
+    if network.between is not None and network.node < metrics["world_size"]:
+        raise ValueError(
+            f"the run's ranks span nodes ({text}): a message's time depends on the tier it "
+            "crosses; time it per hop (hplab.runtime.wire.Topology.hop)"
+        )
     send = metrics["comm"][0]["send"]
-    return parse(text).cost(send["bytes"] / send["calls"])
+    return network.inside.cost(send["bytes"] / send["calls"])
 
 
 def _gantt_lane(ax, r: int, events: list[tuple]) -> None:

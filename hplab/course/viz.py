@@ -21,6 +21,7 @@ from hplab.course.timeline_plots import (  # noqa: F401 (viz.<name>, as the labs
     replayed_bubbles,
     simulated_costs,
     under_the_link,
+    wire_of,
 )
 from hplab.plan.formulas import (
     alpha_beta_terms,

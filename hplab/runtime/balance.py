@@ -40,6 +40,7 @@ import torch.distributed as dist
 from hplab.plan.presets import GB, GPU, GPU_PRESETS, Cluster, Efficiency
 from hplab.runtime import link
 from hplab.runtime.clock import clock_for
+from hplab.runtime.errors import explained
 from hplab.runtime.wire import Link, Topology
 
 MACHINES = ", ".join(GPU_PRESETS)
@@ -101,7 +102,8 @@ def measure_flops(work: Callable[[], None], flops: float, device, repeats: int =
     every rank at once; the ranks' mean, the same number on each (1 rank: its own)."""
     clock = clock_for(device)
     if dist.is_initialized():
-        dist.barrier()
+        with explained("the balance's start"):  # (a lost peer: one line)
+            dist.barrier()
     times = []
     for _ in range(repeats + 1):
         start = clock.mark()
@@ -109,7 +111,8 @@ def measure_flops(work: Callable[[], None], flops: float, device, repeats: int =
         times.append(clock.seconds(start, clock.mark()))
     rate = torch.tensor([flops / statistics.median(times[1:])], device=device)
     if dist.is_initialized():
-        dist.all_reduce(rate)
+        with explained("the balance's mean rate"):
+            dist.all_reduce(rate)
         rate /= dist.get_world_size()
     return float(rate)
 
