@@ -202,10 +202,9 @@ def use_link(text: str | None, job, seed: int, device) -> dict | None:
     tokens = torch.randint(job.model.vocab_size, shape, generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
 
-    def forward_and_backward():
+    def forward_and_backward():  # dropout draws from a fork: training's random numbers stay
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            model(tokens, tokens)[1].backward()  # (dropout draws from a fork: training's own
-            # random numbers stay the same)
+            model(tokens, tokens)[1].backward()
 
     flops = flops_per_step(job.model, job.layout.micro_batch_size)["model_flops"]
     return balance.at_balance(text, forward_and_backward, flops, job.layout.precision, device)
