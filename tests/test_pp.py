@@ -315,6 +315,35 @@ def test_schedule_errors_are_clear():
     assert [len(r) for r in pp.split_layers(10, 4)] == [3, 3, 2, 2]
 
 
+def test_a_split_backward_under_the_memory_watch_frees_its_graph():
+    """train.py counts each F's saved bytes (MemoryLedger.track_activations). A node that saves
+    its own output (tanh, softmax) must not get that output back from the counting hook: it
+    would hold itself, and a graph kept for W (retain_graph) would never be freed — ZB-H1's
+    last stage grew by the whole graph every microbatch (about 100 MB a step at h = 256)."""
+    import gc
+    import weakref
+
+    from hplab.observe.memory import MemoryLedger
+
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    ledger = MemoryLedger()
+    with ledger.track_activations(exclude=layer.parameters()) as counted:
+        h = torch.tanh(layer(x))  # tanh saves h itself
+        loss = (h * h).sum()
+    assert counted[0] > 0
+    grad_x, work = pp.backward_input(loss, None, x, list(layer.parameters()))
+    pp.backward_weight(work)
+    expected = torch.autograd.grad((torch.tanh(layer(x)) ** 2).sum(), [x, layer.weight])
+    assert torch.allclose(grad_x, expected[0], rtol=TOL) and torch.allclose(
+        layer.weight.grad, expected[1], rtol=TOL
+    )
+    kept = weakref.ref(h)
+    del h, loss, work
+    gc.collect()
+    assert kept() is None, "the graph (and the activation it saved) outlived its backward"
+
+
 # =========================================================================================
 # The executor on its own (no hplab.parallel): split backward for any layer, grads None or
 # accumulated — one launch on 4 processes (pp 2 × dp 2, then pp 2 × tp 2)

@@ -151,10 +151,22 @@ class MemoryLedger:
         and no freed address is reused inside the block."""
         saved = []
         counted = [0]
-        # pack: keep a reference and hand the tensor itself to autograd; unpack: return it
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            yield counted
-        counted[0] = storage_bytes(saved, seen={_storage_key(t) for t in exclude})
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            """Keep a reference; hand autograd the tensor, or for one a node made (it has a
+            grad_fn) an alias without one. Each saved tensor keeps this hook, so neither the
+            alias nor `saved` (emptied below) may lead back to the graph: a node holding itself
+            is a cycle Python cannot collect, and a graph kept for a later backward (the
+            pipeline's split backward) would never be freed."""
+            saved.append(t)
+            return t if t.grad_fn is None else t.detach()
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # unpack: as is
+                yield counted
+            counted[0] = storage_bytes(saved, seen={_storage_key(t) for t in exclude})
+        finally:
+            saved.clear()  # (the hook, kept by the graph, keeps this list)
         self.activation_bytes = max(self.activation_bytes, counted[0])
         self.activations_in_flight += counted[0]
         self._note_peak()
