@@ -5,8 +5,9 @@
     python bench/bench_wire_lessons.py --machine h100-80g   # both at an H100's balance
 
 1. **The pipeline's four schedules** (p = 2, m = 4, tiny at h = 128 and 7 layers, lab 05's
-   link 50MB/s,100us, receives posted a computation ahead): each schedule's measured bubble
-   (the median of each rank's steps after the first, mean of the ranks), beside the schedule
+   link 50MB/s,100us, or h = 256 at a machine's balance; receives posted a computation
+   ahead): each schedule's measured bubble (the median of each rank's steps after the first,
+   mean of the ranks), beside the schedule
    simulated with the run's own median F, B, W and every message c = α + n/β
    (`viz.replayed_bubbles(run, latency=c)`: the formula with the link's message time added)
    and the textbook formula. Issue 37's targets: ranked as the formulas rank them (ZB-H1 <
@@ -39,6 +40,10 @@ from hplab.runtime.link import parse_wire  # noqa: E402
 
 PIPELINE_LINK = "50MB/s,100us"
 PIPELINE_MODEL = dict(n_layer=7, n_embd=128, batch_size=16, microbatches=4, steps=6)
+# At a machine's balance one message costs the machine's α, scaled (about 4 ms here for an
+# H100's 5 µs inside a node): a stage must compute far longer than that per microbatch, or
+# every schedule is latency-bound. 256 wide, a stage's F takes about 25 ms on one core.
+MACHINE_PIPELINE_MODEL = {**PIPELINE_MODEL, "n_embd": 256}
 SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved": {"virtual_stages": 2}, "zb-h1": {}}
 TIERS = "inside=200MB/s,20us between=20MB/s,200us"
 PLACED = {"inside": f"node=2 {TIERS}", "across": f"node=1 {TIERS}"}
@@ -46,18 +51,18 @@ FREE = "node=1 inside=1000GB/s,0us between=1000GB/s,0us"
 TARGET = 0.2
 
 
-def pipeline_row(name: str, link: str = PIPELINE_LINK) -> dict:
+def pipeline_row(name: str, link: str = PIPELINE_LINK, model: dict = PIPELINE_MODEL) -> dict:
     """One run of schedule `name` under the link: measured, simulated with c, formula."""
     run = lab.train(
         nproc=2, pp=2, dp=1, schedule=name, link=link, progress=False,
-        **PIPELINE_MODEL, **SCHEDULES[name],
+        **model, **SCHEDULES[name],
     )  # fmt: skip
     c = viz.message_seconds(run)
     v = run.metrics["pipeline"]["virtual_stages"]
     return dict(
         measured=statistics.mean(viz.measured_bubbles(run)),
         with_messages=statistics.mean(viz.replayed_bubbles(run, latency=c)),
-        formula=formulas.bubble_fraction(name, 2, PIPELINE_MODEL["microbatches"], v),
+        formula=formulas.bubble_fraction(name, 2, model["microbatches"], v),
         message_ms=1e3 * c,
     )
 
@@ -103,7 +108,9 @@ def in_formula_order(bubble: dict) -> bool:
     return bubble["zb-h1"] < bubble["interleaved"] < bubble["1f1b"] <= bubble["gpipe"]
 
 
-def summarize(pipeline: list[dict], tp: list[dict], link=PIPELINE_LINK, placed=PLACED) -> dict:
+def summarize(
+    pipeline: list[dict], tp: list[dict], link=PIPELINE_LINK, placed=PLACED, model=PIPELINE_MODEL
+) -> dict:
     """Medians over the repeats, and whether each target holds."""
     schedules = {
         name: {
@@ -121,6 +128,7 @@ def summarize(pipeline: list[dict], tp: list[dict], link=PIPELINE_LINK, placed=P
     return dict(
         pipeline=dict(
             link=link,
+            model=model,
             schedules=schedules,
             ranked_by_measurement=measured,
             ranked_by_formula=by_formula,
@@ -139,7 +147,8 @@ def summarize(pipeline: list[dict], tp: list[dict], link=PIPELINE_LINK, placed=P
 def table(summary: dict) -> str:
     p = summary["pipeline"]
     lines = [
-        f"pipeline, p = 2, m = 4, link {p['link']} (median of repeats)",
+        f"pipeline, p = 2, m = 4, link {p['link']}, {p['model']['n_layer']} layers "
+        f"{p['model']['n_embd']} wide (median of repeats)",
         f"{'schedule':<12}{'formula':>8}{'+ messages':>12}{'measured':>10}{'÷':>6}",
     ]
     for name, row in p["schedules"].items():
@@ -177,20 +186,22 @@ def main() -> int:
     parser.add_argument("--out", help="default: bench/results/wire_lessons[_MACHINE].json")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
-    link, placed = PIPELINE_LINK, PLACED
+    link, placed, model = PIPELINE_LINK, PLACED, PIPELINE_MODEL
     if args.machine:
-        link = args.machine
+        link, model = args.machine, MACHINE_PIPELINE_MODEL
         placed = {"inside": f"{args.machine} node=2", "across": f"{args.machine} node=1"}
     named = f"_{args.machine}" if args.machine else ""
     args.out = args.out or str(ROOT / "bench" / "results" / f"wire_lessons{named}.json")
-    pipeline = [{name: pipeline_row(name, link) for name in SCHEDULES} for _ in range(repeats)]
+    pipeline = [
+        {name: pipeline_row(name, link, model) for name in SCHEDULES} for _ in range(repeats)
+    ]
     tp = [tp_row(placed) for _ in range(repeats)]
     summary = dict(
         benchmark=__doc__.split("\n")[0],
         command="python bench/bench_wire_lessons.py" + (f" --machine {args.machine}" * bool(named)),
         date=datetime.date.today().isoformat(),
         machine="2 CPU cores",
-        **summarize(pipeline, tp, link, placed),
+        **summarize(pipeline, tp, link, placed, model),
     )
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     print(table(summary))
