@@ -53,7 +53,6 @@ from hplab.observe.observers import Observers
 from hplab.parallel.compose import parallelize
 from hplab.parallel.mesh import Mesh
 from hplab.parallel.precision import DTYPES
-from hplab.plan.formulas import flops_per_step
 from hplab.preflight import RunComplete, preflight, release_save_folders
 from hplab.runtime import balance, collector, faults, link
 from hplab.runtime.errors import explained
@@ -201,13 +200,8 @@ def use_link(text: str | None, job, seed: int, device) -> dict | None:
     shape = (job.layout.micro_batch_size, job.model.seq_len)
     tokens = torch.randint(job.model.vocab_size, shape, generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
-
-    def forward_and_backward():  # dropout draws from a fork: training's random numbers stay
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            model(tokens, tokens)[1].backward()
-
-    flops = flops_per_step(job.model, job.layout.micro_batch_size)["model_flops"]
-    return balance.at_balance(text, forward_and_backward, flops, job.layout.precision, device)
+    precision = job.layout.precision
+    return balance.model_at_balance(text, model, tokens, tokens, job.model, precision, device)
 
 
 def build_training(job, seed: int, mesh: Mesh, device) -> TrainState:

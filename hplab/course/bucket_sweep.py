@@ -184,17 +184,9 @@ def at_machines_balance(config, text: str, batch) -> dict:
     """`--link h100-80g`: the wire at that machine's balance, measured on a forward and
     backward of this model on this rank's batch (`hplab.runtime.balance`; what it measured)."""
     from hplab.models.gpt import build_model
-    from hplab.plan.formulas import flops_per_step
     from hplab.runtime import balance
 
-    model = build_model(config, seed=0)
-    x, y = batch
-
-    def forward_and_backward():
-        model(x, y)[1].backward()
-
-    flops = flops_per_step(config, len(x))["model_flops"]
-    return balance.at_balance(text, forward_and_backward, flops)
+    return balance.model_at_balance(text, build_model(config, seed=0), *batch, config)
 
 
 def describe(args, config, runs: dict, n: int) -> dict:

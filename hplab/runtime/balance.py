@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hplab.plan.formulas import flops_per_step
 from hplab.plan.presets import GB, GPU, GPU_PRESETS, Cluster, Efficiency
 from hplab.runtime import link
 from hplab.runtime.clock import clock_for
@@ -147,3 +148,17 @@ def at_balance(
         "scale": here / gpu_flops(machine, precision),
         "network": str(wire),
     }
+
+
+def model_at_balance(text: str, model, x, y, config, precision: str = "fp32", device="cpu") -> dict:
+    """`at_balance`, measured on one forward and backward of hplab's decoder `model` (of shape
+    `config`) on tokens `x` and targets `y`, this rank's micro-batch. Dropout draws from a fork
+    of the random generators: the run's own random numbers stay as they would be."""
+    device = torch.device(device)
+
+    def forward_and_backward():
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model(x, y)[1].backward()
+
+    flops = flops_per_step(config, len(x))["model_flops"]
+    return at_balance(text, forward_and_backward, flops, precision, device)
