@@ -4,11 +4,11 @@
     python bench/bench_wire_lessons.py --quick  # one repeat
     python bench/bench_wire_lessons.py --machine h100-80g   # both at an H100's balance
 
-1. **The pipeline's four schedules** (p = 2, m = 4, tiny at h = 128 and 7 layers, lab 05's
-   link 50MB/s,100us, or h = 256 at a machine's balance; receives posted a computation
-   ahead): each schedule's measured bubble (the median of each rank's steps after the first,
-   mean of the ranks), beside the schedule
-   simulated with the run's own median F, B, W and every message c = α + n/β
+1. **The pipeline's four schedules** (p = 2, m = 4, 7 layers; tiny at h = 128 on lab 05's
+   old link 50MB/s,100us, or at h = 256 at a machine's balance, as lab 05 now runs; receives
+   posted a computation ahead): each schedule's measured bubble (the median of each rank's
+   steps after the first, mean of the ranks), beside the schedule simulated with the run's
+   own median F, B, W and every message c = α + n/β
    (`viz.replayed_bubbles(run, latency=c)`: the formula with the link's message time added)
    and the textbook formula. Issue 37's targets: ranked as the formulas rank them (ZB-H1 <
    interleaved < 1F1B ≤ GPipe) and each within 20% of its simulated bubble.
