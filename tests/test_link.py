@@ -9,6 +9,7 @@ real waits, and that results are bit for bit those without a link, for every kin
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -219,6 +220,30 @@ def test_a_transfer_starts_at_its_last_launch(ranks):
     start = time.perf_counter()
     wires[0].wait(ticket, "send", 10, lambda left: pytest.fail(f"{left} s"))
     assert time.perf_counter() - start == pytest.approx(0.051, abs=0.01)
+
+
+def test_a_wait_sleeps_to_its_projection_and_looks_again_if_a_transfer_came(ranks):
+    """20 kB from rank 0 to 1 at 1 MB/s: 20 ms alone, and the wait ends then, without running the
+    wire again. If 5 ms in, rank 0 also sends 20 kB to rank 2 through its one port, the two share
+    it: 15 kB left at 0.5 MB/s, and the first wait ends at 35 ms."""
+
+    def waited(second: bool) -> tuple[float, int]:
+        wires = ranks(wire.Topology(link.Link(1e6, 0.0)), 3)
+        ticket = _launch(wires, "pp:0>1", "send", [0, 1], 20_000, (0, 1))
+        runs = []
+        advance_to = wires[1].advance_to
+        wires[1].advance_to = lambda now: runs.append(now) or advance_to(now)
+        start = time.perf_counter()
+        if second:
+            launch = functools.partial(_launch, wires, "pp:0>2", "send", [0, 2], 20_000, (0, 2))
+            threading.Timer(0.005, launch).start()
+        wires[1].wait(ticket, "recv", 10, lambda left: pytest.fail(f"{left} s"))
+        return time.perf_counter() - start, len(runs)
+
+    seconds, runs = waited(second=False)
+    assert seconds == pytest.approx(0.020, abs=0.005) and runs == 1
+    seconds, runs = waited(second=True)
+    assert seconds == pytest.approx(0.035, abs=0.005) and runs >= 2
 
 
 def test_a_transfer_longer_than_the_collective_timeout_is_a_comm_timeout(monkeypatch, ranks):

@@ -27,8 +27,8 @@ stream) run one after the other, in launch order; two groups' run side by side.
 The wire is shared by this machine's ranks: a memory-mapped file holds a record per transfer,
 stamped by each member as it launches and ready when the last has. Whoever looks (under a file
 lock) advances the wire up to now. A rank that waits projects its transfer's end from what is
-on the wire, sleeps until then and looks again: a transfer launched meanwhile can only make it
-later. Nothing here touches the bytes: gloo or NCCL still moves them.
+on the wire and sleeps until then; it looks again only if a transfer was queued meanwhile (one
+can only make it later). Nothing here touches the bytes: gloo or NCCL still moves them.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ RECORD = np.dtype(
     ]
 )
 SLOTS = 2048  # records in flight at once, at most (a done record's slot is reused later)
-HEADER = 64  # bytes before the records: the time the wire has been advanced to
+HEADER = 64  # bytes before the records: the time the wire has been advanced to (a float64),
+# and the number of transfers queued so far (an int64)
 REUSE_AFTER_S = 60.0  # a done record's slot is taken again this long after its end
 
 
@@ -147,9 +148,16 @@ class Topology:
         )
 
 
+@functools.lru_cache(maxsize=4096)
 def channel_id(text: str) -> int:
     """A channel's number, the same in every process (Python's own hash is not)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def home_slot(key: int, index: int) -> int:
+    """Where a transfer's record goes when that slot is free: one look finds it there (the
+    channel's launches take consecutive slots)."""
+    return (key + index) % SLOTS
 
 
 def bitmask(ranks) -> tuple[int, int]:
@@ -208,6 +216,7 @@ class Wire:
                 os.ftruncate(self.fd, size)
         self.map = mmap.mmap(self.fd, size)
         self.now = np.frombuffer(self.map, dtype=np.float64, count=1)  # the wire's clock
+        self.queued = np.frombuffer(self.map, dtype=np.int64, count=1, offset=8)
         self.records = np.frombuffer(self.map, dtype=RECORD, count=SLOTS, offset=HEADER)
 
     @contextlib.contextmanager
@@ -250,9 +259,15 @@ class Wire:
             row["ready"] = max(row["ready"], now)
             if all(mask >> r & 1 for r in group):
                 row["state"] = QUEUED
+                self.queued[0] += 1  # (a waiting rank's projection may no longer hold)
         return slot, key, index
 
     def find(self, key: int, index: int) -> int | None:
+        """The slot of the channel's `index`-th transfer, if some member launched it: its home
+        slot (`home`) first, where it usually is, then all of them."""
+        home = self.records[home_slot(key, index)]
+        if home["channel"] == key and home["index"] == index and home["state"] != FREE:
+            return home_slot(key, index)
         hits = np.nonzero(
             (self.records["channel"] == key)
             & (self.records["index"] == index)
@@ -267,10 +282,15 @@ class Wire:
         return row["state"] != STAMPING or me in mine
 
     def new_record(self, key, index, op, group, nbytes, ends, now) -> int:
+        """A slot for a new record: its home slot if that is free, else the first free one."""
+        home = home_slot(key, index)
         states = self.records["state"]
-        free = np.nonzero(
-            (states == FREE) | ((states == DONE) & (self.records["end"] < now - REUSE_AFTER_S))
-        )[0]
+        if self.reusable(home, now):
+            free = [home]
+        else:
+            free = np.nonzero(
+                (states == FREE) | ((states == DONE) & (self.records["end"] < now - REUSE_AFTER_S))
+            )[0]
         if not len(free):  # many short transfers: the one through longest ago
             done = np.nonzero(states == DONE)[0]
             free = done[np.argsort(self.records["end"][done])[:1]]
@@ -291,24 +311,35 @@ class Wire:
         row["ready"] = now
         return int(free[0])
 
+    def reusable(self, slot: int, now: float) -> bool:
+        row = self.records[slot]
+        return row["state"] == FREE or row["state"] == DONE and row["end"] < now - REUSE_AFTER_S
+
     # -- waiting ----------------------------------------------------------------------------
     def wait(self, ticket, what: str, timeout_s: float, on_timeout) -> None:
         """Sleep until the ticket's transfer is through; `on_timeout(seconds)` raises when the
-        wire would take longer than `timeout_s` to carry it (or to see all its launches)."""
+        wire would take longer than `timeout_s` to carry it (or to see all its launches). A
+        projection holds if no transfer was queued while this rank slept: then the wait ends
+        at its end, without running the wire again."""
         began = time.perf_counter()
         while True:
             with self.locked():
-                now = time.perf_counter()
-                transfers = self.advance_to(now)
+                transfers = self.advance_to(time.perf_counter())
                 mine = self.mine(ticket, transfers)
                 if mine is None:  # through long ago (its slot reused since)
                     return
                 if mine.state == DONE:
                     break
-                end = project(transfers, mine, float(self.now[0]), self.topology)
+                mine = projected(transfers, mine, float(self.now[0]), self.topology)
+                queued = int(self.queued[0])
+            now = time.perf_counter()
+            end = mine.end if mine.state == DONE else math.inf
             if math.isfinite(end) and end - now > timeout_s or now - began > timeout_s:
                 on_timeout(end - now)  # (inf: a member that never launched)
             time.sleep(min(end - now, 0.001) if math.isinf(end) else max(end - now, 0.0))
+            with self.locked():
+                if mine.state == DONE and int(self.queued[0]) == queued:  # nothing new came
+                    break
         if self.log is not None:
             self.log.append((what, float(mine.start), float(mine.end)))
 
@@ -344,10 +375,17 @@ class Wire:
 
 def project(transfers: list[Transfer], mine: Transfer, now: float, topology) -> float:
     """When `mine` will be through if nothing more is launched (inf: not all have launched)."""
+    target = projected(transfers, mine, now, topology)
+    return target.end if target.state == DONE else math.inf
+
+
+def projected(transfers: list[Transfer], mine: Transfer, now: float, topology) -> Transfer:
+    """`mine` as it will be once through if nothing more is launched (not DONE: not all its
+    members have launched it)."""
     future = [t.clone() for t in transfers]
     target = next(t for t in future if t.slot == mine.slot)
     run(future, now, math.inf, topology, until_done=target)
-    return target.end if target.state == DONE else math.inf
+    return target
 
 
 def run(transfers: list[Transfer], t: float, until: float, topology, until_done=None) -> None:
