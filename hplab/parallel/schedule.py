@@ -185,8 +185,10 @@ def receives_ahead(plan: list[Action], computations: int = 1) -> list[Action]:
     """`plan` with each receive posted `computations` computations earlier (never before the
     plan's start or an earlier receive: receives keep their order), so that its message
     crosses the link while this rank computes, as Megatron-LM's overlapped p2p communication and
-    torch.distributed.pipelining post receives ahead. Posting early never blocks: a receive is
-    waited for only when the computation that needs it comes. 0: the plan as it is."""
+    torch.distributed.pipelining post receives ahead. A receive is waited for only when the
+    computation that needs it comes (on gloo, posting one while its message's bytes are crossing
+    returns once they have crossed: 1-4 ms on two busy CPU cores; NCCL only queues it). 0: the
+    plan as it is."""
     out: list[Action] = []
     for a in plan:
         at = len(out)
