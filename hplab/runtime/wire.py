@@ -265,9 +265,10 @@ class Wire:
     def find(self, key: int, index: int) -> int | None:
         """The slot of the channel's `index`-th transfer, if some member launched it: its home
         slot (`home`) first, where it usually is, then all of them."""
-        home = self.records[home_slot(key, index)]
-        if home["channel"] == key and home["index"] == index and home["state"] != FREE:
-            return home_slot(key, index)
+        home = home_slot(key, index)
+        row = self.records[home]
+        if row["channel"] == key and row["index"] == index and row["state"] != FREE:
+            return home
         hits = np.nonzero(
             (self.records["channel"] == key)
             & (self.records["index"] == index)
@@ -337,9 +338,10 @@ class Wire:
             if math.isfinite(end) and end - now > timeout_s or now - began > timeout_s:
                 on_timeout(end - now)  # (inf: a member that never launched)
             time.sleep(min(end - now, 0.001) if math.isinf(end) else max(end - now, 0.0))
-            with self.locked():
-                if mine.state == DONE and int(self.queued[0]) == queued:  # nothing new came
-                    break
+            if mine.state == DONE:
+                with self.locked():
+                    if int(self.queued[0]) == queued:  # nothing new came: the projection held
+                        break
         if self.log is not None:
             self.log.append((what, float(mine.start), float(mine.end)))
 
