@@ -9,7 +9,6 @@ real waits, and that results are bit for bit those without a link, for every kin
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import os
@@ -223,27 +222,33 @@ def test_a_transfer_starts_at_its_last_launch(ranks):
 
 
 def test_a_wait_sleeps_to_its_projection_and_looks_again_if_a_transfer_came(ranks):
-    """20 kB from rank 0 to 1 at 1 MB/s: 20 ms alone, and the wait ends then, without running the
-    wire again. If 5 ms in, rank 0 also sends 20 kB to rank 2 through its one port, the two share
-    it: 15 kB left at 0.5 MB/s, and the first wait ends at 35 ms."""
+    """100 kB from rank 0 to 1 at 1 MB/s: 100 ms alone, and the wait ends then, without running
+    the wire again. If d seconds in, rank 0 also sends 100 kB to rank 2 through its one port, the
+    two share it: 100 kB - d * 1 MB/s left at 0.5 MB/s, and the first wait ends at 200 ms - d.
+    d is read when the second send launches (a loaded machine's timer fires late)."""
 
-    def waited(second: bool) -> tuple[float, int]:
+    def waited(second: bool) -> tuple[float, float, int]:
         wires = ranks(wire.Topology(link.Link(1e6, 0.0)), 3)
-        ticket = _launch(wires, "pp:0>1", "send", [0, 1], 20_000, (0, 1))
+        ticket = _launch(wires, "pp:0>1", "send", [0, 1], 100_000, (0, 1))
+        start, launched = time.perf_counter(), []
         runs = []
         advance_to = wires[1].advance_to
         wires[1].advance_to = lambda now: runs.append(now) or advance_to(now)
-        start = time.perf_counter()
-        if second:
-            launch = functools.partial(_launch, wires, "pp:0>2", "send", [0, 2], 20_000, (0, 2))
-            threading.Timer(0.005, launch).start()
-        wires[1].wait(ticket, "recv", 10, lambda left: pytest.fail(f"{left} s"))
-        return time.perf_counter() - start, len(runs)
 
-    seconds, runs = waited(second=False)
-    assert seconds == pytest.approx(0.020, abs=0.005) and runs == 1
-    seconds, runs = waited(second=True)
-    assert seconds == pytest.approx(0.035, abs=0.005) and runs >= 2
+        def launch():
+            launched.append(time.perf_counter() - start)
+            _launch(wires, "pp:0>2", "send", [0, 2], 100_000, (0, 2))
+
+        if second:
+            threading.Timer(0.01, launch).start()
+        wires[1].wait(ticket, "recv", 10, lambda left: pytest.fail(f"{left} s"))
+        return time.perf_counter() - start, (launched or [None])[0], len(runs)
+
+    seconds, _, runs = waited(second=False)
+    assert seconds == pytest.approx(0.100, abs=0.01) and runs == 1
+    seconds, d, runs = waited(second=True)
+    assert d is not None and d < 0.09, f"the second send launched {d} s in: after the first's end"
+    assert seconds == pytest.approx(0.200 - d, abs=0.01) and runs >= 2
 
 
 def test_a_transfer_longer_than_the_collective_timeout_is_a_comm_timeout(monkeypatch, ranks):
